@@ -1,0 +1,138 @@
+"""`speckv bench hit-length`: how many prompt tokens a repeated request gets from the cache.
+
+Drives the real KV cache manager: request 1 prefills, decodes a few steps with drafts (some
+accepted, some rejected) and finishes; request 2 then arrives with the same prompt and we read
+its cached tokens. Without `--prompt-len` it prints the whole table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import asdict, dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.engine.cache_sim import CacheSimulator
+from speckv.engine.request import BlockHashing, Request
+from speckv.hashing.functions import get_hash_algo, make_none_hash
+from speckv.spec.policy import DRAFTER_NAMES, HashMode, make_drafter_policy, resolve_hash_mode
+
+NUM_SPEC_TOKENS = 3
+NUM_DECODE_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class HitLengthResult:
+    drafter: str
+    mode: str
+    prompt_len: int
+    block_size: int
+    hit_tokens: int
+    expected_tokens: int
+
+
+def expected_hit_tokens(prompt_len: int, block_size: int, hash_mode: HashMode) -> int:
+    """SPEC §4's table. Pure."""
+    num_needed_after = max(hash_mode.lookahead_tokens, 1)
+    hit = max(0, (prompt_len - num_needed_after) // block_size * block_size)
+    if hash_mode.drops_last_unit:
+        hit = max(0, hit - block_size)
+    return hit
+
+
+def measure_hit_length(
+    prompt_len: int, block_size: int, drafter: str, mtp_modules: int = 1,
+    mode: str = "lookahead", seed: int = 0,
+) -> HitLengthResult:
+    policy = make_drafter_policy(drafter, mtp_modules)
+    hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=(mode == "legacy"))
+    algo = get_hash_algo("sha256")
+    hashing = BlockHashing(algo, make_none_hash(algo, "0"), block_size,
+                           [hash_mode.lookahead_tokens])
+    num_spec = NUM_SPEC_TOKENS if policy.name not in ("none",) else 0
+    num_blocks = 2 * (prompt_len + NUM_DECODE_TOKENS + 2 * num_spec) // block_size + 8
+    manager = KVCacheManager([FullAttentionSpec(block_size)], num_blocks, hash_mode)
+    sim = CacheSimulator(manager, num_spec)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 32000) for _ in range(prompt_len)]
+    first = Request("first", prompt, hashing, max_tokens=NUM_DECODE_TOKENS)
+    sim.run_to_completion(first, num_accept=1)
+    second = Request("second", prompt, hashing, max_tokens=1)
+    sim.step(second)
+    manager.check_integrity()
+    label = drafter if drafter != "mtp" else f"mtp k={mtp_modules}"
+    return HitLengthResult(label, hash_mode.label, prompt_len, block_size,
+                           second.num_cached_tokens,
+                           expected_hit_tokens(prompt_len, block_size, hash_mode))
+
+
+def full_table(block_size: int) -> list[HitLengthResult]:
+    lengths = sorted({1, block_size // 2, block_size, block_size + 1, 3 * block_size,
+                      3 * block_size + 1, 3 * block_size + 2, 4 * block_size + 3,
+                      8 * block_size + block_size // 2} - {0})
+    drafters = [(name, 1) for name in DRAFTER_NAMES if name != "mtp"]
+    drafters += [("mtp", 1), ("mtp", 2), ("mtp", 4)]
+    results = []
+    for name, modules in drafters:
+        for mode in ("lookahead", "legacy"):
+            for prompt_len in lengths:
+                results.append(measure_hit_length(prompt_len, block_size, name, modules, mode))
+    return results
+
+
+def print_table(results: list[HitLengthResult], console: Console) -> None:
+    lengths = sorted({r.prompt_len for r in results})
+    table = Table(title=f"prompt sent twice: cached tokens of the 2nd request "
+                        f"(B={results[0].block_size})")
+    table.add_column("drafter", no_wrap=True)
+    table.add_column("hash mode", no_wrap=True)
+    for prompt_len in lengths:
+        table.add_column(f"N={prompt_len}", justify="right", no_wrap=True)
+    rows: dict[tuple[str, str], dict[int, HitLengthResult]] = {}
+    for r in results:
+        rows.setdefault((r.drafter, r.mode), {})[r.prompt_len] = r
+    for (drafter, mode), cells in rows.items():
+        values = []
+        for prompt_len in lengths:
+            r = cells[prompt_len]
+            mark = "" if r.hit_tokens == r.expected_tokens else f" (!={r.expected_tokens})"
+            values.append(f"{r.hit_tokens}{mark}")
+        table.add_row(drafter, mode, *values)
+    console.print(table)
+    console.print("Cells equal SPEC §4 (floor((N - max(L, 1)) / B) * B, one block less with the "
+                  "legacy drop); a cell that does not shows (!=expected).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-len", type=int, help="N; omit for the whole table")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--drafter", default="eagle", choices=DRAFTER_NAMES)
+    parser.add_argument("--mtp-modules", type=int, default=1)
+    parser.add_argument("--mode", choices=("lookahead", "legacy"), default="lookahead",
+                        help="legacy = disable_lookahead_block_hashes")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    if args.prompt_len is not None:
+        if args.prompt_len <= 0:
+            raise ValueError(f"--prompt-len must be > 0, got {args.prompt_len}")
+        result = measure_hit_length(args.prompt_len, args.block_size, args.drafter,
+                                    args.mtp_modules, args.mode)
+        if args.json:
+            print(json.dumps(asdict(result)))
+        else:
+            print_table([result], Console())
+        return 0
+    results = full_table(args.block_size)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results]))
+    else:
+        print_table(results, Console())
+    return 0 if all(r.hit_tokens == r.expected_tokens for r in results) else 1

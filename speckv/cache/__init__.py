@@ -1,0 +1,7 @@
+"""The prefix cache: block pool, per-group managers, the KV cache manager."""
+
+from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.cache.results import Allocation, CacheHit
+from speckv.cache.specs import FullAttentionSpec
+
+__all__ = ["Allocation", "CacheHit", "FullAttentionSpec", "KVCacheManager"]

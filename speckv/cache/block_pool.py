@@ -1,0 +1,342 @@
+"""The block pool: the single owner of reference counts, the free queue and the hash map.
+
+Every other cache component asks the pool; none of them touches `ref_cnt`, the free queue or
+`cached_blocks` directly. Public methods say whether they mutate.
+
+Free-queue policy:
+- a request's blocks are freed tail first, so the end of a chain is evicted before its start
+  (a later request can still hit the prefix);
+- blocks that hold no hash go to the head and are reused before any cached block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from speckv.cache.block import (
+    BlockContent,
+    CacheKey,
+    FreeBlockQueue,
+    KVCacheBlock,
+    make_cache_key,
+    split_cache_key,
+)
+from speckv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
+from speckv.hashing.extra_keys import HashInputs, untag
+
+
+class CachingRequest(Protocol):
+    """What the pool reads of a request when it caches the request's blocks."""
+
+    request_id: str
+    all_token_ids: Sequence[int]
+    hash_inputs: HashInputs
+
+    @property
+    def lora_name(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """The KV cache group being cached, as KV events describe it."""
+
+    group_id: int
+    block_size: int
+    lookahead_tokens: int  # L of this group's hash chain
+    kind: str = "full_attention"
+    sliding_window: int | None = None
+
+
+class HitCheck(Protocol):
+    """Decides whether a block found under a hash really holds the request's content."""
+
+    stores_content: bool
+
+    def accepts(self, block: KVCacheBlock, expected: Callable[[], BlockContent]) -> bool: ...
+
+
+class TrustHashes:
+    """Cryptographic hashes: a matching hash is the proof."""
+
+    stores_content = False
+
+    def accepts(self, block: KVCacheBlock, expected: Callable[[], BlockContent]) -> bool:
+        return True
+
+
+class CompareContent:
+    """Fast non-cryptographic hashes: a hit is served only if the content matches too."""
+
+    stores_content = True
+
+    def accepts(self, block: KVCacheBlock, expected: Callable[[], BlockContent]) -> bool:
+        return block.content == expected()
+
+
+def content_of(
+    request: CachingRequest, parent: bytes, start: int, end: int, lookahead_tokens: int
+) -> BlockContent:
+    """The content a block `[start, end)` of `request` is hashed over. Pure."""
+    tokens = request.all_token_ids
+    return BlockContent(
+        parent_hash=parent,
+        token_ids=tuple(tokens[start:end]),
+        lookahead_token_ids=tuple(tokens[end : end + lookahead_tokens]),
+        extra_keys=request.hash_inputs.extra_keys(start, end + lookahead_tokens),
+    )
+
+
+class BlockPool:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        hit_check: HitCheck | None = None,
+        event_sink: KVEventSink | None = None,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.hit_check: HitCheck = hit_check if hit_check is not None else TrustHashes()
+        self.event_sink = event_sink
+        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[CacheKey, KVCacheBlock] = {}
+        # Block 0 stands for "no KV here" (e.g. outside a sliding window); never freed.
+        self.null_block = self.free_queue.popleft()
+        self.null_block.is_null = True
+
+    # ---- reads -------------------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        """Blocks that `get_new_blocks` can hand out (free, cached or not). Pure."""
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        usable = self.num_blocks - 1
+        return 1.0 - self.get_num_free_blocks() / usable
+
+    def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
+        """The block cached under `(block_hash, group_id)`, if any. Pure."""
+        return self.cached_blocks.get(make_cache_key(block_hash, group_id))
+
+    # ---- mutations ---------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks off the free queue (evicting their hashes). Mutates."""
+        if num_blocks > self.free_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: only {self.free_queue.num_free_blocks} free"
+            )
+        blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
+        removed: dict[int, list[bytes]] = {}
+        for block in blocks:
+            if block.cache_key is not None:
+                block_hash, group_id = self._evict(block)
+                removed.setdefault(group_id, []).append(block_hash)
+            block.ref_cnt = 1
+        self._record_removed(removed)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A request starts using cached blocks: take them off the free queue. Mutates."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in eviction order (first = evicted first).
+        Blocks without a hash go to the head of the queue. Mutates."""
+        hashless: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.cache_key is None:
+                    hashless.append(block)
+                else:
+                    self.free_queue.append(block)
+        for block in reversed(hashless):
+            self.free_queue.appendleft(block)
+
+    def cache_full_blocks(
+        self,
+        request: CachingRequest,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        group: GroupInfo,
+    ) -> None:
+        """Enter blocks `[num_cached_blocks, num_full_blocks)` of a request under their hashes
+        (`block_hashes[i]` names `blocks[i]`) and record one BlockStored. Mutates.
+
+        A block whose hash is already cached under another block stays hashless: the cache
+        keeps one copy per content.
+        """
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        if len(block_hashes) < num_full_blocks:
+            raise ValueError(
+                f"{num_full_blocks} blocks to cache but only {len(block_hashes)} hashes"
+            )
+        group_id = group.group_id
+        stores_content = self.hit_check.stores_content
+        stored_hashes: list[bytes] = []
+        stored_indices: list[int] = []
+        for index in range(num_cached_blocks, num_full_blocks):
+            block = blocks[index]
+            if block.is_null or block.cache_key is not None:
+                continue  # outside a window, or a hit block already cached
+            block_hash = block_hashes[index]
+            key = make_cache_key(block_hash, group_id)
+            if key in self.cached_blocks:
+                continue
+            block.cache_key = key
+            self.cached_blocks[key] = block
+            if stores_content:
+                parent = block_hashes[index - 1] if index > 0 else b""
+                start = index * group.block_size
+                block.content = content_of(
+                    request, parent, start, start + group.block_size, group.lookahead_tokens
+                )
+            stored_hashes.append(block_hash)
+            stored_indices.append(index)
+        if self.event_sink is not None and stored_hashes:
+            self._record_stored(request, block_hashes, stored_indices, stored_hashes, group)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, if no request holds a block. Mutates.
+
+        Returns False (and changes nothing) while blocks are in use.
+        """
+        num_used = self.num_blocks - 1 - self.get_num_free_blocks()
+        if num_used > 0:
+            return False
+        for block in self.cached_blocks.values():
+            block.cache_key = None
+            block.content = None
+        self.cached_blocks.clear()
+        if self.event_sink is not None:
+            self.event_sink.record(AllBlocksCleared())
+        return True
+
+    def evict_cached_blocks(self, keys: Iterable[CacheKey]) -> int:
+        """Drop the hashes of free cached blocks (e.g. on request of an operator). Mutates.
+
+        Returns the number of hashes dropped; blocks in use keep theirs.
+        """
+        removed: dict[int, list[bytes]] = {}
+        for key in keys:
+            block = self.cached_blocks.get(key)
+            if block is None or block.ref_cnt > 0:
+                continue
+            block_hash, group_id = self._evict(block)
+            removed.setdefault(group_id, []).append(block_hash)
+            # now hashless: move it to the front so it is reused first
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        self._record_removed(removed)
+        return sum(len(hashes) for hashes in removed.values())
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _evict(self, block: KVCacheBlock) -> tuple[bytes, int]:
+        key = block.cache_key
+        assert key is not None
+        del self.cached_blocks[key]
+        block.cache_key = None
+        block.content = None
+        return split_cache_key(key)
+
+    def _record_removed(self, removed: dict[int, list[bytes]]) -> None:
+        if self.event_sink is None:
+            return
+        for group_id, hashes in removed.items():
+            self.event_sink.record(BlockRemoved(block_hashes=hashes, group_idx=group_id))
+
+    def _record_stored(
+        self,
+        request: CachingRequest,
+        block_hashes: Sequence[bytes],
+        indices: list[int],
+        stored_hashes: list[bytes],
+        group: GroupInfo,
+    ) -> None:
+        assert self.event_sink is not None
+        block_size, lookahead = group.block_size, group.lookahead_tokens
+        tokens = request.all_token_ids
+        inputs = request.hash_inputs
+        # One event per contiguous run, so a consumer can chain parents.
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        position = 0
+        for run in runs:
+            token_ids: list[int] = []
+            lookahead_ids: list[list[int]] = []
+            extra: list = []
+            for index in run:
+                start = index * block_size
+                end = start + block_size
+                token_ids.extend(tokens[start:end])
+                lookahead_ids.append(list(tokens[end : end + lookahead]))
+                extra.append(untag(inputs.extra_keys(start, end + lookahead)))
+            first = run[0]
+            self.event_sink.record(
+                BlockStored(
+                    block_hashes=stored_hashes[position : position + len(run)],
+                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+                    token_ids=token_ids,
+                    block_size=block_size,
+                    lora_name=request.lora_name,
+                    extra_keys=extra if any(e is not None for e in extra) else None,
+                    group_idx=group.group_id,
+                    lookahead_token_ids=lookahead_ids if lookahead > 0 else None,
+                    kv_cache_spec_kind=group.kind,
+                    kv_cache_spec_sliding_window=group.sliding_window,
+                )
+            )
+            position += len(run)
+
+    def check_integrity(self, expected_ref_cnts: dict[int, int] | None = None) -> None:
+        """Raise AssertionError if the pool's invariants do not hold (for tests). Pure.
+
+        free + used = total; free blocks have ref 0 and used ones > 0; the hash map and the
+        blocks' keys agree; the queue's links are sound; with `expected_ref_cnts` (block id →
+        number of holders) every reference count is exactly that.
+        """
+        self.free_queue.check_links()
+        free_ids = {block.block_id for block in self.free_queue}
+        assert len(free_ids) == self.free_queue.num_free_blocks
+        assert self.null_block.block_id not in free_ids, "null block in the free queue"
+        num_used = 0
+        for block in self.blocks:
+            if block.is_null:
+                continue
+            if block.block_id in free_ids:
+                assert block.ref_cnt == 0, f"{block} is free but referenced"
+            else:
+                assert block.ref_cnt > 0, f"{block} is neither free nor referenced (leak)"
+                num_used += 1
+            if block.cache_key is not None:
+                assert self.cached_blocks.get(block.cache_key) is block, f"{block} not in map"
+            if expected_ref_cnts is not None:
+                expected = expected_ref_cnts.get(block.block_id, 0)
+                assert block.ref_cnt == expected, (
+                    f"{block}: ref_cnt {block.ref_cnt}, held by {expected}"
+                )
+        assert num_used + len(free_ids) == self.num_blocks - 1, "free + used != total"
+        for key, block in self.cached_blocks.items():
+            assert block.cache_key == key, f"map entry for {block} has a stale key"
+            assert not block.is_null

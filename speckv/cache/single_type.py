@@ -1,0 +1,149 @@
+"""Per-group managers: how one KV cache group finds hits, allocates and caches blocks.
+
+Owns each request's block list for one group. One manager type per group kind; the
+coordinator picks them by spec type. Managers ask the pool for every block they take, touch,
+cache or free; they never change reference counts themselves.
+
+    block i of the group covers tokens [i * B, (i + 1) * B); block_hashes[i] names it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from speckv.cache.block import KVCacheBlock, make_cache_key
+from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, content_of
+from speckv.cache.specs import FullAttentionSpec, KVCacheSpec
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+class SingleTypeManager:
+    """Shared bookkeeping of one group; subclasses define what a hit needs."""
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group: GroupInfo) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = pool
+        self.group = group
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+
+    # ---- reads -------------------------------------------------------------------------------
+    def find_longest_cache_hit(
+        self, request: CachingRequest, block_hashes: Sequence[bytes], max_length: int
+    ) -> list[KVCacheBlock]:
+        """Cached blocks of the longest prefix of at most `max_length` tokens. Pure."""
+        raise NotImplementedError
+
+    def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """Free blocks that allocating `num_tokens` slots would consume, counting hit blocks
+        that sit in the free queue now (touching them takes them off it). Pure."""
+        num_required = cdiv(num_tokens, self.block_size)
+        num_held = len(self.blocks_of(request_id)) + len(new_computed_blocks)
+        num_new = max(0, num_required - num_held)
+        num_evictable_hits = sum(
+            1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null
+        )
+        return num_new + num_evictable_hits
+
+    # ---- mutations ---------------------------------------------------------------------------
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Take a request's hit blocks (first scheduling only). Mutates."""
+        if not new_computed_blocks:
+            self.req_to_blocks.setdefault(request_id, [])
+            return
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if blocks:
+            raise RuntimeError(f"request {request_id} already holds blocks; hits come first")
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        self.num_cached_blocks[request_id] = len(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow a request's block list to cover `num_tokens` slots. Mutates."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = cdiv(num_tokens, self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(
+        self, request: CachingRequest, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> None:
+        """Cache the request's full blocks among its first `num_tokens` computed tokens, up to
+        the last hashed block. Mutates."""
+        request_id = request.request_id
+        num_cached = self.num_cached_blocks.get(request_id, 0)
+        num_full = min(num_tokens // self.block_size, len(block_hashes))
+        if num_full <= num_cached:
+            return
+        self.pool.cache_full_blocks(
+            request, self.req_to_blocks[request_id], block_hashes, num_cached, num_full,
+            self.group,
+        )
+        self.num_cached_blocks[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first so chain ends are evicted first. Mutates."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _lookup(
+        self, request: CachingRequest, block_hashes: Sequence[bytes], index: int
+    ) -> KVCacheBlock | None:
+        block = self.pool.get_cached_block(block_hashes[index], self.group.group_id)
+        if block is None:
+            return None
+        start = index * self.block_size
+
+        def expected():
+            parent = block_hashes[index - 1] if index > 0 else b""
+            return content_of(
+                request, parent, start, start + self.block_size, self.group.lookahead_tokens
+            )
+
+        return block if self.pool.hit_check.accepts(block, expected) else None
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Every token attends to every earlier one: a hit is the longest run of cached blocks."""
+
+    def find_longest_cache_hit(self, request, block_hashes, max_length):
+        num_candidates = min(max_length // self.block_size, len(block_hashes))
+        hit: list[KVCacheBlock] = []
+        if self.pool.hit_check.stores_content:
+            for index in range(num_candidates):
+                block = self._lookup(request, block_hashes, index)
+                if block is None:
+                    break
+                hit.append(block)
+            return hit
+        # Trusted hashes: the hot loop is one dict probe per block.
+        lookup = self.pool.cached_blocks.get
+        suffix = make_cache_key(b"", self.group.group_id)
+        for index in range(num_candidates):
+            block = lookup(block_hashes[index] + suffix)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+
+def manager_for(spec: KVCacheSpec, pool: BlockPool, group: GroupInfo) -> SingleTypeManager:
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager(spec, pool, group)
+    raise TypeError(f"no manager for KV cache spec {type(spec).__name__}")

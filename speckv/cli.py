@@ -1,0 +1,80 @@
+"""The `speckv` command: parses arguments, calls the package, prints. Nothing else lives here.
+
+Subcommands are mounted from the modules that own them (each exposes `add_arguments(parser)`
+and `run(args) -> int`), imported lazily so `speckv --help` stays fast. User errors
+(`ValueError`, `FileNotFoundError`) print one line to stderr and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# (command path, module, help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("demo",), "speckv.demo", "the main job: hit lengths and hashing cost, at a glance"),
+    (("hash",), "speckv.hash_cli", "print the block hashes of a token list (router debugging)"),
+    (("bench", "hit-length"), "speckv.bench.hit_length",
+     "cached tokens of a repeated prompt, per drafter and hash mode"),
+    (("bench", "hash"), "speckv.bench.hash_cost", "CPU cost of the block-hash formats"),
+    (("bench", "cache"), "speckv.bench.cache_ops",
+     "cost of lookup + allocation + free for long prompts"),
+    (("bench", "events"), "speckv.events.bench", "KV-event publisher and router throughput"),
+    (("events", "tail"), "speckv.events.cli:tail", "print KV events from a publisher, live"),
+    (("events", "publish-sample"), "speckv.events.cli:publish_sample",
+     "publish a synthetic workload's KV events for consumer authors"),
+    (("route",), "speckv.events.cli:route", "KV-aware router as a small HTTP service"),
+]
+
+
+def _load(target: str):
+    module_name, _, prefix = target.partition(":")
+    module = importlib.import_module(module_name)
+    add = getattr(module, f"add_{prefix}_arguments" if prefix else "add_arguments")
+    run = getattr(module, f"run_{prefix}" if prefix else "run")
+    return add, run
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speckv", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    wanted = [arg for arg in argv if not arg.startswith("-")][:2]
+    for path, target, help_text in COMMANDS:
+        parent = subparsers
+        if len(path) == 2:
+            if path[0] not in groups:
+                group_parser = subparsers.add_parser(path[0], help=f"{path[0]} commands")
+                groups[path[0]] = group_parser.add_subparsers(dest="subcommand",
+                                                              metavar="SUBCOMMAND")
+            parent = groups[path[0]]
+        sub = parent.add_parser(path[-1], help=help_text, description=help_text)
+        # Import only the module of the command being run (keeps --help fast and robust).
+        if list(path) == wanted[: len(path)]:
+            add, run = _load(target)
+            add(sub)
+            sub.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(run(args) or 0)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"speckv: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""A request as the scheduler sees it: real tokens, drafts, computed tokens, block hashes.
+
+Owns one request's token state and its incremental block hashers. Token kinds:
+
+    all_token_ids   = prompt + sampled tokens: the *real* tokens, the only ones ever hashed
+    spec_token_ids  = drafts proposed for the next step: never hashed, may be rejected
+    num_computed_tokens = tokens whose target KV (and draft KV where defined) is written
+
+One step of speculative decoding, with d drafts scheduled and a of them accepted:
+
+    before: [ computed ....... | last real ] [ d drafts ]
+    run:    num_computed_tokens += 1 + d       (last real token + drafts are computed)
+    verify: num_computed_tokens -= d - a       (rejected drafts' KV is garbage)
+            all_token_ids += a accepted drafts + 1 bonus token (bonus not computed yet)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs, LoRARef
+from speckv.hashing.formats import format_for
+from speckv.hashing.functions import BlockHash, HashAlgo
+from speckv.hashing.request_hasher import RequestBlockHasher
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+class BlockHashing:
+    """Builds a request's hashers: one per lookahead value its cache groups use."""
+
+    def __init__(self, algo: HashAlgo, none_hash: BlockHash, block_size: int,
+                 lookahead_values: Iterable[int]) -> None:
+        self.algo = algo
+        self.none_hash = none_hash
+        self.block_size = block_size
+        self.lookahead_values = tuple(sorted(set(lookahead_values)))
+
+    def hashers_for(self, inputs: HashInputs) -> dict[int, RequestBlockHasher]:
+        return {
+            lookahead: RequestBlockHasher(
+                self.algo, self.none_hash, self.block_size, format_for(lookahead), inputs
+            )
+            for lookahead in self.lookahead_values
+        }
+
+
+def validate_token_ids(token_ids: Sequence[int], vocab_size: int | None, what: str) -> list[int]:
+    """Plain Python ints in range, or a ValueError naming the first bad one."""
+    checked: list[int] = []
+    for index, token_id in enumerate(token_ids):
+        if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
+            raise ValueError(f"{what}[{index}] = {token_id!r} is not an integer token id")
+        value = int(token_id)
+        if value < 0 or (vocab_size is not None and value >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{what}[{index}] = {value} is outside the vocabulary {bound}")
+        checked.append(value)
+    return checked
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        hashing: BlockHashing,
+        *,
+        max_tokens: int = 16,
+        eos_token_ids: Sequence[int] = (),
+        hash_inputs: HashInputs = NO_HASH_INPUTS,
+        vocab_size: int | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id}: max_tokens must be >= 1, got {max_tokens}")
+        self.request_id = request_id
+        self.prompt_token_ids = validate_token_ids(prompt_token_ids, vocab_size, "prompt")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache, first schedule
+        self.num_preemptions = 0
+        self.max_tokens = max_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.hash_inputs = hash_inputs
+        self.arrival_time = arrival_time
+        self.status = RequestStatus.WAITING
+        self._hashers = hashing.hashers_for(hash_inputs)
+        self._update_hashes()
+
+    # ---- reads -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (prompt + sampled), drafts excluded."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def lora_name(self) -> str | None:
+        lora: LoRARef | None = self.hash_inputs.lora
+        return lora.name if lora is not None else None
+
+    def get_block_hashes(self, lookahead_tokens: int) -> list[BlockHash]:
+        return self._hashers[lookahead_tokens].block_hashes
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # ---- mutations ---------------------------------------------------------------------------
+    def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
+        """New real tokens (accepted drafts, bonus or plain sampled tokens). Mutates."""
+        self.all_token_ids.extend(int(token_id) for token_id in token_ids)
+        self._update_hashes()
+
+    def apply_verification(self, num_scheduled_drafts: int, sampled: Sequence[int]) -> int:
+        """Apply one verified step: `sampled` = accepted drafts + one bonus token.
+
+        Rolls back the rejected drafts' computed positions, appends the real tokens, clears the
+        drafts, and returns the number of rejected drafts. Mutates.
+        """
+        if not sampled:
+            raise ValueError("a verified step samples at least the bonus token")
+        num_accepted = len(sampled) - 1
+        if num_accepted > num_scheduled_drafts:
+            raise ValueError(
+                f"{num_accepted} drafts accepted but only {num_scheduled_drafts} scheduled"
+            )
+        num_rejected = num_scheduled_drafts - num_accepted
+        self.num_computed_tokens -= num_rejected
+        self.spec_token_ids = []
+        self.append_output_token_ids(sampled)
+        return num_rejected
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status if the last real token ends the request, else None. Pure."""
+        if self.num_output_tokens and self.all_token_ids[-1] in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def preempt(self) -> None:
+        """Forget computed state; the caller has freed the blocks. Mutates."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.spec_token_ids = []
+        self.num_preemptions += 1
+
+    def _update_hashes(self) -> None:
+        for hasher in self._hashers.values():
+            hasher.update(self.all_token_ids)

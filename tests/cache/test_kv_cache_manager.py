@@ -1,0 +1,208 @@
+"""KV cache manager (one full-attention group): hit lengths, lookahead misses, allocation,
+finish-time caching, preemption, verification of fast hashes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from speckv.bench.hit_length import expected_hit_tokens, measure_hit_length
+from speckv.cache.events import BlockStored
+from speckv.engine.cache_sim import CacheSimulator
+from speckv.spec.policy import DRAFTER_NAMES
+
+
+def _prompt(length, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(length)]
+
+
+DRAFTERS = [(name, 1) for name in DRAFTER_NAMES if name != "mtp"] + [("mtp", 1), ("mtp", 2),
+                                                                       ("mtp", 4)]
+
+
+@pytest.mark.parametrize("drafter,modules", DRAFTERS)
+@pytest.mark.parametrize("mode", ["lookahead", "legacy"])
+@pytest.mark.parametrize("prompt_len", [1, 3, 4, 5, 8, 9, 10, 12, 13, 31])
+def test_hit_length_table(drafter, modules, mode, prompt_len):
+    result = measure_hit_length(prompt_len, 4, drafter, modules, mode)
+    assert result.hit_tokens == result.expected_tokens
+
+
+@pytest.mark.parametrize("prompt_len,block_size,expected", [
+    # (N, B): lookahead hits floor((N - 1) / B) * B, legacy drop one block less
+    (17, 16, (16, 0)), (32, 16, (16, 0)), (33, 16, (32, 16)), (1367, 544, (1088, 544)),
+    (16, 16, (0, 0)), (2, 1, (1, 0)),
+])
+def test_eagle_hits_match_no_spec_decode(prompt_len, block_size, expected):
+    lookahead = measure_hit_length(prompt_len, block_size, "eagle", mode="lookahead")
+    legacy = measure_hit_length(prompt_len, block_size, "eagle", mode="legacy")
+    no_spec = measure_hit_length(prompt_len, block_size, "none")
+    assert (lookahead.hit_tokens, legacy.hit_tokens) == expected
+    assert lookahead.hit_tokens == no_spec.hit_tokens
+
+
+@pytest.mark.parametrize("modules", [2, 3, 4])
+def test_k_module_mtp_needs_k_tokens_after_each_block(modules):
+    for prompt_len in range(1, 30):
+        result = measure_hit_length(prompt_len, 4, "mtp", modules, "lookahead")
+        assert result.hit_tokens == max(0, (prompt_len - modules) // 4 * 4)
+
+
+def test_expected_formula_never_negative():
+    from speckv.spec.policy import HashMode
+
+    assert expected_hit_tokens(3, 4, HashMode(0, True, "x")) == 0
+
+
+def test_block_cached_with_another_lookahead_token_is_a_miss(world_factory):
+    world = world_factory(block_size=4)
+    sim = CacheSimulator(world.manager, num_spec_tokens=2)
+    shared = _prompt(8)
+    first = world.request(shared + [111, 5, 6])  # block [4, 8) followed by 111
+    sim.run_to_completion(first)
+    # Same 8 tokens, different token after block 1: block 1's draft KV would differ.
+    second = world.request(shared + [222, 5, 6])
+    hit = world.manager.get_computed_blocks(second)
+    assert hit.num_computed_tokens == 4
+    third = world.request(shared + [111, 9, 9])
+    assert world.manager.get_computed_blocks(third).num_computed_tokens == 8
+    world.manager.check_integrity()
+
+
+def test_legacy_hashes_ignore_the_successor_token(world_factory):
+    world = world_factory(block_size=4, legacy=True)
+    sim = CacheSimulator(world.manager, num_spec_tokens=2)
+    shared = _prompt(8)
+    sim.run_to_completion(world.request(shared + [111, 5, 6]))
+    second = world.request(shared + [222, 5, 6])
+    # blocks 0 and 1 match by hash; the drop gives back block 1
+    assert world.manager.get_computed_blocks(second).num_computed_tokens == 4
+
+
+def test_allocation_failure_leaves_no_trace(world_factory):
+    world = world_factory(block_size=4, num_blocks=6)  # 5 usable blocks
+    sim = CacheSimulator(world.manager, num_spec_tokens=0)
+    prompt = _prompt(9)
+    sim.run_to_completion(world.request(prompt, max_tokens=2))
+    free_before = world.manager.get_num_free_blocks()
+    cached_before = dict(world.manager.pool.cached_blocks)
+    big = world.request(prompt + _prompt(30, seed=1))
+    hit = world.manager.get_computed_blocks(big)
+    assert hit.num_computed_tokens == 8
+    assert world.manager.allocate_slots(big, big.num_tokens - 8, hit) is None
+    assert world.manager.get_num_free_blocks() == free_before
+    assert world.manager.pool.cached_blocks == cached_before
+    assert all(block.ref_cnt == 0 for block in hit.blocks[0])
+    assert world.manager.get_block_ids(big.request_id) == ([],)
+    world.manager.check_integrity()
+
+
+def test_finish_caches_the_block_the_last_token_completed(world_factory):
+    world = world_factory(block_size=4, events=True)
+    prompt = _prompt(7)
+    request = world.request(prompt, max_tokens=2)
+    manager = world.manager
+    manager.allocate_slots(request, 7)
+    request.num_computed_tokens = 7
+    request.append_output_token_ids([50])  # token 7: completes block [0, 4)'s... already had
+    manager.allocate_slots(request, 1)
+    request.num_computed_tokens = 8
+    request.append_output_token_ids([51])  # token 8 is the lookahead of block [4, 8)
+    assert len(request.get_block_hashes(1)) == 2
+    assert manager.managers[0].num_cached_blocks[request.request_id] == 1
+    manager.finish(request)
+    stored = [e for e in manager.take_events() if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in stored] == [1, 1]
+    assert stored[1].lookahead_token_ids == [[51]]
+    assert stored[1].token_ids == [*prompt[4:7], 50]
+    again = world.request([*prompt, 50, 51, 52])
+    assert manager.get_computed_blocks(again).num_computed_tokens == 8
+    manager.check_integrity()
+
+
+def test_drafts_are_never_cached(world_factory):
+    world = world_factory(block_size=4)
+    manager = world.manager
+    request = world.request(_prompt(5))
+    manager.allocate_slots(request, 5)
+    request.num_computed_tokens = 5
+    request.append_output_token_ids([9])
+    request.spec_token_ids = [1, 2, 3]  # drafts would fill block [4, 8) and more
+    manager.allocate_slots(request, 1 + 3, num_lookahead_tokens=3)
+    request.num_computed_tokens += 4
+    assert manager.managers[0].num_cached_blocks[request.request_id] == 1
+    request.apply_verification(3, [1, 7])  # draft 1 accepted, bonus 7
+    assert request.all_token_ids[-2:] == [1, 7]
+    assert request.num_computed_tokens == 7
+    manager.check_integrity()
+
+
+def test_preempted_request_rehits_its_own_blocks(world_factory):
+    world = world_factory(block_size=4)
+    sim = CacheSimulator(world.manager, num_spec_tokens=2)
+    request = world.request(_prompt(13), max_tokens=6)
+    sim.step(request)
+    sim.step(request, 1)
+    sim.preempt(request)
+    world.manager.check_integrity()
+    assert request.num_computed_tokens == 0
+    num_tokens = request.num_tokens
+    sim.step(request)
+    assert request.num_cached_tokens == (num_tokens - 1) // 4 * 4
+    sim.run_to_completion(request)
+    world.manager.check_integrity()
+
+
+def test_fast_hash_hits_are_verified_by_content(world_factory, monkeypatch):
+    world = world_factory(block_size=4, algo="xxhash")
+    sim = CacheSimulator(world.manager, num_spec_tokens=2)
+    prompt = _prompt(9)
+    sim.run_to_completion(world.request(prompt))
+    assert world.manager.get_computed_blocks(world.request(prompt)).num_computed_tokens == 8
+    # Forge a collision: a different request claims the same hashes.
+    other = world.request(_prompt(9, seed=5))
+    forged = world.request(prompt).get_block_hashes(1)
+    monkeypatch.setattr(other, "get_block_hashes", lambda lookahead: forged)
+    assert world.manager.get_computed_blocks(other).num_computed_tokens == 0
+
+
+def test_reset_prefix_cache_forgets_hits(world_factory):
+    world = world_factory(block_size=4)
+    sim = CacheSimulator(world.manager, num_spec_tokens=0)
+    prompt = _prompt(9)
+    sim.run_to_completion(world.request(prompt))
+    assert world.manager.reset_prefix_cache()
+    assert world.manager.get_computed_blocks(world.request(prompt)).num_computed_tokens == 0
+    world.manager.check_integrity()
+
+
+@pytest.mark.parametrize("hash_mode_args,stale", [((1, False), False), ((0, False), True)])
+def test_symbolic_draft_kv_of_a_hit_matches_a_cold_run(hash_mode_args, stale):
+    """Lookahead hashes: the hit's draft KV is what a cold run writes. Negative control:
+    legacy hashes with the drop turned off serve a last block whose draft KV came from
+    another successor token."""
+    from speckv.cache import FullAttentionSpec, KVCacheManager
+    from speckv.engine.cache_sim import SymbolicKV
+    from speckv.engine.request import BlockHashing
+    from speckv.hashing.functions import get_hash_algo, make_none_hash
+    from speckv.spec.policy import HashMode
+
+    hash_mode = HashMode(*hash_mode_args, reason="test")
+    algo = get_hash_algo("sha256")
+    hashing = BlockHashing(algo, make_none_hash(algo, "0"), 4, [hash_mode.lookahead_tokens])
+    manager = KVCacheManager([FullAttentionSpec(4)], 32, hash_mode)
+    kv = SymbolicKV(32, 4, draft_depth=1)
+    sim = CacheSimulator(manager, num_spec_tokens=2, kv=kv)
+    from speckv.engine.request import Request
+
+    shared = _prompt(8)
+    sim.run_to_completion(Request("a", shared + [7, 7, 7], hashing, max_tokens=4))
+    second = Request("b", shared + [9, 9, 9], hashing, max_tokens=4)
+    hit = manager.get_computed_blocks(second)
+    assert hit.num_computed_tokens == (4 if not stale else 8)
+    drafts = [kv.read(hit.block_ids[0], p)[1] for p in range(hit.num_computed_tokens)]
+    expected = [kv.expected_at(second.all_token_ids, p)[1]
+                for p in range(hit.num_computed_tokens)]
+    assert (drafts != expected) is stale
