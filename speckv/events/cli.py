@@ -1,0 +1,392 @@
+"""Command-line entry points of the events package, as `add_arguments` / `run` pairs.
+
+Owns the argument parsing and printing of three commands; the main CLI mounts them:
+
+    speckv events tail            print decoded events live, one line per event
+    speckv events publish-sample  publish a synthetic workload's events from the real cache
+    speckv route                  run the router index as a small HTTP service
+
+Each `run(args)` returns an exit status: 0 on success, 2 on a user error (one line on stderr,
+no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from speckv.events.router import EngineHashConfig
+from speckv.events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    HashEncoding,
+)
+from speckv.events.subscriber import EventSubscriber, SubscriberConfig
+from speckv.hashing.functions import HASH_ALGOS
+
+# ---- shared helpers ---------------------------------------------------------------------------
+
+
+class UserError(Exception):
+    """A mistake in the command line or environment: reported in one line, exit status 2."""
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _guarded(body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except UserError as err:
+            return _fail(str(err))
+        except zmq.ZMQError as err:
+            return _fail(f"ZeroMQ: {err}")
+        except KeyboardInterrupt:
+            return 0
+
+    run.__doc__ = body.__doc__
+    return run
+
+
+def _check_endpoint(value: str, what: str) -> str:
+    if "://" not in value:
+        raise UserError(f"{what} {value!r} is not a ZeroMQ endpoint (e.g. tcp://127.0.0.1:5557)")
+    return value
+
+
+def short_hash(block_hash: ExternalBlockHash | None) -> str:
+    """8 hex digits of a wire hash (bytes: the first 4 bytes; int: the top of the 64 bits)."""
+    if block_hash is None:
+        return "-"
+    if isinstance(block_hash, int):
+        return f"{block_hash:016x}"[:8]
+    return block_hash[:4].hex()
+
+
+def format_event(seq: int, event: object) -> str:
+    """One line describing one event."""
+    if isinstance(event, BlockStored):
+        hashes = ",".join(short_hash(h) for h in event.block_hashes)
+        parts = [
+            f"seq={seq}",
+            "BlockStored",
+            f"group={event.group_idx}",
+            f"blocks={len(event.block_hashes)}x{event.block_size}",
+            f"parent={short_hash(event.parent_block_hash)}",
+            f"hashes=[{hashes}]",
+            f"tokens={len(event.token_ids)}",
+        ]
+        if event.lookahead_token_ids is not None:
+            parts.append(f"lookahead={event.lookahead_token_ids}")
+        if event.lora_name is not None:
+            parts.append(f"lora={event.lora_name}")
+        if event.extra_keys is not None:
+            shown = [list(entry) if entry is not None else None for entry in event.extra_keys]
+            parts.append(f"extra_keys={_short_extra(shown)}")
+        if event.medium is not None:
+            parts.append(f"medium={event.medium}")
+        return " ".join(parts)
+    if isinstance(event, BlockRemoved):
+        hashes = ",".join(short_hash(h) for h in event.block_hashes)
+        return (
+            f"seq={seq} BlockRemoved group={event.group_idx} blocks={len(event.block_hashes)} "
+            f"hashes=[{hashes}] medium={event.medium}"
+        )
+    if isinstance(event, AllBlocksCleared):
+        return f"seq={seq} AllBlocksCleared"
+    return f"seq={seq} {type(event).__name__}"
+
+
+def _short_extra(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value[:4].hex() + ".."
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_short_extra(item) for item in value) + "]"
+    return repr(value)
+
+
+# ---- speckv events tail -------------------------------------------------------------------------
+
+
+def add_tail_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="the PUB endpoint")
+    parser.add_argument("--replay-endpoint", default=None, help="the replay (ROUTER) endpoint")
+    parser.add_argument("--topic", default="", help="topic prefix to subscribe to")
+    parser.add_argument("--count", type=int, default=None, help="stop after N events")
+    parser.add_argument(
+        "--timeout", type=float, default=None,
+        help="stop after S seconds without a batch (default: run until interrupted)",
+    )
+    parser.add_argument(
+        "--from-seq", type=int, default=0,
+        help="replay from this sequence number first (with --replay-endpoint); -1: live only",
+    )
+
+
+@_guarded
+def run_tail(args: argparse.Namespace) -> int:
+    """Print decoded events live."""
+    endpoint = _check_endpoint(args.endpoint, "--endpoint")
+    replay = args.replay_endpoint
+    if replay is not None:
+        _check_endpoint(replay, "--replay-endpoint")
+    if args.count is not None and args.count <= 0:
+        raise UserError(f"--count must be > 0, got {args.count}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError(f"--timeout must be > 0, got {args.timeout}")
+    start_seq = None if args.from_seq < 0 or replay is None else args.from_seq
+    config = SubscriberConfig(
+        endpoint=endpoint, replay_endpoint=replay, topic=args.topic, start_seq=start_seq
+    )
+    printed = 0
+    last_batch = time.monotonic()
+    with EventSubscriber(config) as subscriber:
+        while True:
+            for seq, batch in subscriber.poll(0.1):
+                last_batch = time.monotonic()
+                for event in batch.events:
+                    print(format_event(seq, event), flush=True)
+                    printed += 1
+                    if args.count is not None and printed >= args.count:
+                        _print_tail_summary(subscriber, printed)
+                        return 0
+            if args.timeout is not None and time.monotonic() - last_batch > args.timeout:
+                _print_tail_summary(subscriber, printed)
+                return 0
+
+
+def _print_tail_summary(subscriber: EventSubscriber, printed: int) -> None:
+    stats = subscriber.stats
+    print(
+        f"# {printed} events, {stats.received_batches} batches "
+        f"({stats.replayed_batches} replayed, {stats.lost_batches} lost, "
+        f"{stats.malformed_messages} malformed)",
+        file=sys.stderr,
+    )
+
+
+# ---- speckv events publish-sample ---------------------------------------------------------------
+
+
+def add_publish_sample_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
+    parser.add_argument(
+        "--replay-endpoint", default="tcp://127.0.0.1:5558", help="replay endpoint to bind"
+    )
+    parser.add_argument("--lookahead", type=int, default=1, help="L lookahead tokens (0: legacy)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument(
+        "--num-blocks", type=int, default=24, help="KV cache blocks (small, so it evicts)"
+    )
+    parser.add_argument("--requests", type=int, default=8, help="requests in the workload")
+    parser.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS))
+    parser.add_argument("--seed", default="0", help="PYTHONHASHSEED string for NONE_HASH")
+    parser.add_argument(
+        "--linger", type=float, default=10.0, help="seconds to keep the sockets up afterwards"
+    )
+    parser.add_argument(
+        "--delay", type=float, default=0.5,
+        help="seconds to wait before publishing, so subscribers can connect",
+    )
+    parser.add_argument("--int-hashes", action="store_true", help="send 64-bit int hashes")
+
+
+@_guarded
+def run_publish_sample(args: argparse.Namespace) -> int:
+    """Publish a synthetic workload's events and keep the sockets up."""
+    from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
+    from speckv.events.sample import (
+        SAMPLE_LORA,
+        SampleEngine,
+        SampleEngineConfig,
+        run_sample_workload,
+    )
+
+    _check_endpoint(args.endpoint, "--endpoint")
+    _check_endpoint(args.replay_endpoint, "--replay-endpoint")
+    for name in ("linger", "delay"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.requests <= 0:
+        raise UserError(f"--requests must be > 0, got {args.requests}")
+    try:
+        engine = SampleEngine(
+            SampleEngineConfig(
+                block_size=args.block_size, lookahead_tokens=args.lookahead,
+                num_blocks=args.num_blocks, algo=args.algo, seed=args.seed,
+            )
+        )
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    encoding = HashEncoding.INT if args.int_hashes else HashEncoding.BYTES
+    config = PublisherConfig(
+        endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, hash_encoding=encoding
+    )
+    with ZmqEventPublisher(config) as publisher:
+        print(
+            f"publishing on {args.endpoint} (replay {args.replay_endpoint}): algo={args.algo} "
+            f"seed={args.seed!r} block_size={args.block_size} L={args.lookahead} "
+            f"lora {SAMPLE_LORA.name}={SAMPLE_LORA.path}",
+            flush=True,
+        )
+        time.sleep(args.delay)
+        try:
+            summary = run_sample_workload(engine, publisher.publish, num_requests=args.requests)
+        except RuntimeError as err:
+            raise UserError(f"{err}; raise --num-blocks") from None
+        publisher.wait_sent(5.0)
+        stats = publisher.stats
+        print(
+            f"{summary.num_requests} requests, {summary.num_steps} steps, "
+            f"{stats.sent_batches} batches sent (seq 0..{stats.next_seq - 1}); "
+            f"lingering {args.linger:g} s",
+            flush=True,
+        )
+        time.sleep(args.linger)
+    return 0
+
+
+# ---- speckv route -------------------------------------------------------------------------------
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engines", nargs="+", required=True, metavar="NAME=PUB[,REPLAY]",
+        help="engines to index, e.g. a=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558",
+    )
+    parser.add_argument("--block-size", type=int, required=True, help="the engines' block size")
+    parser.add_argument("--lookahead", type=int, default=0, help="the engines' L")
+    parser.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS))
+    parser.add_argument(
+        "--seed", default=None,
+        help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED)",
+    )
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=PATH",
+        help="a LoRA adapter's path, needed to reproduce its hashes (repeatable)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--no-verify", action="store_true", help="skip recomputing hashes")
+
+
+def parse_engine_specs(specs: list[str]) -> dict[str, tuple[str, str | None]]:
+    """`name=pub[,replay]` strings as {name: (pub, replay)}; UserError when malformed."""
+    engines: dict[str, tuple[str, str | None]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name or not rest:
+            raise UserError(f"--engines entry {spec!r} is not NAME=PUB[,REPLAY]")
+        if name in engines:
+            raise UserError(f"engine {name!r} is given twice")
+        endpoints = rest.split(",")
+        if len(endpoints) > 2:
+            raise UserError(f"--engines entry {spec!r} has more than two endpoints")
+        pub = _check_endpoint(endpoints[0], f"engine {name!r} endpoint")
+        replay = _check_endpoint(endpoints[1], f"engine {name!r} replay endpoint") if len(
+            endpoints
+        ) == 2 else None
+        engines[name] = (pub, replay)
+    return engines
+
+
+def _parse_lora(entries: list[str]) -> dict[str, str]:
+    paths: dict[str, str] = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora entry {entry!r} is not NAME=PATH")
+        paths[name] = path
+    return paths
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def build_router_service(args: argparse.Namespace) -> Any:
+    """The (not yet started) `RouterService` the arguments describe; UserError if invalid."""
+    from speckv.events.service import RouterService, engine_endpoints
+
+    engines = parse_engine_specs(args.engines)
+    seed = args.seed if args.seed is not None else os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        raise UserError(
+            "no hash seed: pass --seed or set PYTHONHASHSEED to the engines' value "
+            "(engines with a random seed cannot be routed to)"
+        )
+    try:
+        hashing = EngineHashConfig(
+            algo=args.algo, seed=seed, block_size=args.block_size,
+            lookahead_tokens=args.lookahead, lora_paths=_parse_lora(args.lora),
+            verify=not args.no_verify,
+        )
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    return RouterService(engine_endpoints(engines, hashing))
+
+
+@_guarded
+def run_route(args: argparse.Namespace) -> int:
+    """Run the router: subscribe to every engine, serve POST /route and GET /stats."""
+    import uvicorn
+
+    from speckv.events.service import make_app
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    service = build_router_service(args)
+    if not _port_free(args.host, args.port):
+        raise UserError(f"cannot listen on {args.host}:{args.port} (in use or not local)")
+    service.start()
+    try:
+        uvicorn.run(make_app(service), host=args.host, port=args.port, log_level="warning")
+    finally:
+        service.stop()
+    return 0
+
+
+# what the main CLI mounts
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
+                          Callable[[argparse.Namespace], int]]] = {
+    "events tail": (add_tail_arguments, run_tail),
+    "events publish-sample": (add_publish_sample_arguments, run_publish_sample),
+    "route": (add_route_arguments, run_route),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry until the main CLI mounts these: `python -m speckv.events.cli tail`."""
+    parser = argparse.ArgumentParser(prog="python -m speckv.events.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add, run) in {
+        "tail": COMMANDS["events tail"],
+        "publish-sample": COMMANDS["events publish-sample"],
+        "route": COMMANDS["route"],
+    }.items():
+        add(sub.add_parser(name))
+        sub.choices[name].set_defaults(_run=run)
+    args = parser.parse_args(argv)
+    return args._run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

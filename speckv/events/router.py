@@ -1,0 +1,325 @@
+"""The router index: which engine holds the longest cached prefix of a prompt.
+
+Owns a per-engine set of cached block hashes built from KV events, the check that every
+BlockStored's hashes are reproducible from the event, and the prefix lookup.
+
+Verification recomputes each stored block from the event alone:
+
+    L = len(lookahead_token_ids[i])   (0 when the field is absent: legacy hashes, or a Mamba group)
+    hash_i = H((parent, token_ids[iB:(i+1)B], E_i))                    L = 0
+    hash_i = H((parent, token_ids[iB:(i+1)B], (E_i, *lookahead_i)))    L >= 1
+    E_i    = retag_extra_keys(extra_keys[i], lora_name, lora_paths)
+
+with the engine's hash algorithm and `NONE_HASH` (from its `PYTHONHASHSEED` string) as the
+parent of block 0. A mismatch is counted (the router's hash configuration differs from the
+engine's, or the event is wrong); the blocks are indexed as the wire names them either way.
+With int (64-bit) wire hashes the parent's full hash is known only if the router recomputed
+it from an earlier event; otherwise the event is counted as unverifiable.
+
+Index keys are the low 64 bits of each hash (whatever the wire encoding): a collision can only
+misroute a request, never serve wrong KV, since every engine checks its own hits.
+
+Routing hashes the prompt with the engine's algorithm, seed, block size and `L`
+(`hash_prompt`: the last block only when its `L` lookahead tokens are in the prompt), then walks
+the chain while the engine holds each hash in the routed group. LoRA prompts need the adapter
+path as well: the router is configured with `lora_paths` (name -> path), the same table the
+engines load adapters from. Not thread-safe: callers serialise (`RouterService` holds a lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from speckv.events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    ExtraKeysError,
+    KVEventBatch,
+    low64,
+    retag_extra_keys,
+)
+from speckv.hashing.extra_keys import HashInputs, LoRARef, MultiModalItem
+from speckv.hashing.formats import format_for
+from speckv.hashing.functions import HashAlgo, get_hash_algo, make_none_hash
+from speckv.hashing.request_hasher import RequestBlockHasher, hash_prompt
+
+
+@dataclass(frozen=True)
+class EngineHashConfig:
+    """What a consumer must know to reproduce an engine's block hashes."""
+
+    algo: str = "sha256"
+    seed: str = "0"  # the engines' PYTHONHASHSEED string; a random seed cannot be reproduced
+    block_size: int = 16
+    lookahead_tokens: int = 0  # L
+    lora_paths: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path
+    route_group: int = 0  # the KV cache group whose hashes decide a prefix match
+    verify: bool = True  # recompute every BlockStored's hashes
+
+    def __post_init__(self) -> None:
+        get_hash_algo(self.algo)  # raises with the allowed names
+        if self.block_size <= 0:
+            raise ValueError(f"EngineHashConfig.block_size must be > 0, got {self.block_size}")
+        if self.lookahead_tokens < 0:
+            raise ValueError(
+                f"EngineHashConfig.lookahead_tokens must be >= 0, got {self.lookahead_tokens}"
+            )
+
+    @property
+    def hash_algo(self) -> HashAlgo:
+        return get_hash_algo(self.algo)
+
+    @property
+    def none_hash(self) -> bytes:
+        return make_none_hash(self.hash_algo, self.seed)
+
+
+class VerifyError(ValueError):
+    """An event that cannot be checked (not a wrong hash: unknown inputs)."""
+
+
+def recompute_block_hashes(
+    event: BlockStored,
+    algo: HashAlgo,
+    parent: bytes,
+    lora_paths: Mapping[str, str],
+) -> list[bytes]:
+    """The full hashes of an event's blocks, from its fields alone (plus the parent's full hash
+    and the LoRA paths). Raises `VerifyError` when the event's shape is inconsistent. Pure."""
+    block_size = event.block_size
+    num_blocks = len(event.block_hashes)
+    tokens = event.token_ids
+    if block_size <= 0 or len(tokens) != block_size * num_blocks:
+        raise VerifyError(
+            f"{len(tokens)} token ids for {num_blocks} blocks of {block_size}"
+        )
+    lookahead = event.lookahead_token_ids
+    if lookahead is not None and len(lookahead) != num_blocks:
+        raise VerifyError(f"{len(lookahead)} lookahead lists for {num_blocks} blocks")
+    extra = event.extra_keys
+    if extra is not None and len(extra) != num_blocks:
+        raise VerifyError(f"{len(extra)} extra-key entries for {num_blocks} blocks")
+    num_lookahead = len(lookahead[0]) if lookahead else 0
+    if lookahead and any(len(ids) != num_lookahead for ids in lookahead):
+        raise VerifyError("lookahead lists of different lengths in one event")
+    if lookahead is not None and num_lookahead == 0:
+        raise VerifyError("empty lookahead lists (L = 0 must omit the field)")
+
+    if extra is None and _chain_is_contiguous(tokens, lookahead, block_size, num_lookahead):
+        # Fast path: the run is one token sequence; the request hasher encodes it in bulk.
+        sequence = list(tokens) + (list(lookahead[-1]) if lookahead else [])
+        hasher = RequestBlockHasher(algo, parent, block_size, format_for(num_lookahead))
+        hasher.update(sequence)
+        if len(hasher.block_hashes) == num_blocks:
+            return hasher.block_hashes
+    hashes: list[bytes] = []
+    for index in range(num_blocks):
+        block = tuple(tokens[index * block_size : (index + 1) * block_size])
+        try:
+            keys = retag_extra_keys(extra[index] if extra else None, event.lora_name, lora_paths)
+        except ExtraKeysError as err:
+            raise VerifyError(str(err)) from None
+        if lookahead:
+            parent = algo((parent, block, (keys, *lookahead[index])))
+        else:
+            parent = algo((parent, block, keys))
+        hashes.append(parent)
+    return hashes
+
+
+def _chain_is_contiguous(
+    tokens: Sequence[int], lookahead: Sequence[Sequence[int]] | None, block_size: int, num: int
+) -> bool:
+    """Each block's lookahead equals the next block's first tokens (so one sequence holds it)."""
+    if not lookahead:
+        return True
+    if num > block_size:
+        return False
+    num_blocks = len(lookahead)
+    for index in range(num_blocks - 1):
+        start = (index + 1) * block_size
+        if list(lookahead[index]) != list(tokens[start : start + num]):
+            return False
+    return True
+
+
+@dataclass
+class EngineState:
+    """One engine's cached blocks as its events describe them."""
+
+    # (group_idx, low64 hash) -> media holding it
+    blocks: dict[tuple[int, int], set[str]] = field(default_factory=dict)
+    # low64 -> full hash, for verifying children of int-hash events
+    full_hashes: dict[int, bytes] = field(default_factory=dict)
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    clears: int = 0
+    batches: int = 0
+    verified_blocks: int = 0
+    mismatched_blocks: int = 0
+    unverifiable_blocks: int = 0
+    last_seq: int | None = None
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "cached_blocks": len(self.blocks),
+            "stored_blocks": self.stored_blocks,
+            "removed_blocks": self.removed_blocks,
+            "clears": self.clears,
+            "batches": self.batches,
+            "verified_blocks": self.verified_blocks,
+            "mismatched_blocks": self.mismatched_blocks,
+            "unverifiable_blocks": self.unverifiable_blocks,
+            "last_seq": self.last_seq,
+        }
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    engine: str | None  # None: no engines
+    matched_tokens: int
+    per_engine: dict[str, int]  # engine -> matched tokens
+    num_prompt_blocks: int  # hashable blocks of the prompt
+
+
+class RouterIndex:
+    def __init__(self, engines: Mapping[str, EngineHashConfig]) -> None:
+        if not engines:
+            raise ValueError("the router needs at least one engine")
+        self.configs = dict(engines)
+        self.state = {name: EngineState() for name in engines}
+        self._algos = {name: cfg.hash_algo for name, cfg in engines.items()}
+        self._none_hashes = {name: cfg.none_hash for name, cfg in engines.items()}
+
+    # ---- events ------------------------------------------------------------------------------
+    def apply_batch(self, engine: str, batch: KVEventBatch, seq: int | None = None) -> None:
+        """Apply one batch of an engine's events, in order. Mutates."""
+        state = self.state[engine]
+        state.batches += 1
+        if seq is not None:
+            state.last_seq = seq
+        for event in batch.events:
+            self.apply_event(engine, event)
+
+    def apply_event(self, engine: str, event: object) -> None:
+        state = self.state[engine]
+        if isinstance(event, BlockStored):
+            self._stored(engine, state, event)
+        elif isinstance(event, BlockRemoved):
+            group = event.group_idx or 0
+            medium = event.medium or ""
+            for block_hash in event.block_hashes:
+                key = (group, low64(block_hash))
+                media = state.blocks.get(key)
+                if media is None:
+                    continue
+                media.discard(medium)
+                if not media:
+                    del state.blocks[key]
+                    state.full_hashes.pop(key[1], None)
+                state.removed_blocks += 1
+        elif isinstance(event, AllBlocksCleared):
+            state.blocks.clear()
+            state.full_hashes.clear()
+            state.clears += 1
+
+    def _stored(self, engine: str, state: EngineState, event: BlockStored) -> None:
+        group = event.group_idx or 0
+        medium = event.medium or ""
+        keys = [low64(block_hash) for block_hash in event.block_hashes]
+        for key in keys:
+            state.blocks.setdefault((group, key), set()).add(medium)
+        state.stored_blocks += len(keys)
+        config = self.configs[engine]
+        if not config.verify:
+            return
+        parent = self._full_parent(engine, state, event.parent_block_hash)
+        if parent is None:
+            state.unverifiable_blocks += len(keys)
+            return
+        try:
+            expected = recompute_block_hashes(
+                event, self._algos[engine], parent, config.lora_paths
+            )
+        except VerifyError:
+            state.unverifiable_blocks += len(keys)
+            return
+        for wire, full in zip(event.block_hashes, expected):
+            ok = wire == full if isinstance(wire, bytes) else low64(full) == wire
+            if ok:
+                state.verified_blocks += 1
+                state.full_hashes[low64(full)] = full
+            else:
+                state.mismatched_blocks += 1
+
+    def _full_parent(
+        self, engine: str, state: EngineState, parent: ExternalBlockHash | None
+    ) -> bytes | None:
+        if parent is None:
+            return self._none_hashes[engine]
+        if isinstance(parent, bytes):
+            return parent
+        return state.full_hashes.get(low64(parent))
+
+    # ---- routing -----------------------------------------------------------------------------
+    def prompt_hashes(
+        self, engine: str, token_ids: Sequence[int], inputs: HashInputs
+    ) -> list[bytes]:
+        config = self.configs[engine]
+        return hash_prompt(
+            self._algos[engine], self._none_hashes[engine], config.block_size,
+            format_for(config.lookahead_tokens), token_ids, inputs,
+        )
+
+    def matched_blocks(self, engine: str, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the chain that the engine holds in its routed group. Pure."""
+        blocks = self.state[engine].blocks
+        group = self.configs[engine].route_group
+        matched = 0
+        for block_hash in hashes:
+            if (group, low64(block_hash)) not in blocks:
+                break
+            matched += 1
+        return matched
+
+    def route(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
+    ) -> RouteResult:
+        """The engine holding the longest prefix (ties: the first configured). Pure.
+
+        Raises ValueError for a LoRA adapter whose path no engine config knows.
+        """
+        per_engine: dict[str, int] = {}
+        hashes_by_key: dict[tuple, list[bytes]] = {}
+        num_prompt_blocks = 0
+        for name, config in self.configs.items():
+            lora = None
+            if lora_name is not None:
+                path = config.lora_paths.get(lora_name)
+                if path is None:
+                    raise ValueError(f"engine {name!r}: no path configured for LoRA {lora_name!r}")
+                lora = LoRARef(lora_name, path)
+            # engines with the same hash config share one hashing of the prompt
+            key = (config.algo, config.seed, config.block_size, config.lookahead_tokens, lora)
+            hashes = hashes_by_key.get(key)
+            if hashes is None:
+                inputs = HashInputs(lora=lora, mm_items=tuple(mm_items), cache_salt=cache_salt)
+                hashes = self.prompt_hashes(name, token_ids, inputs)
+                hashes_by_key[key] = hashes
+            num_prompt_blocks = max(num_prompt_blocks, len(hashes))
+            per_engine[name] = self.matched_blocks(name, hashes) * config.block_size
+        best = max(per_engine, key=lambda name: per_engine[name])
+        return RouteResult(best, per_engine[best], per_engine, num_prompt_blocks)
+
+    # ---- stats -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {name: state.counters() for name, state in self.state.items()}

@@ -1,0 +1,42 @@
+"""Helpers for model tests (uniquely named so it never collides with other test dirs' modules)."""
+
+from __future__ import annotations
+
+import torch
+
+from speckv.attention import AttentionMetadata
+from speckv.models.llama import LlamaForCausalLM, ModelOutput
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def prefill(
+    model: LlamaForCausalLM, ids: list[int], block_size: int = 4, aux_layers: tuple[int, ...] = ()
+) -> ModelOutput:
+    """One request, whole prompt in one forward, shuffled (non-contiguous) block table."""
+    num_blocks = -(-len(ids) // block_size)
+    perm = torch.randperm(num_blocks + 5, generator=torch.Generator().manual_seed(0)) + 1
+    table = perm[:num_blocks].tolist()  # block 0 (null) never used
+    kv = model.make_kv_cache(num_blocks=num_blocks + 6, block_size=block_size)
+    md = AttentionMetadata.build([len(ids)], [len(ids)], [table], block_size)
+    with torch.inference_mode():
+        return model(torch.tensor(ids), md.positions(), kv, md, aux_layers=aux_layers)
+
+
+def widen_init(module: torch.nn.Module, std: float = 0.15, seed: int = 0) -> None:
+    """Re-init with a larger std so attention patterns and RoPE matter for the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
