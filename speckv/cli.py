@@ -18,6 +18,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("hash",), "speckv.hash_cli", "print the block hashes of a token list (router debugging)"),
     (("bench", "hit-length"), "speckv.bench.hit_length",
      "cached tokens of a repeated prompt, per drafter and hash mode"),
+    (("bench", "retention"), "speckv.bench.retention",
+     "sliding-window retention under the legacy drop (seed 003's scenario)"),
     (("bench", "hash"), "speckv.bench.hash_cost", "CPU cost of the block-hash formats"),
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),

@@ -3,7 +3,8 @@
 A long prompt is cached once; then each timed round is what the scheduler does for a repeated
 request: `get_computed_blocks` (the hit), `allocate_slots` (touch the hit, allocate the rest),
 and `free`. Hashing is excluded (requests are built before timing), so this isolates the cache.
-Prints the median per-request cost in microseconds per block size.
+Prints the median per-request cost in microseconds per group layout, single-group rows first,
+and each hybrid row's ratio to the single-group row with the same smallest block size.
 """
 
 from __future__ import annotations
@@ -17,19 +18,22 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache import KVCacheManager
+from speckv.cache.specs import parse_group_specs
 from speckv.engine.request import BlockHashing, Request
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
 
 
-def measure(prompt_len: int, block_size: int, num_rounds: int) -> dict[str, float]:
+def measure(prompt_len: int, groups: str, num_rounds: int) -> dict:
     hash_mode = resolve_hash_mode(make_drafter_policy("eagle"))
     algo = get_hash_algo("sha256")
-    hashing = BlockHashing(algo, make_none_hash(algo, "0"), block_size,
-                           [hash_mode.lookahead_tokens])
-    num_blocks = 2 * prompt_len // block_size + 16
-    manager = KVCacheManager([FullAttentionSpec(block_size)], num_blocks, hash_mode)
+    specs = parse_group_specs(groups)
+    block_size = min(spec.block_size for spec in specs)
+    num_blocks = len(specs) * (2 * prompt_len // block_size + 16)
+    manager = KVCacheManager(specs, num_blocks, hash_mode)
+    hashing = BlockHashing(algo, make_none_hash(algo, "0"), manager.hash_block_size,
+                           manager.lookahead_values)
     rng = random.Random(0)
     prompt = [rng.randrange(32000) for _ in range(prompt_len)]
     first = Request("warm", prompt, hashing, max_tokens=4)
@@ -60,33 +64,47 @@ def measure(prompt_len: int, block_size: int, num_rounds: int) -> dict[str, floa
     lookup_us = statistics.median(lookups) * 1e6
     alloc_us = statistics.median(allocs) * 1e6
     free_us = statistics.median(frees) * 1e6
-    return {"prompt_len": prompt_len, "block_size": block_size, "hit_tokens": hit_tokens,
+    return {"prompt_len": prompt_len, "groups": groups, "block_size": block_size,
+            "hit_tokens": hit_tokens,
             "lookup_us": lookup_us, "allocate_us": alloc_us, "free_us": free_us,
             "total_us": lookup_us + alloc_us + free_us}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=128 * 1024)
-    parser.add_argument("--block-sizes", default="16,128,1024")
+    parser.add_argument("--groups", nargs="+",
+                        default=["full:16", "full:128", "full:1024",
+                                 "full:16,swa:1024:16,mamba:2048"],
+                        help="group layouts to measure (see speckv bench hit-length --groups)")
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--quick", action="store_true", help="5 rounds")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    block_sizes = [int(size) for size in args.block_sizes.split(",")]
-    if args.prompt_len < 2 or any(size <= 0 for size in block_sizes) or args.rounds < 1:
-        raise ValueError("need --prompt-len >= 2, positive --block-sizes and --rounds >= 1")
-    rows = [measure(args.prompt_len, size, args.rounds) for size in block_sizes]
+    if args.prompt_len < 2 or args.rounds < 1:
+        raise ValueError("need --prompt-len >= 2 and --rounds >= 1")
+    num_rounds = 5 if args.quick else args.rounds
+    rows = [measure(args.prompt_len, groups, num_rounds) for groups in args.groups]
+    # the issue's figure: hit lookup + allocation, hybrid versus one group of the same block
+    single = {row["block_size"]: row["lookup_us"] + row["allocate_us"]
+              for row in rows if "," not in row["groups"]}
+    for row in rows:
+        base = single.get(row["block_size"])
+        row["vs_single_group"] = (row["lookup_us"] + row["allocate_us"]) / base if base else None
     if args.json:
         print(json.dumps(rows))
         return 0
     table = Table(title=f"one repeated {args.prompt_len}-token request, median of "
-                        f"{args.rounds} (µs)")
-    for column in ("block size", "hit tokens", "lookup", "allocate", "free", "total"):
-        table.add_column(column, justify="right")
+                        f"{num_rounds} (µs)")
+    for column in ("groups", "hit tokens", "lookup", "allocate", "free", "total",
+                   "lookup+alloc vs 1 group"):
+        table.add_column(column, justify="right", no_wrap=column == "groups")
     for row in rows:
-        table.add_row(str(row["block_size"]), str(row["hit_tokens"]),
+        ratio = row["vs_single_group"]
+        table.add_row(row["groups"], str(row["hit_tokens"]),
                       f"{row['lookup_us']:.0f}", f"{row['allocate_us']:.0f}",
-                      f"{row['free_us']:.0f}", f"{row['total_us']:.0f}")
+                      f"{row['free_us']:.0f}", f"{row['total_us']:.0f}",
+                      f"{ratio:.2f}x" if ratio is not None else "-")
     Console().print(table)
     return 0

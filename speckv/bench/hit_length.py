@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.specs import KVCacheSpec, parse_group_specs
 from speckv.engine.cache_sim import CacheSimulator
 from speckv.engine.request import BlockHashing, Request
 from speckv.hashing.functions import get_hash_algo, make_none_hash
@@ -30,32 +31,49 @@ class HitLengthResult:
     drafter: str
     mode: str
     prompt_len: int
-    block_size: int
+    block_size: int  # the alignment unit U (the block size for one group)
     hit_tokens: int
     expected_tokens: int
+    groups: str = ""
 
 
-def expected_hit_tokens(prompt_len: int, block_size: int, hash_mode: HashMode) -> int:
-    """SPEC §4's table. Pure."""
+def expected_hit_tokens(prompt_len: int, unit_tokens: int, hash_mode: HashMode) -> int:
+    """SPEC §4's table for an alignment unit U (dense retention). Pure."""
     num_needed_after = max(hash_mode.lookahead_tokens, 1)
-    hit = max(0, (prompt_len - num_needed_after) // block_size * block_size)
+    hit = max(0, (prompt_len - num_needed_after) // unit_tokens * unit_tokens)
     if hash_mode.drops_last_unit:
-        hit = max(0, hit - block_size)
+        hit = max(0, hit - unit_tokens)
     return hit
+
+
+def format_groups(specs: list[KVCacheSpec]) -> str:
+    parts = []
+    for spec in specs:
+        if spec.kind == "sliding_window":
+            parts.append(f"swa:{spec.sliding_window}:{spec.block_size}")
+        else:
+            parts.append(f"{'full' if spec.kind == 'full_attention' else spec.kind}:"
+                         f"{spec.block_size}")
+    return ",".join(parts)
 
 
 def measure_hit_length(
     prompt_len: int, block_size: int, drafter: str, mtp_modules: int = 1,
-    mode: str = "lookahead", seed: int = 0,
+    mode: str = "lookahead", seed: int = 0, groups: list[KVCacheSpec] | None = None,
+    retention_interval: int | None = None,
 ) -> HitLengthResult:
     policy = make_drafter_policy(drafter, mtp_modules)
     hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=(mode == "legacy"))
-    algo = get_hash_algo("sha256")
-    hashing = BlockHashing(algo, make_none_hash(algo, "0"), block_size,
-                           [hash_mode.lookahead_tokens])
+    specs = groups if groups is not None else [FullAttentionSpec(block_size)]
     num_spec = NUM_SPEC_TOKENS if policy.name not in ("none",) else 0
-    num_blocks = 2 * (prompt_len + NUM_DECODE_TOKENS + 2 * num_spec) // block_size + 8
-    manager = KVCacheManager([FullAttentionSpec(block_size)], num_blocks, hash_mode)
+    min_block = min(spec.block_size for spec in specs)
+    num_blocks = len(specs) * (2 * (prompt_len + NUM_DECODE_TOKENS + 2 * num_spec)
+                               // min_block + 8)
+    manager = KVCacheManager(specs, num_blocks, hash_mode,
+                             retention_interval=retention_interval)
+    algo = get_hash_algo("sha256")
+    hashing = BlockHashing(algo, make_none_hash(algo, "0"), manager.hash_block_size,
+                           manager.lookahead_values)
     sim = CacheSimulator(manager, num_spec)
     rng = random.Random(seed)
     prompt = [rng.randrange(1, 32000) for _ in range(prompt_len)]
@@ -65,9 +83,11 @@ def measure_hit_length(
     sim.step(second)
     manager.check_integrity()
     label = drafter if drafter != "mtp" else f"mtp k={mtp_modules}"
-    return HitLengthResult(label, hash_mode.label, prompt_len, block_size,
+    unit = manager.alignment_tokens
+    return HitLengthResult(label, hash_mode.label, prompt_len, unit,
                            second.num_cached_tokens,
-                           expected_hit_tokens(prompt_len, block_size, hash_mode))
+                           expected_hit_tokens(prompt_len, unit, hash_mode),
+                           format_groups(specs) if groups is not None else "")
 
 
 def full_table(block_size: int) -> list[HitLengthResult]:
@@ -84,14 +104,44 @@ def full_table(block_size: int) -> list[HitLengthResult]:
     return results
 
 
+HYBRID_ROWS = ("full:16,mamba:544", "full:16,swa:128:16", "full:16,swa:64:16,mamba:64")
+
+
+def hybrid_table() -> list[HitLengthResult]:
+    """The user documents' hybrid example (U = 544) and mixes with sliding windows."""
+    results = []
+    for groups_text in HYBRID_ROWS:
+        specs = parse_group_specs(groups_text)
+        unit = KVCacheManager(specs, 4, resolve_hash_mode(make_drafter_policy("none"))
+                              ).alignment_tokens
+        lengths = (1367,) if unit == 544 else (unit + 1, 3 * unit, 5 * unit + 7)
+        for name, modules, mode in (("none", 1, "lookahead"), ("mtp", 1, "legacy"),
+                                    ("mtp", 1, "lookahead"), ("mtp", 3, "lookahead")):
+            for prompt_len in lengths:
+                results.append(measure_hit_length(prompt_len, 16, name, modules, mode,
+                                                  groups=specs))
+    return results
+
+
 def print_table(results: list[HitLengthResult], console: Console) -> None:
+    if results[0].groups:
+        for groups_text in dict.fromkeys(r.groups for r in results):
+            rows = [r for r in results if r.groups == groups_text]
+            _print_one_table(rows, console, f"groups {groups_text}, U={rows[0].block_size}")
+    else:
+        _print_one_table(results, console, f"B={results[0].block_size}")
+    console.print("Cells equal SPEC §4 (floor((N - max(L, 1)) / U) * U, one unit less with the "
+                  "legacy drop); a cell that does not shows (!=expected).")
+
+
+def _print_one_table(results: list[HitLengthResult], console: Console, label: str) -> None:
     lengths = sorted({r.prompt_len for r in results})
-    table = Table(title=f"prompt sent twice: cached tokens of the 2nd request "
-                        f"(B={results[0].block_size})")
+    table = Table(title=f"prompt of N tokens sent twice: cached tokens of the 2nd request "
+                        f"({label})")
     table.add_column("drafter", no_wrap=True)
-    table.add_column("hash mode", no_wrap=True)
+    table.add_column("hash mode \\ N", no_wrap=True)
     for prompt_len in lengths:
-        table.add_column(f"N={prompt_len}", justify="right", no_wrap=True)
+        table.add_column(str(prompt_len), justify="right", no_wrap=True)
     rows: dict[tuple[str, str], dict[int, HitLengthResult]] = {}
     for r in results:
         rows.setdefault((r.drafter, r.mode), {})[r.prompt_len] = r
@@ -103,8 +153,6 @@ def print_table(results: list[HitLengthResult], console: Console) -> None:
             values.append(f"{r.hit_tokens}{mark}")
         table.add_row(drafter, mode, *values)
     console.print(table)
-    console.print("Cells equal SPEC §4 (floor((N - max(L, 1)) / B) * B, one block less with the "
-                  "legacy drop); a cell that does not shows (!=expected).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,25 +162,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtp-modules", type=int, default=1)
     parser.add_argument("--mode", choices=("lookahead", "legacy"), default="lookahead",
                         help="legacy = disable_lookahead_block_hashes")
+    parser.add_argument("--groups", help="hybrid KV cache groups, e.g. "
+                        "full:16,swa:1024:16,mamba:544 (kind:block_size, swa:window:block_size)")
+    parser.add_argument("--retention", type=int, default=None,
+                        help="retention interval R for sliding-window / Mamba tails "
+                        "(omit: dense; 0: only the prompt's boundary)")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    groups = parse_group_specs(args.groups) if args.groups else None
     if args.prompt_len is not None:
         if args.prompt_len <= 0:
             raise ValueError(f"--prompt-len must be > 0, got {args.prompt_len}")
         result = measure_hit_length(args.prompt_len, args.block_size, args.drafter,
-                                    args.mtp_modules, args.mode)
+                                    args.mtp_modules, args.mode, groups=groups,
+                                    retention_interval=args.retention)
         if args.json:
             print(json.dumps(asdict(result)))
         else:
             print_table([result], Console())
         return 0
     results = full_table(args.block_size)
+    hybrid = hybrid_table()
     if args.json:
-        print(json.dumps([asdict(r) for r in results]))
+        print(json.dumps([asdict(r) for r in results + hybrid]))
     else:
-        print_table(results, Console())
-    return 0 if all(r.hit_tokens == r.expected_tokens for r in results) else 1
+        console = Console()
+        print_table(results, console)
+        print_table(hybrid, console)
+    return 0 if all(r.hit_tokens == r.expected_tokens for r in results + hybrid) else 1

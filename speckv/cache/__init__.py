@@ -2,6 +2,13 @@
 
 from speckv.cache.kv_cache_manager import KVCacheManager
 from speckv.cache.results import Allocation, CacheHit
-from speckv.cache.specs import FullAttentionSpec
+from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-__all__ = ["Allocation", "CacheHit", "FullAttentionSpec", "KVCacheManager"]
+__all__ = [
+    "Allocation",
+    "CacheHit",
+    "FullAttentionSpec",
+    "KVCacheManager",
+    "MambaSpec",
+    "SlidingWindowSpec",
+]

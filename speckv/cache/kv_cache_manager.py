@@ -1,26 +1,38 @@
 """The KV cache manager: the scheduler's one entry point into the prefix cache.
 
-Owns the per-group managers and the hash mode. It answers "how much of this request is cached"
-(`get_computed_blocks`, pure), gives slots (`allocate_slots`, all or nothing), caches blocks once
-their hashes exist, and frees. The pool below it owns every reference count.
+Owns the per-group managers, the hash mode and the hybrid hit rule. It answers "how much of
+this request is cached" (`get_computed_blocks`, pure), gives slots (`allocate_slots`, all or
+nothing), caches blocks once their hashes exist, and frees. The pool below it owns every
+reference count.
 
-Hit length for a prompt of N tokens, block size B (the last prompt token is always recomputed):
+Hit length for a prompt of N tokens, alignment unit U (the last prompt token is always
+recomputed):
 
-    no drafter / lookahead L=1      floor((N - 1) / B) * B
-    lookahead L=k (k-module MTP)    floor((N - k) / B) * B    (blocks need k tokens after them)
-    legacy hashes + EAGLE drop      one block less than the first row, not below 0
+    no drafter / lookahead L=1      floor((N - 1) / U) * U
+    lookahead L=k (k-module MTP)    floor((N - k) / U) * U    (blocks need k tokens after them)
+    legacy hashes + EAGLE drop      one unit less than the first row, not below 0
+
+Hybrid models: every group must accept the hit, and each may only shorten it. The coordinator
+iterates to a fixed point over U-aligned lengths; under the legacy drop it drops one unit once
+and iterates again (never a second drop, so it cannot spiral).
+
+Hashes are computed at the hash unit H = gcd of the groups' block sizes; a group with block
+size m * H is named by every m-th hash of the chain (a chained hash covers all before it).
+Attention groups use the mode's lookahead hashes; Mamba groups keep legacy hashes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
 from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, HitCheck
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.results import Allocation, CacheHit
-from speckv.cache.single_type import SingleTypeManager, manager_for
-from speckv.cache.specs import KVCacheSpec
+from speckv.cache.retention import RetentionPolicy, TailWidening
+from speckv.cache.single_type import FullAttentionManager, SingleTypeManager, manager_for
+from speckv.cache.specs import KVCacheSpec, SlidingWindowSpec
 from speckv.spec.policy import HashMode
 
 
@@ -28,12 +40,36 @@ class ManagedRequest(CachingRequest, Protocol):
     """What the manager reads of a request (see `speckv.engine.request.Request`)."""
 
     num_computed_tokens: int
+    num_prompt_tokens: int
     spec_token_ids: list[int]
 
     @property
     def num_tokens(self) -> int: ...
 
     def get_block_hashes(self, lookahead_tokens: int) -> list[bytes]: ...
+
+
+class StridedHashes(Sequence[bytes]):
+    """The hashes of a group whose block is `stride` hash units: every stride-th chain hash.
+    A view: it grows with the request's chain."""
+
+    __slots__ = ("_chain", "_stride")
+
+    def __init__(self, chain: Sequence[bytes], stride: int) -> None:
+        self._chain = chain
+        self._stride = stride
+
+    def __len__(self) -> int:
+        return len(self._chain) // self._stride
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._chain[(index + 1) * self._stride - 1]
 
 
 class KVCacheManager:
@@ -45,28 +81,55 @@ class KVCacheManager:
         enable_caching: bool = True,
         hit_check: HitCheck | None = None,
         event_sink: KVEventSink | None = None,
+        alignment_tokens: int | None = None,
+        retention_interval: int | None = None,
+        tail_widening: TailWidening = TailWidening.UNIT,
     ) -> None:
         if not specs:
             raise ValueError("a model needs at least one KV cache group")
-        block_sizes = {spec.block_size for spec in specs}
-        if len(block_sizes) != 1:
+        block_sizes = [spec.block_size for spec in specs]
+        self.hash_block_size = math.gcd(*block_sizes)
+        lcm = math.lcm(*block_sizes)
+        if alignment_tokens is None:
+            alignment_tokens = lcm
+        elif alignment_tokens <= 0 or any(alignment_tokens % size for size in block_sizes):
             raise ValueError(
-                f"groups with different block sizes {sorted(block_sizes)} need the hybrid "
-                "coordinator"
+                f"alignment_tokens {alignment_tokens} must be a positive multiple of every "
+                f"group's block size {sorted(set(block_sizes))}"
             )
-        self.block_size = specs[0].block_size
+        self.alignment_tokens = alignment_tokens
+        has_partial_groups = any(not isinstance(spec, type(specs[0])) or
+                                 not spec.drafter_writes_kv or isinstance(spec, SlidingWindowSpec)
+                                 for spec in specs)
+        if retention_interval is not None and not has_partial_groups:
+            raise ValueError(
+                "retention_interval applies to sliding-window or Mamba groups; this model has "
+                "only full attention"
+            )
+        self.retention = RetentionPolicy(alignment_tokens, retention_interval)
         self.hash_mode = hash_mode
         self.enable_caching = enable_caching
         self.event_sink = event_sink
         self.pool = BlockPool(num_blocks, enable_caching, hit_check, event_sink)
-        self.managers: list[SingleTypeManager] = [
-            manager_for(
-                spec,
-                self.pool,
-                GroupInfo(group_id, spec.block_size, hash_mode.lookahead_tokens, spec.kind),
+        extra_tail_blocks = 0
+        self.managers: list[SingleTypeManager] = []
+        for group_id, spec in enumerate(specs):
+            lookahead = hash_mode.lookahead_tokens if spec.drafter_writes_kv else 0
+            if hash_mode.drops_last_unit or hash_mode.lookahead_tokens:
+                # a sibling diverging right after a kept boundary c hits c - U: under the drop
+                # always, with lookahead hashes because the block ending at c has another
+                # successor there
+                extra_tail_blocks = tail_widening.extra_blocks(alignment_tokens, spec.block_size)
+            group = GroupInfo(group_id, spec.block_size, lookahead, spec.kind,
+                              getattr(spec, "sliding_window", None))
+            self.managers.append(
+                manager_for(spec, self.pool, group, self.retention, extra_tail_blocks)
             )
-            for group_id, spec in enumerate(specs)
-        ]
+        # Full attention first: it is cheap and usually the binding constraint.
+        self._hit_order = sorted(
+            range(len(self.managers)),
+            key=lambda index: not isinstance(self.managers[index], FullAttentionManager),
+        )
 
     @property
     def num_groups(self) -> int:
@@ -76,28 +139,51 @@ class KVCacheManager:
     def lookahead_tokens(self) -> int:
         return self.hash_mode.lookahead_tokens
 
+    @property
+    def lookahead_values(self) -> tuple[int, ...]:
+        """The L values whose hash chains requests must keep (one per kind of group)."""
+        return tuple(sorted({m.group.lookahead_tokens for m in self.managers}))
+
+    def _group_hashes(self, request: ManagedRequest, manager: SingleTypeManager):
+        chain = request.get_block_hashes(manager.group.lookahead_tokens)
+        stride = manager.block_size // self.hash_block_size
+        return chain if stride == 1 else StridedHashes(chain, stride)
+
     # ---- reads -------------------------------------------------------------------------------
     def get_computed_blocks(self, request: ManagedRequest) -> CacheHit:
-        """The longest cached prefix usable by a new request (at most N - 1 tokens). Pure:
-        nothing is touched until `allocate_slots` takes the hit."""
-        empty = CacheHit(tuple([] for _ in self.managers), 0)
+        """The longest cached prefix usable by a new request: at most N - 1 tokens, whole
+        alignment units, valid for every group. Pure: nothing is touched until
+        `allocate_slots` takes the hit."""
         if not self.enable_caching:
-            return empty
-        block_hashes = request.get_block_hashes(self.lookahead_tokens)
-        max_length = request.num_tokens - 1
-        hit_length = max_length
-        per_group = []
-        for manager in self.managers:
-            blocks = manager.find_longest_cache_hit(request, block_hashes, hit_length)
-            hit_length = min(hit_length, len(blocks) * manager.block_size)
-            per_group.append(blocks)
-        num_blocks = hit_length // self.block_size
-        if self.hash_mode.drops_last_unit and num_blocks > 0:
-            # legacy hashes cannot prove the last block's draft KV: recompute it
-            num_blocks -= 1
+            return CacheHit(tuple([] for _ in self.managers), 0)
+        hashes = [self._group_hashes(request, manager) for manager in self.managers]
+        hit_length, per_group = self._fixed_point(request, hashes, request.num_tokens - 1)
+        if self.hash_mode.drops_last_unit and hit_length > 0:
+            # legacy hashes cannot prove the last unit's draft KV: drop it, once
+            hit_length, per_group = self._fixed_point(
+                request, hashes, hit_length - self.alignment_tokens
+            )
         return CacheHit(
-            tuple(blocks[:num_blocks] for blocks in per_group), num_blocks * self.block_size
+            tuple(blocks[: hit_length // m.block_size] for m, blocks in
+                  zip(self.managers, per_group)),
+            hit_length,
         )
+
+    def _fixed_point(self, request, hashes, max_length: int):
+        unit = self.alignment_tokens
+        hit_length = max(0, max_length) // unit * unit
+        per_group: list[list] = [[] for _ in self.managers]
+        while True:
+            candidate = hit_length
+            for index in self._hit_order:
+                manager = self.managers[index]
+                blocks = manager.find_longest_cache_hit(request, hashes[index], candidate)
+                per_group[index] = blocks
+                candidate = min(candidate, len(blocks) * manager.block_size)
+            candidate = candidate // unit * unit
+            if candidate == hit_length:
+                return hit_length, per_group
+            hit_length = candidate
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in m.blocks_of(request_id)] for m in self.managers)
@@ -115,7 +201,9 @@ class KVCacheManager:
     ) -> Allocation | None:
         """Give the request slots for `num_new_tokens` more tokens (the scheduled drafts
         included) plus `num_lookahead_tokens` slots for the drafter's next proposals, taking
-        `hit` on first scheduling. Then cache the blocks whose hashes exist. Mutates.
+        `hit` on first scheduling. Caches the blocks whose hashes exist and frees blocks that
+        fell out of a sliding window. Mutates; the caller then advances
+        `request.num_computed_tokens` by the hit and the new tokens.
 
         Returns None, and changes nothing, when there are not enough free blocks.
 
@@ -144,6 +232,9 @@ class KVCacheManager:
             num_computed + num_new_tokens - len(request.spec_token_ids), request.num_tokens
         )
         self._cache_blocks(request, num_to_cache)
+        # only after caching: a block leaving the window may be one a later hit needs
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request_id, num_computed)
         return Allocation(tuple(new_blocks))
 
     def cache_computed_blocks(self, request: ManagedRequest) -> None:
@@ -171,9 +262,8 @@ class KVCacheManager:
     def _cache_blocks(self, request: ManagedRequest, num_tokens: int) -> None:
         if not self.enable_caching or num_tokens <= 0:
             return
-        block_hashes = request.get_block_hashes(self.lookahead_tokens)
         for manager in self.managers:
-            manager.cache_blocks(request, block_hashes, num_tokens)
+            manager.cache_blocks(request, self._group_hashes(request, manager), num_tokens)
 
     # ---- tests -------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -5,6 +5,9 @@ coordinator picks them by spec type. Managers ask the pool for every block they 
 cache or free; they never change reference counts themselves.
 
     block i of the group covers tokens [i * B, (i + 1) * B); block_hashes[i] names it
+
+A hit list has one entry per block up to the hit length; groups that keep only part of the
+prefix (sliding window, Mamba) fill the rest with the pool's null block.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from collections.abc import Sequence
 
 from speckv.cache.block import KVCacheBlock, make_cache_key
 from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, content_of
-from speckv.cache.specs import FullAttentionSpec, KVCacheSpec
+from speckv.cache.retention import RetentionPolicy
+from speckv.cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -89,11 +93,19 @@ class SingleTypeManager:
         num_full = min(num_tokens // self.block_size, len(block_hashes))
         if num_full <= num_cached:
             return
-        self.pool.cache_full_blocks(
-            request, self.req_to_blocks[request_id], block_hashes, num_cached, num_full,
-            self.group,
-        )
+        blocks = self.req_to_blocks[request_id]
+        for start, end in self._runs_worth_keeping(request, num_cached, num_full):
+            self.pool.cache_full_blocks(request, blocks, block_hashes, start, end, self.group)
         self.num_cached_blocks[request_id] = num_full
+
+    def _runs_worth_keeping(
+        self, request: CachingRequest, start: int, end: int
+    ) -> list[tuple[int, int]]:
+        """Block-index runs in `[start, end)` that a later hit can use. Pure."""
+        return [(start, end)]
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free blocks no future token of the request reads. Mutates (no-op by default)."""
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first so chain ends are evicted first. Mutates."""
@@ -143,7 +155,109 @@ class FullAttentionManager(SingleTypeManager):
         return hit
 
 
-def manager_for(spec: KVCacheSpec, pool: BlockPool, group: GroupInfo) -> SingleTypeManager:
+class _PartialPrefixManager(SingleTypeManager):
+    """Groups that keep state only near a hit boundary: they free what falls behind, and cache
+    only what a reachable boundary needs."""
+
+    def __init__(self, spec, pool, group, retention: RetentionPolicy, num_tail_blocks: int):
+        super().__init__(spec, pool, group)
+        self.retention = retention
+        self.num_tail_blocks = num_tail_blocks  # blocks kept before each reachable boundary
+
+    def _runs_worth_keeping(self, request, start, end):
+        if self.retention.is_dense:
+            return [(start, end)]
+        num_prompt_tokens = getattr(request, "num_prompt_tokens", len(request.all_token_ids))
+        keep = [False] * (end - start)
+        for boundary in self.retention.boundaries(end * self.block_size, num_prompt_tokens):
+            last = boundary // self.block_size
+            for index in range(max(start, last - self.num_tail_blocks), min(end, last)):
+                keep[index - start] = True
+        runs: list[tuple[int, int]] = []
+        for offset, kept in enumerate(keep):
+            index = start + offset
+            if kept and runs and runs[-1][1] == index:
+                runs[-1] = (runs[-1][0], index + 1)
+            elif kept:
+                runs.append((index, index + 1))
+        return runs
+
+    def _release_before(self, request_id: str, num_blocks_to_drop: int) -> None:
+        """Replace the request's blocks [0, num_blocks_to_drop) by the null block, freeing
+        them last-first (the kept tail stays cached longest). Mutates."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null = self.pool.null_block
+        released = []
+        for index in range(min(num_blocks_to_drop, len(blocks)) - 1, -1, -1):
+            if blocks[index].is_null:
+                break  # everything before was released by an earlier call
+            released.append(blocks[index])
+            blocks[index] = null
+        self.pool.free_blocks(released)
+
+
+class SlidingWindowManager(_PartialPrefixManager):
+    """A hit at h needs the `ceil((W - 1) / B)` blocks before h; older blocks are null."""
+
+    spec: SlidingWindowSpec
+
+    def find_longest_cache_hit(self, request, block_hashes, max_length):
+        num_needed = self.spec.num_window_blocks
+        num_candidates = min(max_length // self.block_size, len(block_hashes))
+        null = self.pool.null_block
+        if num_needed == 0:  # W == 1: the next token reads no earlier key
+            return [null] * num_candidates
+        run: list[KVCacheBlock] = []  # cached blocks ending at the candidate end, reversed
+        for index in range(num_candidates - 1, -1, -1):
+            block = self._lookup(request, block_hashes, index)
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) >= num_needed or index == 0:
+                return [null] * index + run[::-1]
+        return []
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        # the next token, at position num_computed_tokens, reads keys > its position - W
+        first_needed = max(0, num_computed_tokens - self.spec.sliding_window + 1)
+        self._release_before(request_id, first_needed // self.block_size)
+
+
+class MambaManager(_PartialPrefixManager):
+    """Block i holds the recurrent state after (i + 1) * B tokens; a hit must land on one."""
+
+    spec: MambaSpec
+
+    def find_longest_cache_hit(self, request, block_hashes, max_length):
+        num_candidates = min(max_length // self.block_size, len(block_hashes))
+        for index in range(num_candidates - 1, -1, -1):
+            block = self._lookup(request, block_hashes, index)
+            if block is not None:
+                return [self.pool.null_block] * index + [block]
+        return []
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        # only the latest checkpoint state is read to continue
+        self._release_before(request_id, num_computed_tokens // self.block_size - 1)
+
+
+def manager_for(
+    spec: KVCacheSpec,
+    pool: BlockPool,
+    group: GroupInfo,
+    retention: RetentionPolicy,
+    num_extra_tail_blocks: int,
+) -> SingleTypeManager:
+    """The manager type for a spec type. `num_extra_tail_blocks` widens kept sliding-window
+    tails (the legacy-drop fix)."""
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager(spec, pool, group)
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager(spec, pool, group, retention,
+                                    spec.num_window_blocks + num_extra_tail_blocks)
+    if isinstance(spec, MambaSpec):
+        return MambaManager(spec, pool, group, retention, 1)
     raise TypeError(f"no manager for KV cache spec {type(spec).__name__}")

@@ -24,14 +24,14 @@ class CacheWorld:
         self.hash_mode = resolve_hash_mode(make_drafter_policy(drafter, mtp_modules),
                                            disable_lookahead_block_hashes=legacy)
         hash_algo = get_hash_algo(algo)
-        self.hashing = BlockHashing(hash_algo, make_none_hash(hash_algo, "0"), block_size,
-                                    [self.hash_mode.lookahead_tokens])
         self.sink = KVEventSink() if events else None
         self.manager = KVCacheManager(
             [FullAttentionSpec(block_size)], num_blocks, self.hash_mode,
             hit_check=None if hash_algo.cryptographic else CompareContent(),
             event_sink=self.sink,
         )
+        self.hashing = BlockHashing(hash_algo, make_none_hash(hash_algo, "0"),
+                                    self.manager.hash_block_size, self.manager.lookahead_values)
         self.block_size = block_size
 
     def request(self, prompt, max_tokens=8, **kwargs) -> Request:

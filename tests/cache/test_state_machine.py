@@ -1,7 +1,9 @@
 """Hypothesis state machine over the real cache manager and a symbolic KV store.
 
 Random interleavings of new requests (sharing prefixes), steps with drafts accepted or
-rejected, preemption, finish, abort, and eviction pressure. After every step: pool integrity
+rejected, preemption, finish, abort, and eviction pressure, over hybrid group mixes (full
+attention, sliding window, Mamba) and retention settings. Every hit must equal a brute-force
+oracle's longest length valid for every group. After every step: pool integrity
 (free + used = total, ref counts = holders, hash map consistent). On every hit: each hit block
 holds the same target KV and draft KV a cold run of the hitting request would write, and the
 tokens (and lookahead tokens) its hash was published with equal the request's own. (In legacy
@@ -18,10 +20,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.events import BlockStored, KVEventSink
+from speckv.cache.specs import MambaSpec, SlidingWindowSpec
 from speckv.engine.cache_sim import CacheSimulator, SymbolicKV
 from speckv.engine.request import BlockHashing, Request
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
+
+GROUP_MIXES = {
+    "full": lambda b: [FullAttentionSpec(b)],
+    "full+swa": lambda b: [FullAttentionSpec(b), SlidingWindowSpec(b, 2 * b + 1)],
+    "full+swa+mamba": lambda b: [FullAttentionSpec(b), SlidingWindowSpec(2 * b, 3 * b),
+                                 MambaSpec(4 * b)],
+    "full+mamba": lambda b: [FullAttentionSpec(b), MambaSpec(2 * b)],
+}
 
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]
 
@@ -33,23 +44,28 @@ class CacheMachine(RuleBasedStateMachine):
         drafter=st.sampled_from([("eagle", 1, False), ("mtp", 2, False), ("mtp", 3, False),
                                  ("eagle", 1, True), ("none", 1, False)]),
         num_spec_tokens=st.integers(0, 3),
+        mix=st.sampled_from(sorted(GROUP_MIXES)),
+        retention_units=st.sampled_from([None, 0, 1, 2]),
     )
-    def setup(self, block_size, num_blocks, drafter, num_spec_tokens):
+    def setup(self, block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units):
         name, modules, legacy = drafter
         policy = make_drafter_policy(name, modules)
         self.mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=legacy)
         algo = get_hash_algo("sha256")
-        self.hashing = BlockHashing(algo, make_none_hash(algo, "0"), block_size,
-                                    [self.mode.lookahead_tokens])
+        specs = GROUP_MIXES[mix](block_size)
+        unit = specs[-1].block_size if mix != "full+swa" else block_size
+        retention = None if mix == "full" or retention_units is None else retention_units * unit
         self.sink = KVEventSink()
-        self.manager = KVCacheManager([FullAttentionSpec(block_size)], num_blocks, self.mode,
-                                      event_sink=self.sink)
+        self.manager = KVCacheManager(specs, len(specs) * num_blocks, self.mode,
+                                      event_sink=self.sink, retention_interval=retention)
+        self.hashing = BlockHashing(algo, make_none_hash(algo, "0"),
+                                    self.manager.hash_block_size, self.manager.lookahead_values)
         self.block_size = block_size
-        self.kv = SymbolicKV(num_blocks, block_size, policy.draft_kv_lookahead_tokens)
+        self.kv = SymbolicKV(len(specs) * num_blocks, block_size, policy.draft_kv_lookahead_tokens)
         self.sim = CacheSimulator(self.manager, num_spec_tokens if name != "none" else 0,
                                   vocab_size=50, kv=self.kv)
         self.running: list[Request] = []
-        self.published: dict[bytes, tuple[list[int], list[int] | None]] = {}
+        self.published: dict[tuple[bytes, int], tuple[list[int], list[int] | None]] = {}
         self.counter = 0
 
     def _absorb_events(self):
@@ -59,7 +75,7 @@ class CacheMachine(RuleBasedStateMachine):
                 for index, block_hash in enumerate(event.block_hashes):
                     lookahead = (event.lookahead_token_ids[index]
                                  if event.lookahead_token_ids is not None else None)
-                    self.published[block_hash] = (
+                    self.published[(block_hash, event.group_idx)] = (
                         event.token_ids[index * size:(index + 1) * size], lookahead)
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), prefix_len=st.integers(1, 24),
@@ -85,7 +101,10 @@ class CacheMachine(RuleBasedStateMachine):
     def _check_hit(self, request, hit):
         hit_tokens = hit.num_computed_tokens
         assert hit_tokens <= request.num_tokens - 1
-        assert hit_tokens % self.block_size == 0
+        assert hit_tokens % self.manager.alignment_tokens == 0
+        assert hit_tokens == self._oracle_hit(request), "hit is not the longest valid one"
+        for manager, blocks in zip(self.manager.managers, hit.blocks):
+            assert len(blocks) == hit_tokens // manager.block_size
         block_ids = hit.block_ids[0]
         tokens = request.all_token_ids
         lookahead = self.mode.lookahead_tokens
@@ -99,11 +118,41 @@ class CacheMachine(RuleBasedStateMachine):
                 # different requests keeps the first copy's draft KV (only drafts suffer).
                 assert draft == expected_draft, f"hit slot {position}: draft KV differs"
         for index in range(hit_tokens // self.block_size):
-            published_tokens, published_lookahead = self.published[hashes[index]]
+            published_tokens, published_lookahead = self.published[(hashes[index], 0)]
             end = (index + 1) * self.block_size
             assert published_tokens == tokens[index * self.block_size:end]
             if lookahead:
                 assert published_lookahead == tokens[end:end + lookahead]
+
+    def _valid_for_group(self, request, manager, length):
+        """Brute force: does this group hold what a hit at `length` needs?"""
+        hashes = self.manager._group_hashes(request, manager)
+        num_blocks = length // manager.block_size
+        if num_blocks > len(hashes):
+            return False
+        if isinstance(manager.spec, SlidingWindowSpec):
+            needed = range(max(0, num_blocks - manager.spec.num_window_blocks), num_blocks)
+        elif isinstance(manager.spec, MambaSpec):
+            needed = range(num_blocks - 1, num_blocks) if num_blocks else range(0)
+        else:
+            needed = range(num_blocks)
+        group_id = manager.group.group_id
+        return all(self.manager.pool.get_cached_block(hashes[i], group_id) is not None
+                   for i in needed)
+
+    def _oracle_hit(self, request):
+        unit = self.manager.alignment_tokens
+
+        def longest_valid(limit):
+            for length in range(max(0, limit) // unit * unit, -1, -unit):
+                if all(self._valid_for_group(request, m, length) for m in self.manager.managers):
+                    return length
+            return 0
+
+        best = longest_valid(request.num_tokens - 1)
+        if self.mode.drops_last_unit and best > 0:
+            best = longest_valid(best - unit)
+        return best
 
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, 100))

@@ -1,0 +1,116 @@
+"""`speckv bench retention`: seed 003's sliding-window retention scenario on the real cache.
+
+Attention + sliding window (full-attention block 32, SWA block 16, window 1,024, so the
+alignment unit U = 32), retention interval 8,192, four sequential requests sharing a
+16,384-token prefix P, with 64-token suffixes:
+
+    req 1: P + A            the producer
+    req 2: P + B            diverges right after the checkpoint at 16,384
+    req 3: P + A[:40] + C   diverges inside request 1's suffix
+    req 4: P + A            a repeat of request 1
+
+Under the legacy EAGLE drop a hit at checkpoint c is served at c - U, which needs the window
+tail before c - U: kept tails must be U // B blocks wider (the fix). Without the fix, or with a
+one-block widening, request 2 falls back to the previous checkpoint. Lookahead hashes need the
+same widening for a sibling diverging exactly at c (the block ending at c has another successor
+there), and gain a unit on requests 3 and 4, where the legacy drop still costs one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import asdict, dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from speckv.cache import KVCacheManager
+from speckv.cache.retention import TailWidening
+from speckv.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from speckv.engine.cache_sim import CacheSimulator
+from speckv.engine.request import BlockHashing, Request
+from speckv.hashing.functions import get_hash_algo, make_none_hash
+from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
+
+
+@dataclass(frozen=True)
+class RetentionRow:
+    label: str
+    hash_mode: str
+    cached_tokens: list[int]
+
+
+def run_scenario(drafter: str, legacy: bool, widening: TailWidening, prefix_len: int,
+                 retention: int, window: int, num_requests: int = 4) -> RetentionRow:
+    policy = make_drafter_policy(drafter)  # MTP3: one module, 3 speculative tokens
+    hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=legacy)
+    specs = [FullAttentionSpec(32), SlidingWindowSpec(16, window)]
+    manager = KVCacheManager(specs, 8 * prefix_len // 16 + 256, hash_mode,
+                             retention_interval=retention, tail_widening=widening)
+    algo = get_hash_algo("sha256")
+    hashing = BlockHashing(algo, make_none_hash(algo, "0"), manager.hash_block_size,
+                           manager.lookahead_values)
+    sim = CacheSimulator(manager, num_spec_tokens=3 if drafter != "none" else 0)
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 32000) for _ in range(prefix_len)]
+
+    def fresh(count: int) -> list[int]:
+        return [rng.randrange(1, 32000) for _ in range(count)]
+
+    suffix_a = fresh(64)
+    prompts = [prefix + suffix_a, prefix + fresh(64), prefix + suffix_a[:40] + fresh(24),
+               prefix + suffix_a]
+    cached = []
+    for index, prompt in enumerate(prompts[:num_requests]):
+        request = Request(f"req{index}", prompt, hashing, max_tokens=4)
+        sim.run_to_completion(request, num_accept=1)
+        manager.check_integrity()
+        cached.append(request.num_cached_tokens)
+    if drafter == "mtp" and legacy:
+        label = {TailWidening.UNIT: "MTP3 legacy drop, fix",
+                 TailWidening.NONE: "MTP3 legacy drop, no fix",
+                 TailWidening.ONE_BLOCK: "MTP3 legacy drop, 1-block"}[widening]
+    else:
+        label = f"{'MTP3' if drafter == 'mtp' else drafter} {hash_mode.label}"
+    return RetentionRow(label, hash_mode.label, cached)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix-len", type=int, default=16384)
+    parser.add_argument("--retention", type=int, default=8192)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--without-fix", action="store_true",
+                        help="only the rows without the fix (legacy drop, no widening)")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prefix_len < 64 or args.window < 2:
+        raise ValueError("--prefix-len must be >= 64 and --window >= 2")
+    common = dict(prefix_len=args.prefix_len, retention=args.retention, window=args.window)
+    if args.without_fix:
+        variants = [("mtp", True, TailWidening.NONE)]
+    else:
+        variants = [("mtp", True, TailWidening.NONE), ("mtp", True, TailWidening.ONE_BLOCK),
+                    ("mtp", True, TailWidening.UNIT), ("gemma4_mtp", True, TailWidening.UNIT),
+                    ("mtp", False, TailWidening.UNIT)]
+    rows = [run_scenario(drafter, legacy, widening, **common)
+            for drafter, legacy, widening in variants]
+    if args.json:
+        print(json.dumps([asdict(row) for row in rows]))
+        return 0
+    table = Table(title=f"cached tokens of 4 sequential requests sharing a {args.prefix_len}-"
+                        f"token prefix (full block 32, SWA window {args.window} block 16, "
+                        f"U=32, retention {args.retention})")
+    table.add_column("setup", no_wrap=True)
+    for index in range(len(rows[0].cached_tokens)):
+        table.add_column(f"req {index + 1}", justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(row.label, *(str(tokens) for tokens in row.cached_tokens))
+    console = Console()
+    console.print(table)
+    console.print("req 2 diverges right after the checkpoint at 16,384; req 3 inside req 1's "
+                  "suffix; req 4 repeats req 1.")
+    return 0
