@@ -1,0 +1,145 @@
+"""Benchmark workloads: vLLM's `prefix_repetition` generator and JSONL prompt files.
+
+Owns turning workload parameters into a list of `WorkloadRequest`s (token ids + output length).
+`prefix_repetition`: `num_prefixes` random prefixes, each shared by
+`num_prompts // num_prefixes` prompts with their own random suffixes:
+
+    prompt = [ prefix_k (prefix_len tokens) | suffix (suffix_len tokens) ]
+
+Random token ids are decoded to text and re-encoded, then cut or padded to the exact length,
+so prompts are text a tokenizer really produces (as vLLM's generator does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+
+class TextTokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+    prefix_index: int | None = None  # which shared prefix, for prefix_repetition
+
+
+@dataclass(frozen=True)
+class PrefixRepetitionConfig:
+    prefix_len: int = 256
+    suffix_len: int = 256
+    num_prefixes: int = 10
+    output_len: int = 128
+    num_prompts: int = 100
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_len", "suffix_len", "output_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefix_len + self.suffix_len <= 0:
+            raise ValueError("prefix_len + suffix_len must be > 0")
+        if self.output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
+        if self.num_prefixes < 1:
+            raise ValueError(f"num_prefixes must be >= 1, got {self.num_prefixes}")
+        if self.num_prompts < self.num_prefixes:
+            raise ValueError(
+                f"num_prompts ({self.num_prompts}) must be >= num_prefixes ({self.num_prefixes})"
+            )
+
+
+def exact_length_tokens(rng: np.random.Generator, length: int, vocab_size: int,
+                        tokenizer: TextTokenizer | None) -> list[int]:
+    """`length` token ids that survive a decode/encode round trip (when a tokenizer is
+    given). Pure given the generator state."""
+    if length == 0:
+        return []
+    token_ids = rng.integers(0, vocab_size, size=length).tolist()
+    if tokenizer is None:
+        return token_ids
+    for _ in range(4):
+        reencoded = tokenizer.encode(tokenizer.decode(token_ids))
+        if len(reencoded) >= length:
+            return reencoded[:length]
+        token_ids = reencoded + rng.integers(0, vocab_size, size=length - len(reencoded)).tolist()
+    return token_ids[:length]
+
+
+def prefix_repetition(config: PrefixRepetitionConfig, vocab_size: int,
+                      tokenizer: TextTokenizer | None = None) -> list[WorkloadRequest]:
+    """The workload; deterministic in `config.seed`. Pure."""
+    rng = np.random.default_rng(config.seed)
+    prompts_per_prefix = config.num_prompts // config.num_prefixes
+    requests = []
+    for prefix_index in range(config.num_prefixes):
+        prefix = exact_length_tokens(rng, config.prefix_len, vocab_size, tokenizer)
+        for _ in range(prompts_per_prefix):
+            suffix = exact_length_tokens(rng, config.suffix_len, vocab_size, tokenizer)
+            requests.append(WorkloadRequest(prefix + suffix, config.output_len, prefix_index))
+    if config.shuffle:
+        order = rng.permutation(len(requests))
+        requests = [requests[index] for index in order]
+    return requests
+
+
+def oracle_hit_tokens(requests: list[WorkloadRequest], block_size: int) -> int:
+    """Prompt tokens a perfect cache of unbounded size could serve, in arrival order: each
+    prompt reuses whole blocks of its longest common prefix with any earlier prompt, at most
+    N - 1 tokens. Pure."""
+    seen: set[tuple[int, ...]] = set()
+    total = 0
+    for request in requests:
+        tokens = request.prompt_token_ids
+        num_blocks = (len(tokens) - 1) // block_size
+        hit_blocks = 0
+        for index in range(num_blocks):
+            if tuple(tokens[: (index + 1) * block_size]) in seen:
+                hit_blocks = index + 1
+            else:
+                break
+        total += hit_blocks * block_size
+        for index in range(len(tokens) // block_size):
+            seen.add(tuple(tokens[: (index + 1) * block_size]))
+    return total
+
+
+def load_jsonl(path: Path, tokenizer: TextTokenizer, default_output_len: int
+               ) -> list[WorkloadRequest]:
+    """One JSON object per line: `{"prompt": str}` or `{"prompt_token_ids": [...]}`, optional
+    `"output_len"`."""
+    requests = []
+    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_number}: not JSON ({error.msg})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{line_number}: expected an object")
+        if "prompt_token_ids" in item:
+            token_ids = [int(token) for token in item["prompt_token_ids"]]
+        elif isinstance(item.get("prompt"), str):
+            token_ids = tokenizer.encode(item["prompt"])
+        else:
+            raise ValueError(f"{path}:{line_number}: needs 'prompt' or 'prompt_token_ids'")
+        output_len = int(item.get("output_len", default_output_len))
+        if output_len < 1:
+            raise ValueError(f"{path}:{line_number}: output_len must be >= 1")
+        requests.append(WorkloadRequest(token_ids, output_len))
+    if not requests:
+        raise ValueError(f"{path}: no prompts")
+    return requests
