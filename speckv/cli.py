@@ -15,12 +15,16 @@ from collections.abc import Sequence
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "speckv.demo", "the main job: hit lengths and hashing cost, at a glance"),
+    (("generate",), "speckv.engine.generate_cli",
+     "stream one completion from the built-in model (or --model DIR)"),
     (("hash",), "speckv.hash_cli", "print the block hashes of a token list (router debugging)"),
     (("bench", "hit-length"), "speckv.bench.hit_length",
      "cached tokens of a repeated prompt, per drafter and hash mode"),
     (("bench", "retention"), "speckv.bench.retention",
      "sliding-window retention under the legacy drop (seed 003's scenario)"),
     (("bench", "hash"), "speckv.bench.hash_cost", "CPU cost of the block-hash formats"),
+    (("bench", "throughput"), "speckv.bench.throughput",
+     "engine vs transformers on the built-in model: prefill, decode, cached TTFT"),
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),
     (("bench", "events"), "speckv.events.bench", "KV-event publisher and router throughput"),

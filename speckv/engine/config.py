@@ -1,0 +1,118 @@
+"""EngineConfig: every engine knob in one frozen, validated place.
+
+Owns the engine's shape: block size, KV cache size (a block count, or a memory budget turned
+into one), the per-step token budget, the batch size limit, the context limit, prefix caching,
+dtype/device, the block-hash algorithm and seed, and the speculative proposer. Bad values raise
+a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speckv.hashing.functions import HASH_ALGOS
+
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
+
+
+def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks incl. the null block; None: from the budget
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES  # used when num_blocks is None
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 64  # running requests, at most
+    max_model_len: int | None = None  # tokens per sequence; None: the model's max positions
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None  # NONE_HASH seed; None: PYTHONHASHSEED or random
+    seed: int = 0  # base of per-request sampling seeds when a request sets none
+    speculative_method: str | None = None  # "ngram" or None
+    num_spec_tokens: int = 0  # drafts proposed per request per step
+    prompt_lookup_min: int = 1  # n-gram proposer: shortest suffix matched, tokens
+    prompt_lookup_max: int = 3  # n-gram proposer: longest suffix matched, tokens
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        _check_positive_int("num_blocks", self.num_blocks, allow_none=True)
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("EngineConfig.num_blocks must be >= 2 (block 0 is the null block)")
+        _check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"EngineConfig.enable_prefix_caching must be a bool, got "
+                f"{self.enable_prefix_caching!r}"
+            )
+        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+        if dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if not isinstance(self.device, str) or not (
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")
+        ):
+            raise ValueError(
+                f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}"
+            )
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"EngineConfig.hash_algo must be one of {tuple(HASH_ALGOS)}, got "
+                f"{self.hash_algo!r}"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(
+                f"EngineConfig.speculative_method must be None or one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        if (
+            not isinstance(self.num_spec_tokens, int)
+            or isinstance(self.num_spec_tokens, bool)
+            or self.num_spec_tokens < 0
+        ):
+            raise ValueError(
+                f"EngineConfig.num_spec_tokens must be an int >= 0, got {self.num_spec_tokens!r}"
+            )
+        if self.speculative_method is not None and self.num_spec_tokens == 0:
+            raise ValueError("EngineConfig.num_spec_tokens must be >= 1 with a speculative_method")
+        if self.speculative_method is None and self.num_spec_tokens:
+            raise ValueError("EngineConfig.num_spec_tokens needs a speculative_method")
+        _check_positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        _check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError("EngineConfig.prompt_lookup_max must be >= prompt_lookup_min")
+        if self.max_num_batched_tokens < 1 + self.num_spec_tokens:
+            raise ValueError(
+                "EngineConfig.max_num_batched_tokens must fit one decode step "
+                f"(1 + num_spec_tokens = {1 + self.num_spec_tokens})"
+            )
+
+    # ---- derived -------------------------------------------------------------------------------
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device: CUDA was requested but is not available")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().type == "cuda" else "float32"

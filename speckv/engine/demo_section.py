@@ -1,0 +1,66 @@
+"""The built-in model section of `speckv demo` (the demo owner calls `run_model_demo`).
+
+Owns a short, real run of the engine on SmolLM2-135M-Instruct: one chat prompt sent twice
+(cached prompt tokens and time to first token for each), then a small batch with tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+QUESTION = (
+    "You are a concise assistant. Explain in two sentences why caching the KV of a shared "
+    "prompt prefix makes the second request answer faster."
+)
+BATCH = [
+    "Name three primary colors.",
+    "What is the capital of Italy?",
+    "Give one tip for writing clean code.",
+    "What does a CPU do?",
+]
+
+
+def run_model_demo(console: Console, max_tokens: int = 32) -> None:
+    from speckv.engine.llm import LLM
+    from speckv.engine.sampling_params import SamplingParams
+    from speckv.models.builtin import BuiltinModelMissingError
+
+    try:
+        llm = LLM("builtin")
+    except BuiltinModelMissingError as error:
+        console.print(f"[yellow]built-in model unavailable:[/] {error}")
+        return
+    engine = llm.engine
+    console.print(
+        f"[bold]Built-in model[/] SmolLM2-135M-Instruct on {engine.runner.device} "
+        f"({engine.model.dtype}), {engine.num_blocks} KV blocks of {engine.config.block_size}"
+    )
+    params = SamplingParams(max_tokens=max_tokens)
+    prompt = llm.chat_prompt(QUESTION)
+    table = Table(title="one prompt sent twice")
+    table.add_column("run")
+    table.add_column("prompt tokens", justify="right")
+    table.add_column("cached tokens", justify="right")
+    table.add_column("TTFT (ms)", justify="right")
+    table.add_column("answer")
+    for label in ("first (cold)", "second (prefix hit)"):
+        (out,) = llm.generate([prompt], params)
+        table.add_row(
+            label, str(len(out.prompt_token_ids)), str(out.num_cached_tokens),
+            f"{(out.ttft_s or 0) * 1e3:.0f}", out.text.strip().replace("\n", " ")[:60],
+        )
+    console.print(table)
+    start = time.perf_counter()
+    outs = llm.generate([llm.chat_prompt(q) for q in BATCH], params)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.token_ids) for o in outs)
+    batch = Table(title=f"batch of {len(BATCH)}: {num_tokens} tokens, "
+                        f"{num_tokens / elapsed:.1f} tokens/s")
+    batch.add_column("prompt")
+    batch.add_column("answer")
+    for question, out in zip(BATCH, outs):
+        batch.add_row(question, out.text.strip().replace("\n", " ")[:70])
+    console.print(batch)

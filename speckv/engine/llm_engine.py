@@ -1,0 +1,400 @@
+"""LLMEngine: add requests, step, abort. One step = schedule → run → sample → update → publish.
+
+Owns the per-request serving state (sampling params, generator, text, timings) and the order
+of one step:
+
+    schedule (scheduler.py: hits, chunked prefill, preemption)
+    run the model (model_runner.py: logits only at rows that sample)
+    sample / verify drafts (sampler.py), truncated at the first stop: EOS, stop token,
+        stop string, max_tokens or max_model_len; `Request.apply_verification`
+    proposer (proposer.py): writes draft KV for every position made final this step, then
+        proposes the next drafts; runs BEFORE finished requests are freed (SPEC §5)
+    finish: `KVCacheManager.finish` (caches what the last token completed, then frees)
+    publish the step's KV events (optional)
+
+Bad requests raise a ValueError from `add_request` and never enter the batch; the engine keeps
+serving the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from speckv.attention import num_blocks_for_budget
+from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.events import KVCacheEvent, KVEventSink
+from speckv.engine.config import EngineConfig
+from speckv.engine.model_runner import ModelRunner, RunnerOutput
+from speckv.engine.outputs import RequestOutput
+from speckv.engine.proposer import NgramProposer, Proposer, ProposerInput
+from speckv.engine.request import BlockHashing, Request, RequestStatus
+from speckv.engine.sampler import make_generator, verify_greedy, verify_random
+from speckv.engine.sampling_params import SamplingParams
+from speckv.engine.scheduler import Scheduler, SchedulerOutput
+from speckv.hashing.functions import get_hash_algo, make_none_hash
+from speckv.models.llama import LlamaForCausalLM
+from speckv.models.tokenizer import Tokenizer
+from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class EventPublisher(Protocol):
+    def publish(self, events: Sequence[KVCacheEvent]) -> Any: ...
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    arrival_s: float
+    first_token_s: float | None = None
+    text: str = ""
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        proposer: Proposer | None = None,
+        event_publisher: EventPublisher | None = None,
+        detokenize: bool = True,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.detokenize = detokenize and tokenizer is not None
+        model_config = model.config
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        block_size = config.block_size
+        assert model_config.head_dim is not None
+        self.num_blocks = config.num_blocks or num_blocks_for_budget(
+            config.kv_cache_memory_bytes,
+            model_config.num_hidden_layers,
+            block_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            model.dtype,
+        )
+        policy = make_drafter_policy(config.speculative_method or "none")
+        self.hash_mode = resolve_hash_mode(
+            policy, enable_prefix_caching=config.enable_prefix_caching
+        )
+        algo = get_hash_algo(config.hash_algo)
+        self.hashing = BlockHashing(
+            algo,
+            make_none_hash(algo, config.hash_seed),
+            block_size,
+            [self.hash_mode.lookahead_tokens] if config.enable_prefix_caching else [],
+        )
+        self.event_publisher = event_publisher
+        self.manager = KVCacheManager(
+            [FullAttentionSpec(block_size)],
+            self.num_blocks,
+            self.hash_mode,
+            enable_caching=config.enable_prefix_caching,
+            event_sink=KVEventSink() if event_publisher is not None else None,
+        )
+        if proposer is None and config.speculative_method == "ngram":
+            proposer = NgramProposer(
+                config.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        self.proposer = proposer
+        self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
+        self.scheduler = Scheduler(
+            self.manager, config.max_num_batched_tokens, config.max_num_seqs, self.num_spec_tokens
+        )
+        self.runner = ModelRunner(
+            model,
+            self.manager,
+            self.num_blocks,
+            block_size,
+            aux_layers=tuple(proposer.aux_layers) if proposer is not None else (),
+        )
+        eos = tokenizer.eos_token_ids if tokenizer is not None else ()
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
+        self._states: dict[str, _RequestState] = {}
+        self._counter = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue one request; returns its id. Raises ValueError (engine unchanged) if bad."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        index = next(self._counter)
+        request_id = request_id if request_id is not None else f"req-{index}"
+        if request_id in self._states:
+            raise ValueError(f"request {request_id}: the id is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id}: a text prompt needs a tokenizer")
+            if not prompt:
+                raise ValueError(f"request {request_id}: the prompt is empty")
+            token_ids: Sequence[int] = self.tokenizer.encode(prompt)
+        else:
+            token_ids = prompt
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"request {request_id}: the prompt has {len(token_ids)} tokens, more than "
+                f"max_model_len ({self.max_model_len})"
+            )
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        request = Request(
+            request_id,
+            token_ids,
+            self.hashing,
+            max_tokens=params.max_tokens,
+            eos_token_ids=sorted(stop_ids),
+            vocab_size=self.vocab_size,
+            arrival_time=time.perf_counter(),
+        )
+        capacity = (self.num_blocks - 1) * self.config.block_size
+        if request.num_prompt_tokens + 1 + self.num_spec_tokens > capacity:
+            raise ValueError(
+                f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens but "
+                f"the KV cache holds {capacity} tokens in all"
+            )
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
+            generator = make_generator(seed, self.runner.device)
+        self._states[request_id] = _RequestState(
+            request, params, frozenset(stop_ids), generator, request.arrival_time
+        )
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None: unknown)."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        self.scheduler.remove(state.request)
+        self.manager.free(state.request)
+        state.request.status = RequestStatus.FINISHED_ABORTED
+        state.finish_reason = "abort"
+        return self._output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that produced tokens or
+        finished in it (deltas since the previous output)."""
+        self.num_steps += 1
+        scheduler_output = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if scheduler_output.is_empty:
+            outputs.extend(self._fail_unschedulable())
+            self._publish_events()
+            return outputs
+        runner_output = self.runner.execute(scheduler_output)
+        sampled_states = self._sample_and_update(scheduler_output, runner_output)
+        self._propose(scheduler_output, runner_output)
+        for state in sampled_states:
+            if state.finish_reason is not None:
+                self.manager.finish(state.request)
+                self.scheduler.remove(state.request)
+            outputs.append(self._output(state))
+        self._publish_events()
+        return outputs
+
+    def _sample_and_update(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[_RequestState]:
+        logits = runner_output.logits  # [num_sample_rows, vocab]
+        argmax: list[int] = []
+        if any(
+            self._states[item.request.request_id].params.greedy
+            for item in scheduler_output.scheduled
+            if item.samples
+        ):
+            argmax = logits.argmax(-1).tolist()
+        now = time.perf_counter()
+        updated: list[_RequestState] = []
+        for index, item in enumerate(scheduler_output.scheduled):
+            if not item.samples:
+                continue
+            request = item.request
+            state = self._states[request.request_id]
+            lo, hi = runner_output.logit_offsets[index]
+            drafts = request.spec_token_ids[: item.num_drafts]
+            if state.params.greedy:
+                sampled = verify_greedy(argmax[lo:hi], drafts)
+            else:
+                assert state.generator is not None
+                sampled = verify_random(logits[lo:hi], drafts, state.params, state.generator)
+            sampled, reason = self._truncate_at_stop(state, sampled)
+            request.apply_verification(item.num_drafts, sampled)
+            state.num_draft_tokens += item.num_drafts
+            state.num_accepted_tokens += len(sampled) - 1
+            if state.first_token_s is None:
+                state.first_token_s = now
+            if self.detokenize:
+                self._update_text(state)
+            if reason is not None:
+                state.finish_reason = reason
+                request.status = (
+                    RequestStatus.FINISHED_STOPPED if reason == "stop"
+                    else RequestStatus.FINISHED_LENGTH
+                )
+            updated.append(state)
+        return updated
+
+    def _truncate_at_stop(
+        self, state: _RequestState, sampled: list[int]
+    ) -> tuple[list[int], str | None]:
+        """Cut `sampled` after the first token that ends the request, and say why. Pure."""
+        request = state.request
+        for index, token in enumerate(sampled):
+            kept = sampled[: index + 1]
+            if token in state.stop_token_ids:
+                return kept, "stop"
+            if state.params.stop and self.tokenizer is not None:
+                text = self._decode(state, request.output_token_ids + kept)
+                if any(stop in text for stop in state.params.stop):
+                    return kept, "stop"
+            if (
+                request.num_output_tokens + index + 1 >= state.params.max_tokens
+                or request.num_tokens + index + 1 >= self.max_model_len
+            ):
+                return kept, "length"
+        return sampled, None
+
+    def _decode(self, state: _RequestState, token_ids: Sequence[int]) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=state.params.skip_special_tokens
+        )
+
+    def _update_text(self, state: _RequestState) -> None:
+        text = self._decode(state, state.request.output_token_ids)
+        for stop in state.params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        state.text = text
+
+    def _propose(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
+        if self.proposer is None:
+            return
+        model_output = runner_output.model_output
+        inputs: list[ProposerInput] = []
+        for index, item in enumerate(scheduler_output.scheduled):
+            request = item.request
+            state = self._states[request.request_id]
+            end = request.num_computed_tokens  # rejected drafts are already rolled back
+            row0 = runner_output.token_offsets[index]
+            rows = slice(row0, row0 + end - item.start)
+            room_tokens = state.params.max_tokens - request.num_output_tokens - 1
+            room_len = self.max_model_len - request.num_tokens - 1
+            inputs.append(
+                ProposerInput(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids,
+                    start=item.start,
+                    end=end,
+                    hidden_states=model_output.hidden_states[rows],
+                    prenorm_hidden=model_output.prenorm_hidden[rows],
+                    aux_hidden_states=tuple(h[rows] for h in model_output.aux_hidden_states),
+                    block_table=runner_output.block_tables[index],
+                    slot_mapping=runner_output.slot_mapping[rows],
+                    wants_drafts=item.samples and state.finish_reason is None,
+                    max_drafts=max(0, min(self.num_spec_tokens, room_tokens, room_len)),
+                )
+            )
+        drafts = self.proposer.propose(inputs)
+        for item in inputs:
+            proposed = drafts.get(item.request_id)
+            if proposed and item.wants_drafts:
+                self._states[item.request_id].request.spec_token_ids = [
+                    int(t) for t in proposed[: item.max_drafts]
+                ]
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing could run: the waiting head needs more blocks than the whole cache has."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        request = self.scheduler.waiting[0]
+        state = self._states[request.request_id]
+        self.scheduler.remove(request)
+        self.manager.free(request)
+        request.status = RequestStatus.FINISHED_LENGTH
+        state.finish_reason = "length"
+        state.error = (
+            f"request {request.request_id}: {request.num_tokens} tokens no longer fit in the KV "
+            f"cache ({self.num_blocks - 1} blocks of {self.config.block_size})"
+        )
+        return [self._output(state)]
+
+    def _publish_events(self) -> None:
+        if self.event_publisher is not None:
+            events = self.manager.take_events()
+            if events:
+                self.event_publisher.publish(events)
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        request = state.request
+        output_ids = request.output_token_ids
+        finished = state.finish_reason is not None
+        text = state.text
+        # hold back an incomplete UTF-8 sequence until the next token completes it
+        visible = len(text) if finished or not text.endswith("\ufffd") else len(text) - 1
+        visible = max(visible, state.num_sent_chars)
+        delta_text = text[state.num_sent_chars : visible]
+        delta_ids = output_ids[state.num_sent_tokens :]
+        state.num_sent_chars = visible
+        state.num_sent_tokens = len(output_ids)
+        if finished:
+            self._states.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(output_ids),
+            text=text,
+            delta_token_ids=delta_ids,
+            delta_text=delta_text,
+            num_cached_tokens=request.num_cached_tokens,
+            ttft_s=(state.first_token_s - state.arrival_s) if state.first_token_s else None,
+            finish_reason=state.finish_reason,
+            num_preemptions=request.num_preemptions,
+            num_draft_tokens=state.num_draft_tokens,
+            num_accepted_tokens=state.num_accepted_tokens,
+            error=state.error,
+        )

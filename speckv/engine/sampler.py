@@ -1,0 +1,85 @@
+"""Sampler: next tokens from logits, and verification of draft tokens.
+
+Owns greedy / temperature / top-k / top-p sampling with a per-request `torch.Generator`, and
+draft verification:
+
+- greedy: accept drafts while each equals the target's argmax, then one bonus token (the
+  argmax at the first mismatch, or after the last draft);
+- temperature > 0: standard speculative rejection sampling, which keeps the target
+  distribution exactly. With a draft distribution q: accept draft x with prob
+  min(1, p(x) / q(x)), else sample from norm(max(p - q, 0)) and stop. Proposers here are
+  deterministic (q one-hot), so: accept with prob p(x), else sample from p with x removed.
+
+Logits in: `[1 + num_drafts, vocab]` fp32 rows of one request (row i predicts the token after
+draft i - 1). Out: accepted drafts + one bonus/resampled token, as Python ints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from speckv.engine.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits -> [n, vocab] fp32 probabilities after temperature, top-k, top-p."""
+    logits = logits.float() / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already reach top_p (keeps at least one)
+        exclusive_cum = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = exclusive_cum >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def verify_greedy(argmax_rows: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """Accepted drafts + bonus, from the argmax of each row (len(drafts) + 1 rows)."""
+    sampled: list[int] = []
+    for index, draft in enumerate(drafts):
+        target = argmax_rows[index]
+        sampled.append(target)
+        if target != draft:
+            return sampled
+    sampled.append(argmax_rows[len(drafts)])
+    return sampled
+
+
+def verify_random(
+    logits: torch.Tensor,  # [1 + num_drafts, vocab]
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> list[int]:
+    """Rejection sampling for one-hot (deterministic) drafts; keeps the target distribution."""
+    probs = target_probs(logits, params)  # [1 + num_drafts, vocab]
+    device = probs.device
+    sampled: list[int] = []
+    for index, draft in enumerate(drafts):
+        row = probs[index]
+        u = torch.rand((), generator=generator, device=device)
+        if bool(u < row[draft]):
+            sampled.append(int(draft))
+            continue
+        residual = row.clone()
+        residual[draft] = 0.0
+        sampled.append(int(torch.multinomial(residual, 1, generator=generator).item()))
+        return sampled
+    sampled.append(
+        int(torch.multinomial(probs[len(drafts)], 1, generator=generator).item())
+    )
+    return sampled

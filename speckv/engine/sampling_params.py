@@ -1,0 +1,66 @@
+"""SamplingParams: how one request samples and when it stops. Frozen and validated.
+
+Owns the per-request knobs (temperature, top-k, top-p, seed, max_tokens, stop strings and
+stop token ids). Bad values raise a ValueError naming the field at construction, so a bad
+request never reaches the engine's batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """`temperature == 0` is greedy (the default); `top_k == 0` and `top_p == 1` are off."""
+
+    max_tokens: int = 16  # output tokens, at most
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # per-request torch.Generator seed; None: derived from the engine
+    stop: tuple[str, ...] = ()  # stop strings (excluded from the output text)
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens (kept in the output, like EOS)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if (
+            not isinstance(self.temperature, int | float)
+            or isinstance(self.temperature, bool)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if (
+            not isinstance(self.top_p, int | float)
+            or isinstance(self.top_p, bool)
+            or not (0.0 < self.top_p <= 1.0)
+        ):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop entries must be non-empty strings, got {text!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids entries must be ints >= 0, got {token_id!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

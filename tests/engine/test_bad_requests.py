@@ -1,0 +1,92 @@
+"""Bad requests get a clear error; the other requests finish with the right output."""
+
+from __future__ import annotations
+
+import pytest
+from engine_test_utils import shared_prefix_prompts
+
+from speckv.engine.config import EngineConfig
+from speckv.engine.llm import LLM
+from speckv.engine.llm_engine import LLMEngine
+from speckv.engine.sampling_params import SamplingParams
+from speckv.models.generate import greedy_generate
+
+
+def test_bad_requests_are_rejected_while_others_finish(tiny_model):
+    vocab = tiny_model.config.vocab_size
+    engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_model_len=64))
+    good = shared_prefix_prompts(3, vocab, seed=9)
+    params = SamplingParams(max_tokens=8)
+    for index, prompt in enumerate(good):
+        engine.add_request(prompt, params, f"good{index}")
+    engine.step()  # the good ones are running when the bad ones arrive
+    bad = [
+        ([], "prompt is empty"),
+        ([1, vocab], rf"prompt\[1\] = {vocab} is outside the vocabulary"),
+        ([1, -3], "outside the vocabulary"),
+        ([1] * 65, "more than max_model_len"),
+        ("text", "needs a tokenizer"),
+    ]
+    for prompt, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2], params, "good0")
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+        engine.manager.check_integrity()
+    for index, prompt in enumerate(good):
+        assert final[f"good{index}"].token_ids == greedy_generate(tiny_model, prompt, 8)
+
+
+def test_generate_returns_errors_in_place(tiny_model):
+    llm = LLM(tiny_model, block_size=4, num_blocks=64, max_model_len=64)
+    good = [5, 6, 7, 8, 9]
+    outputs = llm.generate([good, [], [1, 10_000], good], SamplingParams(max_tokens=5))
+    assert [o.finish_reason for o in outputs] == ["length", "error", "error", "length"]
+    assert "empty" in outputs[1].error and "vocabulary" in outputs[2].error
+    assert outputs[0].token_ids == outputs[3].token_ids == greedy_generate(tiny_model, good, 5)
+    # the engine keeps serving after errors
+    assert llm.generate([good], SamplingParams(max_tokens=5))[0].token_ids == outputs[0].token_ids
+
+
+def test_max_model_len_stops_generation(tiny_model):
+    llm = LLM(tiny_model, block_size=4, num_blocks=64, max_model_len=12)
+    (out,) = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=50))
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_blocks": 1}, "num_blocks"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"hash_algo": "md5"}, "hash_algo"),
+        ({"speculative_method": "eagle", "num_spec_tokens": 1}, "speculative_method"),
+        ({"speculative_method": "ngram"}, "num_spec_tokens"),
+    ],
+)
+def test_bad_engine_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_streaming_deltas_add_up(tiny_model):
+    llm = LLM(tiny_model, block_size=4, num_blocks=64)
+    prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
+    seen: dict[str, list[int]] = {}
+    finals = {}
+    for output in llm.stream(prompts, SamplingParams(max_tokens=6)):
+        seen.setdefault(output.request_id, []).extend(output.delta_token_ids)
+        if output.finished:
+            finals[output.request_id] = output
+    assert len(finals) == 2
+    for request_id, output in finals.items():
+        assert seen[request_id] == output.token_ids
+        assert output.ttft_s is not None and output.ttft_s >= 0
