@@ -15,7 +15,9 @@ from speckv.bench.hit_length import measure_hit_length, print_table
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hash-bench", action="store_true",
-                        help="only the hit-length tables")
+                        help="skip the hashing-cost table")
+    parser.add_argument("--skip-model", action="store_true",
+                        help="skip the built-in model (cache tables only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,5 +46,9 @@ def run(args: argparse.Namespace) -> int:
         from speckv.bench.hash_cost import quick_table
 
         quick_table(console)
+    if not args.skip_model:
+        from speckv.engine.demo_section import run_model_demo
+
+        run_model_demo(console)
     console.print("More: speckv bench hit-length | speckv bench hash | speckv bench cache")
     return 0
