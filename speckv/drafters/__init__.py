@@ -1,0 +1,47 @@
+"""Speculative-decoding drafters that keep a draft KV in the target's paged blocks.
+
+EAGLE (`eagle.py`), EAGLE3 (`eagle3.py`) and k-module MTP (`mtp.py`) behind one interface
+(`base.py`: catch-up `write_draft_kv`, `propose`); loaders for the public checkpoint layouts
+(`loaders.py`); a standalone greedy speculative loop (`evaluate.py`); EAGLE training for the
+built-in model (`train.py`) and the shipped trained head (`builtin.py`).
+"""
+
+from speckv.drafters.base import (
+    CatchUpRequest,
+    DraftCarry,
+    Drafter,
+    DraftModule,
+    DraftState,
+    TargetStates,
+)
+from speckv.drafters.builtin import load_builtin_eagle
+from speckv.drafters.eagle import EagleDrafter
+from speckv.drafters.eagle3 import Eagle3Drafter
+from speckv.drafters.loaders import (
+    FORMATS,
+    build_drafter,
+    detect_format,
+    load_drafter,
+    random_drafter,
+    save_drafter,
+)
+from speckv.drafters.mtp import MTPDrafter
+
+__all__ = [
+    "FORMATS",
+    "CatchUpRequest",
+    "DraftCarry",
+    "DraftModule",
+    "DraftState",
+    "Drafter",
+    "Eagle3Drafter",
+    "EagleDrafter",
+    "MTPDrafter",
+    "TargetStates",
+    "build_drafter",
+    "detect_format",
+    "load_builtin_eagle",
+    "load_drafter",
+    "random_drafter",
+    "save_drafter",
+]

@@ -1,0 +1,438 @@
+"""The uniform drafter interface (EAGLE, EAGLE3, k-module MTP) and its shared catch-up logic.
+
+Owns the contract between the engine's `Proposer` adapter and every drafter that keeps a *draft
+KV* in the same paged blocks as the target: what a catch-up pass writes, at which positions, from
+which tokens, and how proposals are drafted from the last real position.
+
+A drafter is a chain of `k` modules (EAGLE / EAGLE3: k = 1; MTP: k modules). Module `j` at
+position `p` reads the token `t[p + j]` and the hidden state `h_{j-1}[p]` (h_0 = the target's
+hidden state at `p`), writes ITS draft KV at `p` and outputs `h_j[p]`, whose logits predict
+`t[p + j + 1]`. So the draft KV at `p` depends on tokens up to `p + L` with `L = k`
+(`draft_kv_lookahead_tokens`): the reason block hashes carry `L` lookahead tokens (SPEC §1).
+
+Positions in one decode step (n = real tokens now known, t[n-1] just sampled; k = 3 shown)::
+
+    position p:          n-4     n-3     n-2   | n-1     n      n+1
+    real tokens:  ... t[n-4]  t[n-3]  t[n-2]   | t[n-1]                (t[n-1] sampled last)
+    target hidden h_0:   ok      ok      ok    |  -   (target has not run on t[n-1] yet)
+    catch-up (write_draft_kv) writes, for every position whose inputs are now all real:
+      module 1 (t[p+1]): .. n-4     n-3     n-2      <- up to n-2; its h_1[n-2] -> draft 1
+      module 2 (t[p+2]): .. n-4     n-3               <- up to n-3 (reaches back 1 position)
+      module j (t[p+j]): up to n-1-j                   (reaches back j-1 positions)
+    propose (provisional KV, overwritten by the next catch-up, never hashed):
+      module 2 at n-2 (token t[n] = draft 1)                 -> draft 2
+      module 3 at n-3, n-2 (tokens draft 1, draft 2)         -> draft 3
+      draft d > k: module k again, one position further each time (EAGLE-style: its own
+      output at p-1 stands in for the unknown hidden at p)   -> drafts k+1 .. S
+
+In one catch-up pass a request whose real-token count grows from n_old to n_new has module j
+write positions [n_old - j, n_new - 1 - j] (clipped below at the pass's first position on a
+fresh request or after a prefix hit). Positions [n_old - j, n_old - 2] need `h_{j-1}` from the
+previous pass: the per-request `DraftCarry` holds them; the engine stores it with the request and
+hands it back (None after a prefix hit or preemption: every position below the hit already has
+all modules' KV, because the hit block's hash covered its `L` lookahead tokens).
+
+Engine contract (block tables and slots):
+- Pass, per request, the SAME block table as the target's (physical block ids, block 0 = null).
+  Every drafter forward builds its own `AttentionMetadata.build(query_lens, seq_lens,
+  block_tables, block_size)` from it (modules write different position ranges).
+- Catch-up writes positions < n - 1; propose writes provisional KV at positions up to
+  `n - 2 + max(0, S - k)`, inside the `num_lookahead_tokens = S` slots the cache manager
+  allocates for the target's verification (positions n-1 .. n-1+S).
+- Order (SPEC §5): run `write_draft_kv` for a step BEFORE publishing the block hashes that the
+  step's new real tokens complete.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from speckv.attention import AttentionMetadata, PagedKVCache
+
+
+@dataclass(frozen=True)
+class TargetStates:
+    """What the target computed at the catch-up positions (flattened over requests)."""
+
+    hidden_states: torch.Tensor  # [num_tokens, hidden] after the final norm (LM-head input)
+    # One [num_tokens, hidden] per aux layer the drafter asked for (EAGLE3), else ().
+    aux_hidden_states: tuple[torch.Tensor, ...] = ()
+
+    def select(self, rows: torch.Tensor) -> TargetStates:
+        """The rows `rows` ([m] int64) of every tensor (e.g. the accepted prefix per request)."""
+        return TargetStates(
+            self.hidden_states.index_select(0, rows),
+            tuple(a.index_select(0, rows) for a in self.aux_hidden_states),
+        )
+
+
+@dataclass
+class DraftCarry:
+    """Per-request state between passes: hidden states a lagging module still has to consume.
+
+    pending[j] holds h_j rows (j = 1..k-1, index j-1 here) at positions
+    [start[j], start[j] + rows) that module j + 1 has not written yet.
+    """
+
+    start: list[int]  # [k - 1] first pending position per module 2..k
+    pending: list[torch.Tensor]  # k - 1 tensors, each [num_pending, hidden]
+    next_position: int = 0  # where the next pass must start for this carry to apply
+
+
+@dataclass(frozen=True)
+class CatchUpRequest:
+    """One request's slice of a catch-up pass.
+
+    The target rows of this request are `num_positions` consecutive rows of `TargetStates`
+    (requests in order), at positions `start_position .. start_position + num_positions - 1`.
+    `next_token_ids` are the REAL tokens t[start_position + 1 ...] known now; at least
+    `num_positions` of them (a non-final prefill chunk may pass up to `L - 1` more so that
+    MTP modules keep up; drafts never go here).
+    """
+
+    start_position: int
+    num_positions: int
+    next_token_ids: Sequence[int]
+    block_table: Sequence[int]
+    carry: DraftCarry | None = None
+
+
+@dataclass
+class _ModuleRows:
+    """Hidden inputs available to one module for one request: rows at consecutive positions."""
+
+    start: int
+    rows: torch.Tensor  # [num_rows, hidden]
+
+
+@dataclass
+class DraftState:
+    """Result of `write_draft_kv`: the carries to store and what `propose` starts from."""
+
+    carries: list[DraftCarry]  # one per request: store on the request, pass back next pass
+    num_real_tokens: list[int]  # per request: tokens t[0 .. n-1] known
+    block_tables: list[list[int]]
+    # Per request: module 1's output at its last written position, [hidden], and that
+    # position; propose needs it at n - 2 (all known real tokens consumed).
+    _last_h1: list[torch.Tensor | None] = field(default_factory=list, repr=False)
+    _last_h1_pos: list[int] = field(default_factory=list, repr=False)
+
+    def subset(self, rows: Sequence[int]) -> DraftState:
+        """The state of the requests `rows` only (e.g. those that want drafts)."""
+        return DraftState(
+            carries=[self.carries[i] for i in rows],
+            num_real_tokens=[self.num_real_tokens[i] for i in rows],
+            block_tables=[self.block_tables[i] for i in rows],
+            _last_h1=[self._last_h1[i] for i in rows],
+            _last_h1_pos=[self._last_h1_pos[i] for i in rows],
+        )
+
+
+class DraftModule(nn.Module, ABC):
+    """One link of the chain: (token t[p+j], hidden h_{j-1}[p]) -> h_j[p], KV written at p."""
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64, t[p + j]
+        hidden: torch.Tensor,  # [num_tokens, hidden] h_{j-1}[p]
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...  # [num_tokens, hidden] h_j[p] (pre final norm)
+
+    @abstractmethod
+    def dense_forward(
+        self,
+        input_ids: torch.Tensor,  # [batch, seq] int64
+        hidden: torch.Tensor,  # [batch, seq, hidden]
+        positions: torch.Tensor,  # [seq] int64
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense causal reference / training path: (h_j [b, s, hidden], k, v [b, s, kv, d])."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, target_vocab] fp32 logits over the TARGET vocabulary."""
+
+
+class Drafter(nn.Module, ABC):
+    """A chain of `k` draft modules sharing the target's embeddings (see module docstring)."""
+
+    modules_chain: nn.ModuleList  # k DraftModule
+    num_kv_heads: int
+    head_dim: int
+
+    # ---- what the engine reads ------------------------------------------------------------
+
+    @property
+    def draft_kv_lookahead_tokens(self) -> int:
+        """L: the draft KV at p depends on tokens up to p + L (1 for EAGLE/EAGLE3, k for MTP)."""
+        return len(self.modules_chain)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers of the drafter's own PagedKVCache (one per module)."""
+        return len(self.modules_chain)
+
+    @property
+    def target_aux_layers(self) -> tuple[int, ...]:
+        """Target decoder layers whose outputs `TargetStates.aux_hidden_states` must carry."""
+        return ()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def make_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> PagedKVCache:
+        """The draft KV: same num_blocks / block_size as the target's, its own layers."""
+        return PagedKVCache(
+            num_layers=self.num_kv_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype or self.dtype,
+            device=device or self.device,
+        )
+
+    @abstractmethod
+    def first_hidden(self, target_states: TargetStates) -> torch.Tensor:
+        """h_0 from the target: [num_tokens, hidden] (EAGLE3 fuses its aux layers here)."""
+
+    # ---- catch-up ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def write_draft_kv(
+        self,
+        target_states: TargetStates,
+        requests: Sequence[CatchUpRequest],
+        kv_cache: PagedKVCache,
+    ) -> DraftState:
+        """Write the draft KV of every position whose inputs just became real (all modules)."""
+        total = sum(r.num_positions for r in requests)
+        if target_states.hidden_states.shape[0] != total:
+            raise ValueError(
+                f"target_states has {target_states.hidden_states.shape[0]} rows, requests "
+                f"declare {total}"
+            )
+        for r in requests:
+            if r.num_positions < 1 or len(r.next_token_ids) < r.num_positions:
+                raise ValueError(
+                    "each request needs >= 1 position and a known next token for each "
+                    f"(got {r.num_positions} positions, {len(r.next_token_ids)} tokens)"
+                )
+        k = len(self.modules_chain)
+        h0 = self.first_hidden(target_states)  # [total, hidden]
+        offs = [0]
+        for r in requests:
+            offs.append(offs[-1] + r.num_positions)
+        # avail[r]: this module's hidden inputs for request r (module 1: the target's rows).
+        avail = [
+            _ModuleRows(r.start_position, h0[offs[i] : offs[i + 1]]) for i, r in enumerate(requests)
+        ]
+        tokens = [list(r.next_token_ids) for r in requests]
+        starts = [r.start_position for r in requests]
+        tables = [r.block_table for r in requests]
+        carries = [DraftCarry([], [], r.start_position + r.num_positions) for r in requests]
+        last_h1: list[torch.Tensor | None] = [None] * len(requests)
+        for j in range(1, k + 1):
+            if j > 1:
+                avail = [_merge(_carried(r.carry, j), out) for r, out in zip(requests, avail)]
+            outs, written = self._run_module(j, avail, tokens, starts, tables, kv_cache)
+            # What module j+1 may consume: module j's outputs, plus leftovers stay pending.
+            for i, (a, w) in enumerate(zip(avail, written)):
+                if j > 1:
+                    left = a.rows[w:]
+                    carries[i].start.append(a.start + w)
+                    carries[i].pending.append(left)
+                elif outs[i] is not None and outs[i].shape[0] > 0:
+                    last_h1[i] = outs[i][-1]
+            avail = [
+                _ModuleRows(a.start, o if o is not None else a.rows[:0])
+                for a, o in zip(avail, outs)
+            ]
+        # Module k's outputs feed nobody during catch-up; propose starts from the carries.
+        return DraftState(
+            carries=carries,
+            num_real_tokens=[r.start_position + 1 + len(r.next_token_ids) for r in requests],
+            block_tables=[list(r.block_table) for r in requests],
+            _last_h1=last_h1,
+            _last_h1_pos=[r.start_position + r.num_positions - 1 for r in requests],
+        )
+
+    def _run_module(
+        self,
+        j: int,
+        avail: list[_ModuleRows],
+        tokens: list[list[int]],
+        token_starts: list[int],
+        block_tables: Sequence[Sequence[int]],
+        kv_cache: PagedKVCache,
+        max_position: list[int] | None = None,
+    ) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Run module j on every position it can write: p with t[p + j] in `tokens`.
+
+        tokens[i] are t[token_starts[i] + 1 ...]. Returns per request the outputs [w, hidden]
+        (None when w = 0) and w, the number of rows written from the front of avail[i].
+        """
+        module = self.modules_chain[j - 1]
+        ids: list[int] = []
+        rows: list[torch.Tensor] = []
+        positions: list[int] = []
+        q_lens: list[int] = []
+        s_lens: list[int] = []
+        tables: list[Sequence[int]] = []
+        counts: list[int] = []
+        for i, a in enumerate(avail):
+            last_tok_pos = token_starts[i] + len(tokens[i])  # position of the last known token
+            end = min(a.start + a.rows.shape[0], last_tok_pos - j + 1)  # exclusive
+            if max_position is not None:
+                end = min(end, max_position[i] + 1)
+            w = max(0, end - a.start)
+            counts.append(w)
+            if w == 0:
+                continue
+            off = token_starts[i] + 1
+            ids.extend(tokens[i][a.start + j - off : a.start + j - off + w])
+            rows.append(a.rows[:w])
+            positions.extend(range(a.start, a.start + w))
+            q_lens.append(w)
+            s_lens.append(a.start + w)
+            tables.append(block_tables[i])
+        if not q_lens:
+            return [None] * len(avail), counts
+        device = self.device
+        md = AttentionMetadata.build(q_lens, s_lens, tables, kv_cache.block_size, device)
+        out = module(
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.cat(rows).to(self.dtype),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            kv_cache,
+            md,
+        )  # [sum(w), hidden]
+        res: list[torch.Tensor | None] = []
+        o = 0
+        for w in counts:
+            res.append(out[o : o + w] if w else None)
+            o += w
+        return res, counts
+
+    # ---- proposals ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        state: DraftState,
+        num_spec_tokens: int,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Greedy drafts [num_reqs, num_spec_tokens] int64 from each request's last position.
+
+        Writes provisional draft KV (positions n-2 .. n-2+max(0, S-k) and, for MTP module j,
+        n-j .. n-2); the next catch-up overwrites every provisional position before any block
+        that contains it is hashed. Does not change `state`.
+        """
+        if num_spec_tokens < 1:
+            raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
+        k = len(self.modules_chain)
+        nreq = len(state.num_real_tokens)
+        for i, (h, p) in enumerate(zip(state._last_h1, state._last_h1_pos)):
+            if h is None or p != state.num_real_tokens[i] - 2:
+                raise ValueError(
+                    f"request {i}: propose needs the catch-up to end at the last real token "
+                    "(pass exactly num_positions next tokens)"
+                )
+        m1 = self.modules_chain[0]
+        h_last = torch.stack([h for h in state._last_h1 if h is not None])  # [nreq, hidden]
+        drafts = [m1.compute_logits(h_last).argmax(-1)]  # each [nreq]
+        n = state.num_real_tokens
+        # Tokens seen by propose: drafts, placed at positions n, n+1, ...
+        tok_lists: list[list[int]] = [[] for _ in range(nreq)]
+
+        def add_drafts(d: torch.Tensor) -> None:
+            for i, v in enumerate(d.tolist()):
+                tok_lists[i].append(int(v))
+
+        add_drafts(drafts[0])
+        tok_starts = [x - 1 for x in n]  # tok_lists[i][0] is t[n_i]
+        prev_out: list[torch.Tensor | None] = [None] * nreq  # module d-1's provisional outputs
+        prev_start = [x - 2 for x in n]
+        for d in range(2, min(num_spec_tokens, k) + 1):
+            avail = []
+            for i in range(nreq):
+                c = state.carries[i]
+                a = _ModuleRows(c.start[d - 2], c.pending[d - 2])
+                extra = prev_out[i]
+                if extra is not None:
+                    a = _merge(a, _ModuleRows(prev_start[i], extra))
+                avail.append(a)
+            outs, written = self._run_module(
+                d,
+                avail,
+                tok_lists,
+                tok_starts,
+                state.block_tables,
+                kv_cache,
+                max_position=[x - 2 for x in n],
+            )
+            for i, w in enumerate(written):
+                if w == 0 or outs[i] is None or avail[i].start + w - 1 != n[i] - 2:
+                    raise RuntimeError(f"module {d} could not reach position n-2 for request {i}")
+            prev_out = outs
+            prev_start = [a.start for a in avail]
+            h_last = torch.stack([o[-1] for o in outs if o is not None])
+            dk = self.modules_chain[d - 1].compute_logits(h_last).argmax(-1)
+            drafts.append(dk)
+            add_drafts(dk)
+        # Beyond k modules: module k autoregressively, one position further per draft.
+        mk = self.modules_chain[k - 1]
+        for d in range(len(drafts) + 1, num_spec_tokens + 1):
+            pos = [x - 2 + (d - k) for x in n]
+            ids = torch.tensor([tok_lists[i][-1] for i in range(nreq)], device=self.device)
+            md = AttentionMetadata.build(
+                [1] * nreq,
+                [p + 1 for p in pos],
+                state.block_tables,
+                kv_cache.block_size,
+                self.device,
+            )
+            h_last = mk(ids, h_last, torch.tensor(pos, device=self.device), kv_cache, md)
+            dk = mk.compute_logits(h_last).argmax(-1)
+            drafts.append(dk)
+            add_drafts(dk)
+        return torch.stack(drafts, dim=1)  # [num_reqs, num_spec_tokens]
+
+
+def _carried(carry: DraftCarry | None, j: int) -> _ModuleRows | None:
+    if carry is None or len(carry.pending) < j - 1:
+        return None
+    return _ModuleRows(carry.start[j - 2], carry.pending[j - 2])
+
+
+def _merge(a: _ModuleRows | None, b: _ModuleRows) -> _ModuleRows:
+    """Rows of a then b; they must cover consecutive positions (a may be None or empty)."""
+    if a is None or a.rows.shape[0] == 0:
+        return b
+    if b.rows.shape[0] == 0:
+        return a
+    if a.start + a.rows.shape[0] != b.start:
+        raise ValueError(
+            f"hidden rows not contiguous: pending ends at {a.start + a.rows.shape[0]}, new rows "
+            f"start at {b.start} (pass carries back in order, one pass per step)"
+        )
+    return _ModuleRows(a.start, torch.cat([a.rows, b.rows]))

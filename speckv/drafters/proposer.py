@@ -1,0 +1,80 @@
+"""`DrafterProposer`: the engine's `Proposer` protocol on top of a drafter (EAGLE/EAGLE3/MTP).
+
+Owns the translation from the engine's per-step `ProposerInput`s (positions made final this
+step, their target hidden states, the request's real tokens and block table) to one batched
+`Drafter.write_draft_kv` catch-up and one batched `Drafter.propose`, the drafter's own
+`PagedKVCache` (same num_blocks / block_size as the target's), and the per-request
+`DraftCarry` (dropped when a request's next pass does not continue where the last ended: a
+prefix hit or a resumed preemption starts fresh, which is correct because every position below
+the new start already has all modules' draft KV).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
+from speckv.engine.proposer import ProposerInput
+
+
+class DrafterProposer:
+    """Engine adapter: call `propose(inputs)` once per step (see speckv/engine/proposer.py)."""
+
+    def __init__(
+        self, drafter: Drafter, num_spec_tokens: int, num_blocks: int, block_size: int
+    ) -> None:
+        if num_spec_tokens < 1:
+            raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
+        self.drafter = drafter
+        self.num_spec_tokens = num_spec_tokens
+        self.aux_layers: tuple[int, ...] = drafter.target_aux_layers
+        self.kv_cache = drafter.make_kv_cache(num_blocks, block_size)
+        self._carries: dict[str, DraftCarry] = {}
+
+    @property
+    def draft_kv_lookahead_tokens(self) -> int:
+        return self.drafter.draft_kv_lookahead_tokens
+
+    def free(self, request_id: str) -> None:
+        """Forget a finished request's carry (the engine should call this when it frees one)."""
+        self._carries.pop(request_id, None)
+
+    def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
+        items = [x for x in inputs if x.end > x.start]
+        if not items:
+            return {}
+        L = self.drafter.draft_kv_lookahead_tokens
+        reqs = []
+        for x in items:
+            carry = self._carries.get(x.request_id)
+            if carry is not None and carry.next_position != x.start:
+                carry = None  # prefix hit / preemption: positions below start are complete
+            # Real tokens after each final position, plus up to L - 1 more known ones (prefill).
+            nxt = list(x.token_ids[x.start + 1 : x.end + L])
+            reqs.append(CatchUpRequest(x.start, x.end - x.start, nxt, x.block_table, carry))
+        states = TargetStates(
+            torch.cat([x.hidden_states for x in items]),
+            tuple(
+                torch.cat([x.aux_hidden_states[i] for x in items])
+                for i in range(len(self.aux_layers))
+            ),
+        )
+        state = self.drafter.write_draft_kv(states, reqs, self.kv_cache)
+        for x, c in zip(items, state.carries):
+            self._carries[x.request_id] = c
+        # Draft only for requests whose catch-up reached their last real token.
+        want = [
+            i
+            for i, x in enumerate(items)
+            if x.wants_drafts and x.max_drafts > 0 and x.end == len(x.token_ids) - 1
+        ]
+        if not want:
+            return {}
+        sub = state.subset(want)
+        drafts = self.drafter.propose(sub, self.num_spec_tokens, self.kv_cache).tolist()
+        return {
+            items[i].request_id: d[: min(items[i].max_drafts, self.num_spec_tokens)]
+            for i, d in zip(want, drafts)
+        }

@@ -1,0 +1,68 @@
+"""DrafterProposer (the engine's Proposer seam) drives a drafter like the standalone loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, shuffled_table, tiny_target
+
+from speckv.attention import AttentionMetadata
+from speckv.drafters.evaluate import speculative_generate
+from speckv.drafters.proposer import DrafterProposer
+from speckv.engine.proposer import ProposerInput
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab_size=6, init_std=0.5, seed=2)
+
+
+@pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
+def test_proposer_loop_matches_standalone_loop(fmt, kw, target):
+    bs, S, new_tokens = 4, 3, 24
+    prompt = [1, 4, 2, 2, 5, 0, 3, 1, 4, 4, 2]
+    d = make_drafter(fmt, kw, target)
+    ref = speculative_generate(target, d, prompt, new_tokens, S, block_size=bs)
+    table = shuffled_table(16, seed=1)
+    kv = target.make_kv_cache(16, bs)
+    prop = DrafterProposer(d, S, 16, bs)
+    aux = prop.aux_layers
+
+    def run(ids, start):
+        md = AttentionMetadata.build([len(ids)], [start + len(ids)], [table], bs)
+        out = target(torch.tensor(ids), md.positions(), kv, md, aux)
+        return target.compute_logits(out.hidden_states).argmax(-1).tolist(), out
+
+    def item(tokens, start, end, out, rows, wants):
+        return ProposerInput(
+            "r",
+            list(tokens),
+            start,
+            end,
+            out.hidden_states[:rows],
+            out.prenorm_hidden[:rows],
+            tuple(a[:rows] for a in out.aux_hidden_states),
+            table,
+            torch.empty(0),
+            wants,
+            S,
+        )
+
+    tokens = list(prompt)
+    _, out = run(tokens[:6], 0)  # prefill chunk 1: no drafts yet
+    assert prop.propose([item(tokens, 0, 6, out, 6, False)]) == {}
+    g, out = run(tokens[6:], 6)
+    tokens.append(g[-1])
+    drafts = prop.propose([item(tokens, 6, len(prompt), out, 5, True)])["r"]
+    accepted = []
+    while len(tokens) - len(prompt) < new_tokens:
+        n = len(tokens)
+        g, out = run([tokens[-1], *drafts], n - 1)
+        a = 0
+        while a < S and drafts[a] == g[a]:
+            a += 1
+        accepted.append(a)
+        tokens += [*drafts[:a], g[a]]
+        drafts = prop.propose([item(tokens, n - 1, n + a, out, a + 1, True)])["r"]
+    assert tokens[len(prompt) :][:new_tokens] == ref.tokens
+    assert accepted == ref.accepted_per_step
