@@ -14,7 +14,8 @@ import torch
 
 from speckv.hashing.functions import HASH_ALGOS
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle", "eagle3", "mtp")
+DRAFT_MODEL_METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
 
@@ -40,8 +41,10 @@ class EngineConfig:
     hash_algo: str = "sha256"
     hash_seed: str | None = None  # NONE_HASH seed; None: PYTHONHASHSEED or random
     seed: int = 0  # base of per-request sampling seeds when a request sets none
-    speculative_method: str | None = None  # "ngram" or None
+    speculative_method: str | None = None  # None, "ngram", or a drafter: eagle / eagle3 / mtp
     num_spec_tokens: int = 0  # drafts proposed per request per step
+    draft_model: str | None = None  # drafter dir, or "builtin" (the shipped SmolLM2 EAGLE head)
+    disable_lookahead_block_hashes: bool = False  # legacy hashes + the last-block drop
     prompt_lookup_min: int = 1  # n-gram proposer: shortest suffix matched, tokens
     prompt_lookup_max: int = 3  # n-gram proposer: longest suffix matched, tokens
 
@@ -94,6 +97,13 @@ class EngineConfig:
             raise ValueError("EngineConfig.num_spec_tokens must be >= 1 with a speculative_method")
         if self.speculative_method is None and self.num_spec_tokens:
             raise ValueError("EngineConfig.num_spec_tokens needs a speculative_method")
+        if self.draft_model is not None and self.speculative_method not in DRAFT_MODEL_METHODS:
+            raise ValueError(
+                f"EngineConfig.draft_model needs speculative_method in {DRAFT_MODEL_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not isinstance(self.disable_lookahead_block_hashes, bool):
+            raise ValueError("EngineConfig.disable_lookahead_block_hashes must be a bool")
         _check_positive_int("prompt_lookup_min", self.prompt_lookup_min)
         _check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_max < self.prompt_lookup_min:

@@ -16,6 +16,7 @@ from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
+from speckv.engine.speculative import load_configured_drafter
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
 
@@ -74,7 +75,8 @@ class LLM:
             )
             tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(loaded, config, tokenizer)
+        drafter = load_configured_drafter(config, loaded)
+        self.engine = LLMEngine(loaded, config, tokenizer, drafter=drafter)
 
     def chat_prompt(self, user_text: str) -> str:
         """`user_text` wrapped in the model's chat template (the text itself without one)."""

@@ -32,15 +32,16 @@ from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.engine.config import EngineConfig
 from speckv.engine.model_runner import ModelRunner, RunnerOutput
 from speckv.engine.outputs import RequestOutput
-from speckv.engine.proposer import NgramProposer, Proposer, ProposerInput
+from speckv.engine.proposer import Proposer, ProposerInput
 from speckv.engine.request import BlockHashing, Request, RequestStatus
 from speckv.engine.sampler import make_generator, verify_greedy, verify_random
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.scheduler import Scheduler, SchedulerOutput
+from speckv.engine.speculative import Drafter, make_proposer
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
-from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
+from speckv.spec.policy import HashMode, make_drafter_policy, resolve_hash_mode
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -80,7 +81,11 @@ class LLMEngine:
         proposer: Proposer | None = None,
         event_publisher: EventPublisher | None = None,
         detokenize: bool = True,
+        drafter: Drafter | None = None,
+        hash_mode_override: HashMode | None = None,
     ) -> None:
+        """`hash_mode_override` bypasses the policy decision; only the draft-KV benchmark's
+        negative control uses it (legacy hashes without the drop serve stale draft KV)."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -98,16 +103,13 @@ class LLMEngine:
             model_config.head_dim,
             model.dtype,
         )
-        policy = make_drafter_policy(config.speculative_method or "none")
-        self.hash_mode = resolve_hash_mode(
-            policy, enable_prefix_caching=config.enable_prefix_caching
-        )
-        algo = get_hash_algo(config.hash_algo)
-        self.hashing = BlockHashing(
-            algo,
-            make_none_hash(algo, config.hash_seed),
-            block_size,
-            [self.hash_mode.lookahead_tokens] if config.enable_prefix_caching else [],
+        if proposer is None:
+            proposer = make_proposer(config, drafter, self.num_blocks)
+        policy = proposer.policy if proposer is not None else make_drafter_policy("none")
+        self.hash_mode = hash_mode_override or resolve_hash_mode(
+            policy,
+            enable_prefix_caching=config.enable_prefix_caching,
+            disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
         )
         self.event_publisher = event_publisher
         self.manager = KVCacheManager(
@@ -117,10 +119,13 @@ class LLMEngine:
             enable_caching=config.enable_prefix_caching,
             event_sink=KVEventSink() if event_publisher is not None else None,
         )
-        if proposer is None and config.speculative_method == "ngram":
-            proposer = NgramProposer(
-                config.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-            )
+        algo = get_hash_algo(config.hash_algo)
+        self.hashing = BlockHashing(
+            algo,
+            make_none_hash(algo, config.hash_seed),
+            self.manager.hash_block_size,
+            self.manager.lookahead_values if config.enable_prefix_caching else [],
+        )
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.scheduler = Scheduler(
@@ -202,9 +207,14 @@ class LLMEngine:
             return None
         self.scheduler.remove(state.request)
         self.manager.free(state.request)
+        self._forget(request_id)
         state.request.status = RequestStatus.FINISHED_ABORTED
         state.finish_reason = "abort"
         return self._output(state)
+
+    def get_request(self, request_id: str) -> Request:
+        """The scheduler-side state of an unfinished request (read-only use)."""
+        return self._states[request_id].request
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -231,6 +241,7 @@ class LLMEngine:
             if state.finish_reason is not None:
                 self.manager.finish(state.request)
                 self.scheduler.remove(state.request)
+                self._forget(state.request.request_id)
             outputs.append(self._output(state))
         self._publish_events()
         return outputs
@@ -362,6 +373,12 @@ class LLMEngine:
             f"cache ({self.num_blocks - 1} blocks of {self.config.block_size})"
         )
         return [self._output(state)]
+
+    def _forget(self, request_id: str) -> None:
+        """Drop the proposer's per-request state (drafters carry KV bookkeeping)."""
+        free = getattr(self.proposer, "free", None)
+        if free is not None:
+            free(request_id)
 
     def _publish_events(self) -> None:
         if self.event_publisher is not None:

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from speckv.spec.policy import DrafterPolicy, NgramDrafter
+
 
 @dataclass(frozen=True)
 class ProposerInput:
@@ -42,6 +44,7 @@ class ProposerInput:
 
 class Proposer(Protocol):
     num_spec_tokens: int
+    policy: DrafterPolicy  # decides lookahead hashes vs the legacy drop (speckv.spec.policy)
     # Target layers whose outputs the drafter reads (EAGLE3); () for none.
     aux_layers: tuple[int, ...]
 
@@ -57,6 +60,7 @@ class NgramProposer:
     (L = 0)."""
 
     aux_layers: tuple[int, ...] = ()
+    policy: DrafterPolicy = NgramDrafter()
 
     def __init__(self, num_spec_tokens: int, min_n: int = 1, max_n: int = 3) -> None:
         if num_spec_tokens < 1 or min_n < 1 or max_n < min_n:

@@ -68,7 +68,7 @@ def test_max_model_len_stops_generation(tiny_model):
         ({"dtype": "int8"}, "dtype"),
         ({"device": "tpu"}, "device"),
         ({"hash_algo": "md5"}, "hash_algo"),
-        ({"speculative_method": "eagle", "num_spec_tokens": 1}, "speculative_method"),
+        ({"speculative_method": "medusa", "num_spec_tokens": 1}, "speculative_method"),
         ({"speculative_method": "ngram"}, "num_spec_tokens"),
     ],
 )
@@ -90,3 +90,13 @@ def test_streaming_deltas_add_up(tiny_model):
     for request_id, output in finals.items():
         assert seen[request_id] == output.token_ids
         assert output.ttft_s is not None and output.ttft_s >= 0
+
+
+def test_a_draft_model_method_needs_a_drafter(tiny_model):
+    from speckv.engine import LLMEngine
+
+    config = EngineConfig(num_blocks=32, speculative_method="eagle", num_spec_tokens=2)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        LLMEngine(tiny_model, config)
+    with pytest.raises(ValueError, match="draft_model needs speculative_method"):
+        EngineConfig(draft_model="builtin")

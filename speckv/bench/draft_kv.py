@@ -1,0 +1,178 @@
+"""`speckv bench draft-kv`: a hit reads the same target KV and draft KV as a cold run.
+
+The user documents' check, on the real engine: send a prompt, then the same prompt again, and
+compare the KV of the second request's hit blocks (target and draft, every layer, K and V)
+with a cold run of that request on a fresh engine: the max absolute difference per drafter and
+dtype. Negative control: legacy hashes with the drop turned off, and a second prompt whose
+token after the shared blocks differs, so its last hit block carries draft KV written from
+another successor token.
+
+    first  = P[:h] + x + ...      the block ending at h gets draft KV from x
+    second = P[:h] + y + ...      lookahead: a miss there; legacy without drop: a stale hit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from speckv.spec.policy import HashMode
+
+DRAFTERS = ("eagle", "eagle3", "mtp k=1", "mtp k=4")
+
+
+@dataclass(frozen=True)
+class DraftKVRow:
+    drafter: str
+    dtype: str
+    case: str  # "lookahead hit" or "negative control"
+    hit_tokens: int
+    target_max_abs_diff: float
+    draft_max_abs_diff: float
+
+
+def _kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Every layer's K and V at positions [0, num_tokens) through a block table.
+    # [num_layers, 2, num_tokens, num_kv_heads, head_dim]"""
+    positions = torch.arange(num_tokens)
+    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
+    offsets = positions % block_size
+    layers = []
+    for layer_idx in range(cache.num_layers):
+        layer = cache.layer(layer_idx)
+        layers.append(torch.stack([layer.key[blocks, offsets], layer.value[blocks, offsets]]))
+    return torch.stack(layers).float()
+
+
+def _engine(model, drafter, dtype: str, block_size: int, hash_mode: HashMode | None = None):
+    from speckv.engine.config import EngineConfig
+    from speckv.engine.llm_engine import LLMEngine
+    from speckv.engine.speculative import method_of
+
+    config = EngineConfig(block_size=block_size, num_blocks=256, dtype=dtype,
+                          speculative_method=method_of(drafter), num_spec_tokens=3,
+                          hash_seed="0", device=str(model.device))
+    return LLMEngine(model, config, drafter=drafter, detokenize=False,
+                     hash_mode_override=hash_mode)
+
+
+def _first_step_kv(engine, prompt: list[int], num_tokens: int | None = None):
+    """Add a request, run its first step, read its KV (target, draft) over the hit or
+    `num_tokens`; then run it to the end."""
+    from speckv.engine.sampling_params import SamplingParams
+
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    request = engine.get_request(request_id)
+    length = request.num_cached_tokens if num_tokens is None else num_tokens
+    block_ids = engine.manager.get_block_ids(request_id)[0]
+    block_size = engine.config.block_size
+    target = _kv_at(engine.runner.kv_cache, block_ids, length, block_size)
+    draft = _kv_at(engine.proposer.kv_cache, block_ids, length, block_size)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return length, target, draft
+
+
+def measure(model, drafter, name: str, dtype: str, prompt: list[int], block_size: int
+            ) -> list[DraftKVRow]:
+    model_dtype = model.dtype
+    model.to(getattr(torch, dtype))
+    drafter.to(getattr(torch, dtype))
+    try:
+        warm = _engine(model, drafter, dtype, block_size)
+        _first_step_kv(warm, prompt, 0)
+        hit, target_hit, draft_hit = _first_step_kv(warm, prompt)
+        cold = _engine(model, drafter, dtype, block_size)
+        _, target_cold, draft_cold = _first_step_kv(cold, prompt, hit)
+        rows = [DraftKVRow(name, dtype, "lookahead hit", hit,
+                           (target_hit - target_cold).abs().max().item(),
+                           (draft_hit - draft_cold).abs().max().item())]
+        # negative control: the successor of the shared blocks differs
+        shared = (len(prompt) - 2) // block_size * block_size
+        first = prompt[:shared] + [prompt[shared] % 97 + 1] + prompt[shared + 1:]
+        second = prompt[:shared] + [prompt[shared] % 89 + 2] + prompt[shared + 1:]
+        stale = _engine(model, drafter, dtype, block_size,
+                        HashMode(0, False, "negative control: legacy hashes, drop off"))
+        _first_step_kv(stale, first, 0)
+        hit, target_hit, draft_hit = _first_step_kv(stale, second)
+        cold = _engine(model, drafter, dtype, block_size)
+        _, target_cold, draft_cold = _first_step_kv(cold, second, hit)
+        rows.append(DraftKVRow(name, dtype, "negative control", hit,
+                               (target_hit - target_cold).abs().max().item(),
+                               (draft_hit - draft_cold).abs().max().item()))
+        return rows
+    finally:
+        model.to(model_dtype)
+        drafter.to(model_dtype)
+
+
+def make_drafter(name: str, model):
+    from speckv.drafters.builtin import builtin_eagle_available, load_builtin_eagle
+    from speckv.drafters.loaders import random_drafter
+
+    if name == "eagle" and builtin_eagle_available():
+        return load_builtin_eagle(model)
+    if name == "eagle":
+        return random_drafter("eagle", model, seed=0)
+    if name == "eagle3":
+        return random_drafter("eagle3", model, seed=0)
+    modules = int(name.split("=")[1])
+    return random_drafter("mtp_deepseek", model, seed=0, num_modules=modules)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="builtin")
+    parser.add_argument("--drafters", default=",".join(DRAFTERS))
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from speckv.engine.llm import load_model
+
+    drafters = [name.strip() for name in args.drafters.split(",")]
+    unknown = [name for name in drafters if name not in DRAFTERS]
+    if unknown:
+        raise ValueError(f"unknown drafter(s) {unknown}; choose from {list(DRAFTERS)}")
+    dtypes = [dtype.strip() for dtype in args.dtypes.split(",")]
+    if any(dtype not in ("float32", "bfloat16", "float16") for dtype in dtypes):
+        raise ValueError("--dtypes: float32, bfloat16 or float16")
+    if args.prompt_len < 2 * args.block_size + 2:
+        raise ValueError("--prompt-len must cover at least two blocks plus two tokens")
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(args.model, "float32", "cpu", progress=not args.json)
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(1, vocab, (args.prompt_len,), generator=generator).tolist()
+    if tokenizer is not None:  # a real-text prompt: the trained head sees what it knows
+        text = tokenizer.apply_chat_template([{"role": "user", "content": (
+            "Explain, step by step, how a prefix cache lets a language model server reuse the "
+            "attention keys and values of a shared prompt, and why speculative decoding "
+            "complicates it. " * 4)}])
+        prompt = tokenizer.encode(text)[: args.prompt_len]
+    rows = []
+    for name in drafters:
+        drafter = make_drafter(name, model)
+        for dtype in dtypes:
+            rows.extend(measure(model, drafter, name, dtype, prompt, args.block_size))
+    if args.json:
+        print(json.dumps([asdict(row) for row in rows]))
+        return 0
+    table = Table(title=f"KV of the hit blocks vs a cold run, max |diff| ({len(prompt)}-token "
+                        f"prompt, B={args.block_size}, all layers, K and V)")
+    for column in ("drafter", "dtype", "case", "hit tokens", "target KV", "draft KV"):
+        table.add_column(column, justify="right" if column in ("hit tokens", "target KV",
+                                                               "draft KV") else "left")
+    for row in rows:
+        table.add_row(row.drafter, row.dtype, row.case, str(row.hit_tokens),
+                      f"{row.target_max_abs_diff:.3g}", f"{row.draft_max_abs_diff:.3g}")
+    Console().print(table)
+    return 0

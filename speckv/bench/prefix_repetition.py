@@ -1,0 +1,309 @@
+"""`speckv bench prefix-repetition`: the user documents' end-to-end table on our engine.
+
+Runs one `prefix_repetition` workload (or a JSONL file) through the real engine once per mode:
+
+    no spec      no speculative decoding
+    legacy drop  the drafter with legacy block hashes: the last matched block is recomputed
+    lookahead    the drafter with lookahead block hashes (the default)
+
+and reports, per mode: prefix-cache hit rate (cached prompt tokens / prompt tokens) beside the
+workload's oracle for the block size, requests/s, output tokens/s, TTFT mean / median / p99,
+TPOT, drafts' acceptance, and whether greedy outputs are identical across modes. Requests
+arrive all at once or as a Poisson process, under a concurrency cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from speckv.bench.workload import (
+    PrefixRepetitionConfig,
+    WorkloadRequest,
+    load_jsonl,
+    oracle_hit_tokens,
+    prefix_repetition,
+)
+
+MODES: dict[str, dict[str, bool]] = {
+    "no spec": {"speculative": False, "legacy": False},
+    "legacy drop": {"speculative": True, "legacy": True},
+    "lookahead": {"speculative": True, "legacy": False},
+}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 * 1024**2
+    num_spec_tokens: int = 3
+    request_rate: float = float("inf")  # requests/s; inf: all at once
+    max_concurrency: int = 8
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.request_rate <= 0:
+            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    hash_mode: str
+    hit_rate: float
+    oracle_hit_rate: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_mean_ms: float
+    ttft_median_ms: float
+    ttft_p99_ms: float
+    tpot_mean_ms: float
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    num_preemptions: int
+    duration_s: float
+    outputs: list[list[int]] = field(repr=False, default_factory=list)
+
+
+def _arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
+    return np.cumsum(gaps).tolist()
+
+
+def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: str,
+             options: RunOptions) -> ModeResult:
+    """One mode on a fresh engine (empty cache) over the whole workload."""
+    from speckv.engine.config import EngineConfig
+    from speckv.engine.llm_engine import LLMEngine
+    from speckv.engine.sampling_params import SamplingParams
+    from speckv.engine.speculative import method_of
+
+    spec = MODES[mode]
+    config = EngineConfig(
+        block_size=options.block_size,
+        num_blocks=options.num_blocks,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        max_num_seqs=options.max_concurrency,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        speculative_method=method_of(drafter) if spec["speculative"] else None,
+        num_spec_tokens=options.num_spec_tokens if spec["speculative"] else 0,
+        disable_lookahead_block_hashes=spec["legacy"],
+        dtype=str(model.dtype).removeprefix("torch."),
+        device=str(model.device),
+        hash_seed="0",
+    )
+    engine = LLMEngine(model, config, drafter=drafter if spec["speculative"] else None,
+                       detokenize=False)
+    arrivals = _arrivals(len(workload), options.request_rate, options.seed)
+    pending = deque(range(len(workload)))
+    index_of: dict[str, int] = {}
+    first_token: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    results: dict[int, Any] = {}
+    progress = tqdm(total=len(workload), desc=mode, disable=not options.progress, leave=False)
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while (pending and arrivals[pending[0]] <= now
+               and engine.num_unfinished_requests < options.max_concurrency):
+            index = pending.popleft()
+            request = workload[index]
+            params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
+            index_of[engine.add_request(request.prompt_token_ids, params)] = index
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.05, arrivals[pending[0]] - now)))
+            continue
+        for output in engine.step():
+            index = index_of[output.request_id]
+            stamp = time.perf_counter()
+            if output.token_ids and index not in first_token:
+                first_token[index] = stamp
+            if output.finished:
+                finish[index] = stamp
+                results[index] = output
+                progress.update(1)
+    duration = time.perf_counter() - start
+    progress.close()
+    ordered = [results[index] for index in range(len(workload))]
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    ttfts = sorted(1000 * (o.ttft_s or 0.0) for o in ordered)
+    tpots = [1000 * (finish[i] - first_token[i]) / (len(o.token_ids) - 1)
+             for i, o in enumerate(ordered) if len(o.token_ids) > 1]
+    drafts = sum(o.num_draft_tokens for o in ordered)
+    accepted = sum(o.num_accepted_tokens for o in ordered)
+    steps_with_drafts = drafts / options.num_spec_tokens if drafts else 0
+    return ModeResult(
+        mode=mode,
+        hash_mode=engine.hash_mode.label,
+        hit_rate=sum(o.num_cached_tokens for o in ordered) / prompt_tokens,
+        oracle_hit_rate=oracle_hit_tokens(workload, options.block_size) / prompt_tokens,
+        requests_per_s=len(workload) / duration,
+        output_tokens_per_s=sum(len(o.token_ids) for o in ordered) / duration,
+        ttft_mean_ms=statistics.fmean(ttfts),
+        ttft_median_ms=statistics.median(ttfts),
+        ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        tpot_mean_ms=statistics.fmean(tpots) if tpots else 0.0,
+        acceptance_rate=accepted / drafts if drafts else None,
+        mean_acceptance_length=1 + accepted / steps_with_drafts if drafts else None,
+        num_preemptions=sum(o.num_preemptions for o in ordered),
+        duration_s=duration,
+        outputs=[list(o.token_ids) for o in ordered],
+    )
+
+
+def run_benchmark(model: Any, drafter: Any, workload: list[WorkloadRequest],
+                  options: RunOptions, modes: tuple[str, ...] = tuple(MODES)
+                  ) -> list[ModeResult]:
+    return [run_mode(model, drafter, workload, mode, options) for mode in modes]
+
+
+def outputs_identical(results: list[ModeResult]) -> bool:
+    return all(r.outputs == results[0].outputs for r in results[1:])
+
+
+def render(results: list[ModeResult], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("metric", no_wrap=True)
+    for result in results:
+        table.add_column(f"{result.mode}\n{result.hash_mode}", justify="right")
+
+    def row(name: str, fmt, key: str) -> None:
+        table.add_row(name, *(fmt(getattr(r, key)) for r in results))
+
+    pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
+    num = lambda v: f"{v:.2f}"  # noqa: E731
+    ms = lambda v: f"{v:.0f}"  # noqa: E731
+    opt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    row("prefix-cache hit rate", pct, "hit_rate")
+    row("oracle hit rate", pct, "oracle_hit_rate")
+    row("requests/s", num, "requests_per_s")
+    row("output tokens/s", lambda v: f"{v:.1f}", "output_tokens_per_s")
+    row("TTFT mean (ms)", ms, "ttft_mean_ms")
+    row("TTFT median (ms)", ms, "ttft_median_ms")
+    row("TTFT p99 (ms)", ms, "ttft_p99_ms")
+    row("TPOT mean (ms)", ms, "tpot_mean_ms")
+    row("acceptance rate", opt, "acceptance_rate")
+    row("mean acceptance length", opt, "mean_acceptance_length")
+    row("preemptions", str, "num_preemptions")
+    return table
+
+
+def write_chart(results: list[ModeResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.mode for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.bar(names, [100 * r.hit_rate for r in results], color="#4c72b0")
+    left.axhline(100 * results[0].oracle_hit_rate, color="gray", linestyle="--",
+                 label="oracle")
+    left.set_ylabel("prefix-cache hit rate (%)")
+    left.legend(loc="lower right")
+    right.bar(names, [r.output_tokens_per_s for r in results], color="#55a868")
+    right.set_ylabel("output tokens/s")
+    fig.suptitle("prefix_repetition: no spec / legacy drop / lookahead")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="builtin", help="'builtin', an HF dir or a .gguf")
+    parser.add_argument("--draft-model", default="builtin",
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (EAGLE head)")
+    parser.add_argument("--prefix-len", type=int, default=200)
+    parser.add_argument("--suffix-len", type=int, default=40)
+    parser.add_argument("--num-prefixes", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=24)
+    parser.add_argument("--jsonl", type=Path, help="prompts from a JSONL file instead")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-shuffle", action="store_true")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests/s, Poisson arrivals (default: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--num-spec-tokens", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of: {', '.join(MODES)}")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--output-dir", type=Path, default=Path("out/prefix-repetition"))
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from speckv.engine.llm import load_model
+    from speckv.engine.speculative import load_drafter_model
+
+    modes = tuple(mode.strip() for mode in args.modes.split(","))
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    if args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    options = RunOptions(block_size=args.block_size,
+                         kv_cache_memory_bytes=args.kv_cache_mb * 1024**2,
+                         num_spec_tokens=args.num_spec_tokens, request_rate=args.request_rate,
+                         max_concurrency=args.max_concurrency, seed=args.seed,
+                         progress=not args.json)
+    model, tokenizer = load_model(args.model, args.dtype, "cpu", progress=not args.json)
+    if args.jsonl is not None:
+        if tokenizer is None:
+            raise ValueError("--jsonl with text prompts needs a model with a tokenizer")
+        workload = load_jsonl(args.jsonl, tokenizer, args.output_len)
+        shape = f"{len(workload)} prompts from {args.jsonl}"
+    else:
+        config = PrefixRepetitionConfig(args.prefix_len, args.suffix_len, args.num_prefixes,
+                                        args.output_len, args.num_prompts, args.seed,
+                                        not args.no_shuffle)
+        workload = prefix_repetition(config, model.config.vocab_size, tokenizer)
+        shape = (f"prefix {args.prefix_len} + suffix {args.suffix_len} tokens, "
+                 f"{args.num_prefixes} prefixes x {args.num_prompts // args.num_prefixes} "
+                 f"prompts, {args.output_len} output tokens")
+    drafter = None
+    if any(MODES[mode]["speculative"] for mode in modes):
+        drafter = load_drafter_model(args.draft_model, model)
+    results = run_benchmark(model, drafter, workload, options, modes)
+    identical = outputs_identical(results)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"workload": shape, "block_size": args.block_size,
+               "greedy_outputs_identical": identical,
+               "modes": [{k: v for k, v in asdict(r).items() if k != "outputs"}
+                         for r in results]}
+    (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2))
+    chart = args.output_dir / "chart.png"
+    write_chart(results, chart)
+    if args.json:
+        print(json.dumps(payload))
+        return 0
+    console = Console()
+    console.print(render(results, f"prefix_repetition: {shape}; B={args.block_size}, "
+                                  f"{args.num_spec_tokens} spec tokens"))
+    console.print(f"greedy outputs identical across modes: {identical}")
+    console.print(f"wrote {args.output_dir / 'results.json'} and {chart}")
+    return 0

@@ -1,0 +1,54 @@
+"""The prefix_repetition benchmark on a tiny random model with a random EAGLE drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speckv.bench.prefix_repetition import (
+    RunOptions,
+    outputs_identical,
+    run_benchmark,
+    write_chart,
+)
+from speckv.bench.workload import PrefixRepetitionConfig, prefix_repetition
+from speckv.drafters.loaders import random_drafter
+from speckv.models import LlamaForCausalLM, ModelConfig
+
+CONFIG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def model_and_drafter():
+    torch.manual_seed(7)
+    model = LlamaForCausalLM.from_config(CONFIG, init_std=0.2)
+    return model, random_drafter("eagle", model, init_std=0.2, seed=3)
+
+
+def test_three_modes_hit_rates_and_identical_outputs(model_and_drafter, tmp_path):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, drafter = model_and_drafter
+        # prefix 10 is not block aligned: lookahead keeps block [4, 8) (its successor token 8
+        # is still in the shared prefix); the legacy drop recomputes it
+        workload = prefix_repetition(
+            PrefixRepetitionConfig(prefix_len=10, suffix_len=5, num_prefixes=2, output_len=6,
+                                   num_prompts=6, seed=1), vocab_size=96)
+        options = RunOptions(block_size=4, num_blocks=64, num_spec_tokens=2,
+                             max_concurrency=1, progress=False)
+        no_spec, legacy, lookahead = run_benchmark(model, drafter, workload, options)
+    finally:
+        torch.set_num_threads(previous)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    # per prefix: the first prompt misses, the two others hit 8 tokens (legacy: 4)
+    assert no_spec.hit_rate == pytest.approx(4 * 8 / prompt_tokens)
+    assert lookahead.hit_rate == no_spec.hit_rate == no_spec.oracle_hit_rate
+    assert legacy.hit_rate == pytest.approx(no_spec.hit_rate - 4 * 4 / prompt_tokens)
+    assert (lookahead.hash_mode, legacy.hash_mode) == ("lookahead L=1", "legacy+drop")
+    assert outputs_identical([no_spec, legacy, lookahead])
+    assert all(len(tokens) == 6 for tokens in no_spec.outputs)
+    assert lookahead.acceptance_rate is not None and no_spec.acceptance_rate is None
+    write_chart([no_spec, legacy, lookahead], tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").stat().st_size > 1000
