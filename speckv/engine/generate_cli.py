@@ -24,6 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--drafter", choices=("none", "ngram", "eagle", "eagle3", "mtp"),
+                        default=None,
+                        help="speculative decoding (default: eagle with the built-in head "
+                        "for the built-in model, none otherwise)")
+    parser.add_argument("--draft-model", default=None,
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin'")
+    parser.add_argument("--num-spec-tokens", type=int, default=3)
+    parser.add_argument("--disable-lookahead-block-hashes", action="store_true",
+                        help="legacy block hashes and the last-block drop")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +46,20 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    drafter = args.drafter
+    draft_model = args.draft_model
+    if drafter is None:
+        drafter = "eagle" if args.model == "builtin" or draft_model else "none"
+    if drafter in ("eagle", "eagle3", "mtp") and draft_model is None:
+        if args.model != "builtin":
+            raise ValueError(f"--drafter {drafter} needs --draft-model DIR for this model")
+        draft_model = "builtin"
+    speculative = {} if drafter == "none" else {
+        "speculative_method": drafter, "num_spec_tokens": args.num_spec_tokens,
+        "draft_model": draft_model if drafter != "ngram" else None,
+    }
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              disable_lookahead_block_hashes=args.disable_lookahead_block_hashes, **speculative)
     prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
     start = time.perf_counter()
     last = None
@@ -51,9 +73,13 @@ def run(args: argparse.Namespace) -> int:
     if last is not None:
         elapsed = time.perf_counter() - start
         ttft = f"{last.ttft_s * 1e3:.0f} ms" if last.ttft_s is not None else "-"
+        accepted = ""
+        if last.num_draft_tokens:
+            accepted = (f", drafts accepted {last.num_accepted_tokens}/"
+                        f"{last.num_draft_tokens} ({llm.engine.hash_mode.label})")
         print(
             f"[{len(last.token_ids)} tokens, finish={last.finish_reason}, TTFT {ttft}, "
-            f"{len(last.token_ids) / elapsed:.1f} tokens/s]",
+            f"{len(last.token_ids) / elapsed:.1f} tokens/s{accepted}]",
             file=sys.stderr,
         )
     return 0

@@ -1,0 +1,73 @@
+"""Speculative decoding with draft models in the engine: lossless greedy output under
+preemption and eviction, and a prefix hit's draft KV equal to a cold run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from speckv.bench.draft_kv import measure
+from speckv.drafters.loaders import random_drafter
+from speckv.engine.config import EngineConfig
+from speckv.engine.llm_engine import LLMEngine
+from speckv.engine.sampling_params import SamplingParams
+
+DRAFTERS = [("eagle", {}), ("eagle3", {"aux_layers": (0, 1, 1)}),
+            ("mtp_deepseek", {"num_modules": 1}),
+            ("mtp_deepseek", {"num_modules": 3})]
+
+
+def _run(engine, prompts, max_tokens=10):
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+           for p in prompts]
+    done = {}
+    preemptions = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+                preemptions += output.num_preemptions
+        engine.manager.check_integrity()
+    return [done[i].token_ids for i in ids], preemptions, [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("fmt,kwargs", DRAFTERS)
+def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs):
+    drafter = random_drafter(fmt, tiny_model, init_std=0.2, seed=5, **kwargs)
+    prompts = [[(3 * i + j * 7) % 90 + 1 for j in range(10 + 3 * i)] for i in range(5)]
+    prompts += [prompts[0][:8] + [5, 6, 7], list(prompts[1])]
+    reference, _, _ = _run(LLMEngine(tiny_model, EngineConfig(num_blocks=200, block_size=4)),
+                           prompts)
+    method = "mtp" if fmt.startswith("mtp") else fmt
+    tight = EngineConfig(num_blocks=14, block_size=4, speculative_method=method,
+                         num_spec_tokens=3, max_num_batched_tokens=16)
+    outputs, preemptions, finals = _run(LLMEngine(tiny_model, tight, drafter=drafter), prompts)
+    assert outputs == reference
+    assert preemptions > 0, "the tight cache should force preemptions"
+    assert sum(o.num_draft_tokens for o in finals) > 0
+
+
+@pytest.mark.parametrize("fmt,kwargs,name", [("eagle", {}, "eagle"),
+                                             ("mtp_deepseek", {"num_modules": 2}, "mtp k=2")])
+def test_hit_reads_the_draft_kv_of_a_cold_run(tiny_model, fmt, kwargs, name):
+    drafter = random_drafter(fmt, tiny_model, init_std=0.2, seed=2, **kwargs)
+    prompt = [(5 * j) % 90 + 1 for j in range(26)]
+    hit, control = measure(tiny_model, drafter, name, "float32", prompt, 4)
+    lookahead = drafter.draft_kv_lookahead_tokens
+    assert hit.hit_tokens == (26 - lookahead) // 4 * 4
+    assert hit.target_max_abs_diff == 0 and hit.draft_max_abs_diff == 0
+    # negative control: legacy hashes without the drop reuse a block whose draft KV came
+    # from another successor token: target KV still equal, draft KV not
+    assert control.target_max_abs_diff == 0
+    assert control.draft_max_abs_diff > 1e-3
+
+
+def test_a_changed_successor_token_is_a_miss_in_lookahead_mode(tiny_model):
+    drafter = random_drafter("eagle", tiny_model, seed=1)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=4,
+                                                speculative_method="eagle", num_spec_tokens=2),
+                       drafter=drafter)
+    shared = [(3 * j) % 90 + 1 for j in range(8)]
+    _run(engine, [shared + [40, 41, 42, 43]], max_tokens=3)
+    _, _, (other,) = _run(engine, [shared + [50, 41, 42, 43]], max_tokens=3)
+    _, _, (same,) = _run(engine, [shared + [40, 9, 9, 9]], max_tokens=3)
+    assert (other.num_cached_tokens, same.num_cached_tokens) == (4, 8)
