@@ -29,6 +29,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "end to end on a prefix_repetition workload: no spec / legacy drop / lookahead"),
     (("bench", "draft-kv"), "speckv.bench.draft_kv",
      "a hit's target and draft KV vs a cold run, with a stale-successor negative control"),
+    (("bench", "spec-decode"), "speckv.bench.spec_decode",
+     "decode tokens/s with speculation vs without, batch 1 and 8"),
     (("train-draft",), "speckv.drafters.train",
      "train an EAGLE head for the built-in model on its own generations"),
     (("bench", "cache"), "speckv.bench.cache_ops",

@@ -206,6 +206,20 @@ def render(results: list[ModeResult], title: str) -> Table:
     return table
 
 
+def render_compact(results: list[ModeResult], title: str) -> Table:
+    """One row per mode: the headline numbers."""
+    table = Table(title=title)
+    for column in ("mode", "hit", "oracle", "req/s", "tok/s", "TTFT ms", "acc len"):
+        table.add_column(column, justify="left" if column == "mode" else "right",
+                         no_wrap=True)
+    for r in results:
+        accept = "-" if r.mean_acceptance_length is None else f"{r.mean_acceptance_length:.2f}"
+        table.add_row(r.mode, f"{100 * r.hit_rate:.1f}%",
+                      f"{100 * r.oracle_hit_rate:.1f}%", f"{r.requests_per_s:.2f}",
+                      f"{r.output_tokens_per_s:.1f}", f"{r.ttft_mean_ms:.0f}", accept)
+    return table
+
+
 def write_chart(results: list[ModeResult], path: Path) -> None:
     import matplotlib
 

@@ -1,7 +1,8 @@
 """The built-in model section of `speckv demo` (the demo owner calls `run_model_demo`).
 
-Owns a short, real run of the engine on SmolLM2-135M-Instruct: one chat prompt sent twice
-(cached prompt tokens and time to first token for each), then a small batch with tokens/s.
+Owns a short, real run of the engine on SmolLM2-135M-Instruct with speculative decoding on
+(the shipped EAGLE head, lookahead block hashes): one chat prompt sent twice (cached prompt
+tokens, time to first token and accepted drafts for each), then a small batch with tokens/s.
 """
 
 from __future__ import annotations
@@ -29,28 +30,33 @@ def run_model_demo(console: Console, max_tokens: int = 32) -> None:
     from speckv.models.builtin import BuiltinModelMissingError
 
     try:
-        llm = LLM("builtin")
+        llm = LLM("builtin", speculative_method="eagle", num_spec_tokens=3,
+                  draft_model="builtin")
     except BuiltinModelMissingError as error:
         console.print(f"[yellow]built-in model unavailable:[/] {error}")
         return
     engine = llm.engine
     console.print(
         f"[bold]Built-in model[/] SmolLM2-135M-Instruct on {engine.runner.device} "
-        f"({engine.model.dtype}), {engine.num_blocks} KV blocks of {engine.config.block_size}"
+        f"({engine.model.dtype}), {engine.num_blocks} KV blocks of {engine.config.block_size}, "
+        f"EAGLE speculation with 3 draft tokens, {engine.hash_mode.label} block hashes"
     )
     params = SamplingParams(max_tokens=max_tokens)
     prompt = llm.chat_prompt(QUESTION)
     table = Table(title="one prompt sent twice")
     table.add_column("run")
-    table.add_column("prompt tokens", justify="right")
-    table.add_column("cached tokens", justify="right")
+    table.add_column("prompt", justify="right")
+    table.add_column("cached", justify="right")
     table.add_column("TTFT (ms)", justify="right")
+    table.add_column("drafts ok", justify="right")
     table.add_column("answer")
     for label in ("first (cold)", "second (prefix hit)"):
         (out,) = llm.generate([prompt], params)
         table.add_row(
             label, str(len(out.prompt_token_ids)), str(out.num_cached_tokens),
-            f"{(out.ttft_s or 0) * 1e3:.0f}", out.text.strip().replace("\n", " ")[:60],
+            f"{(out.ttft_s or 0) * 1e3:.0f}",
+            f"{out.num_accepted_tokens}/{out.num_draft_tokens}",
+            out.text.strip().replace("\n", " ")[:40],
         )
     console.print(table)
     start = time.perf_counter()
