@@ -53,6 +53,8 @@ import torch
 from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache
+from speckv.drafters.layers import dense_attention
+from speckv.models.llama import LlamaDecoderLayer
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,28 @@ class DraftModule(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, target_vocab] fp32 logits over the TARGET vocabulary."""
+
+
+class FuseThenLayerModule(DraftModule):
+    """A module whose inputs are fused into one vector (`fuse`) that a plain Llama decoder
+    layer (`self.layer`) then reads: EAGLE and MTP. EAGLE3 feeds its layer differently."""
+
+    layer: LlamaDecoderLayer
+
+    @abstractmethod
+    def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """(t[p + j], h_{j-1}[p]) -> the layer's input, [..., hidden]."""
+
+    def forward(self, input_ids, hidden, positions, kv_cache, metadata):
+        return self.layer(self.fuse(input_ids, hidden), positions, kv_cache, metadata)
+
+    def dense_forward(self, input_ids, hidden, positions):
+        x = self.fuse(input_ids, hidden)  # [b, s, hidden]
+        a, k, v = dense_attention(
+            self.layer.self_attn, self.layer.input_layernorm(x), positions, self.layer._rotary
+        )
+        r = x + a
+        return r + self.layer.mlp(self.layer.post_attention_layernorm(r)), k, v
 
 
 class Drafter(nn.Module, ABC):

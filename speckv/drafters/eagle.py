@@ -12,14 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speckv.attention import AttentionMetadata, PagedKVCache
-from speckv.drafters.base import Drafter, DraftModule, TargetStates
-from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_config
+from speckv.drafters.base import Drafter, FuseThenLayerModule, TargetStates
+from speckv.drafters.layers import SharedTarget, drafter_layer_config
 from speckv.models.config import ModelConfig
 from speckv.models.llama import LlamaDecoderLayer
 
 
-class EagleModule(DraftModule):
+class EagleModule(FuseThenLayerModule):
     def __init__(
         self, config: ModelConfig, target: SharedTarget, input_layernorm: bool, fc_bias: bool
     ) -> None:
@@ -34,26 +33,6 @@ class EagleModule(DraftModule):
     def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         emb = self.target.embed(input_ids).to(hidden.dtype)  # [..., hidden]
         return self.fc(torch.cat((emb, hidden), dim=-1))  # [..., hidden]
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.layer(self.fuse(input_ids, hidden), positions, kv_cache, metadata)
-
-    def dense_forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self.fuse(input_ids, hidden)  # [b, s, hidden]
-        a, k, v = dense_attention(
-            self.layer.self_attn, self.layer.input_layernorm(x), positions, self.layer._rotary
-        )
-        r = x + a
-        return r + self.layer.mlp(self.layer.post_attention_layernorm(r)), k, v
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.logits(hidden)  # EAGLE-1 has no final norm

@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speckv.attention import AttentionMetadata, PagedKVCache
-from speckv.drafters.base import Drafter, DraftModule, TargetStates
-from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_config
+from speckv.drafters.base import Drafter, FuseThenLayerModule, TargetStates
+from speckv.drafters.layers import SharedTarget, drafter_layer_config
 from speckv.models.config import ModelConfig
 from speckv.models.layers import RMSNorm
 from speckv.models.llama import LlamaDecoderLayer
@@ -35,7 +34,7 @@ class MTPProjection(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
 
 
-class MTPModule(DraftModule):
+class MTPModule(FuseThenLayerModule):
     def __init__(
         self,
         config: ModelConfig,
@@ -52,26 +51,6 @@ class MTPModule(DraftModule):
     def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         emb = self.proj.enorm(self.target.embed(input_ids).to(hidden.dtype))
         return self.proj.eh_proj(torch.cat((emb, self.proj.hnorm(hidden)), dim=-1))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.layer(self.fuse(input_ids, hidden), positions, kv_cache, metadata)
-
-    def dense_forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self.fuse(input_ids, hidden)
-        a, k, v = dense_attention(
-            self.layer.self_attn, self.layer.input_layernorm(x), positions, self.layer._rotary
-        )
-        r = x + a
-        return r + self.layer.mlp(self.layer.post_attention_layernorm(r)), k, v
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.proj.norm(hidden)
