@@ -32,6 +32,7 @@ class CachingRequest(Protocol):
 
     request_id: str
     all_token_ids: Sequence[int]
+    num_prompt_tokens: int
     hash_inputs: HashInputs
 
     @property

@@ -32,7 +32,7 @@ from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.results import Allocation, CacheHit
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.single_type import FullAttentionManager, SingleTypeManager, manager_for
-from speckv.cache.specs import KVCacheSpec, SlidingWindowSpec
+from speckv.cache.specs import KVCacheSpec, MambaSpec, SlidingWindowSpec
 from speckv.spec.policy import HashMode
 
 
@@ -40,7 +40,6 @@ class ManagedRequest(CachingRequest, Protocol):
     """What the manager reads of a request (see `speckv.engine.request.Request`)."""
 
     num_computed_tokens: int
-    num_prompt_tokens: int
     spec_token_ids: list[int]
 
     @property
@@ -98,9 +97,7 @@ class KVCacheManager:
                 f"group's block size {sorted(set(block_sizes))}"
             )
         self.alignment_tokens = alignment_tokens
-        has_partial_groups = any(not isinstance(spec, type(specs[0])) or
-                                 not spec.drafter_writes_kv or isinstance(spec, SlidingWindowSpec)
-                                 for spec in specs)
+        has_partial_groups = any(isinstance(spec, SlidingWindowSpec | MambaSpec) for spec in specs)
         if retention_interval is not None and not has_partial_groups:
             raise ValueError(
                 "retention_interval applies to sliding-window or Mamba groups; this model has "
@@ -111,15 +108,16 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.event_sink = event_sink
         self.pool = BlockPool(num_blocks, enable_caching, hit_check, event_sink)
-        extra_tail_blocks = 0
+        # A sibling diverging right after a kept boundary c hits c - U: under the drop always,
+        # with lookahead hashes because the block ending at c has another successor there.
+        widen_tails = hash_mode.drops_last_unit or hash_mode.lookahead_tokens > 0
         self.managers: list[SingleTypeManager] = []
         for group_id, spec in enumerate(specs):
             lookahead = hash_mode.lookahead_tokens if spec.drafter_writes_kv else 0
-            if hash_mode.drops_last_unit or hash_mode.lookahead_tokens:
-                # a sibling diverging right after a kept boundary c hits c - U: under the drop
-                # always, with lookahead hashes because the block ending at c has another
-                # successor there
-                extra_tail_blocks = tail_widening.extra_blocks(alignment_tokens, spec.block_size)
+            extra_tail_blocks = (
+                tail_widening.extra_blocks(alignment_tokens, spec.block_size)
+                if widen_tails else 0
+            )
             group = GroupInfo(group_id, spec.block_size, lookahead, spec.kind,
                               getattr(spec, "sliding_window", None))
             self.managers.append(

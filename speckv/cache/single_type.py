@@ -167,9 +167,9 @@ class _PartialPrefixManager(SingleTypeManager):
     def _runs_worth_keeping(self, request, start, end):
         if self.retention.is_dense:
             return [(start, end)]
-        num_prompt_tokens = getattr(request, "num_prompt_tokens", len(request.all_token_ids))
         keep = [False] * (end - start)
-        for boundary in self.retention.boundaries(end * self.block_size, num_prompt_tokens):
+        boundaries = self.retention.boundaries(end * self.block_size, request.num_prompt_tokens)
+        for boundary in boundaries:
             last = boundary // self.block_size
             for index in range(max(start, last - self.num_tail_blocks), min(end, last)):
                 keep[index - start] = True

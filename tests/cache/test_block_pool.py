@@ -15,6 +15,7 @@ class FakeRequest:
 
         self.request_id = "fake"
         self.all_token_ids = tokens
+        self.num_prompt_tokens = len(tokens)
         self.hash_inputs = NO_HASH_INPUTS
         self.lora_name = None
 
