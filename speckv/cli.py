@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("demo",), "speckv.demo", "the main job: hit lengths and hashing cost, at a glance"),
+    (("demo",), "speckv.demo",
+     "the main job: hit lengths, hashing cost, the built-in model with EAGLE, and a short "
+     "prefix_repetition run"),
     (("generate",), "speckv.engine.generate_cli",
      "stream one completion from the built-in model (or --model DIR)"),
     (("hash",), "speckv.hash_cli", "print the block hashes of a token list (router debugging)"),
@@ -52,7 +54,11 @@ def _load(target: str):
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speckv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="speckv",
+        description="Prefix caching and speculative decoding that keep their cache hits "
+        "(lookahead block hashes).",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     wanted = [arg for arg in argv if not arg.startswith("-")][:2]
