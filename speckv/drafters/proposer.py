@@ -17,17 +17,24 @@ import torch
 
 from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
 from speckv.engine.proposer import ProposerInput
+from speckv.spec.policy import DrafterPolicy
 
 
 class DrafterProposer:
     """Engine adapter: call `propose(inputs)` once per step (see speckv/engine/proposer.py)."""
 
     def __init__(
-        self, drafter: Drafter, num_spec_tokens: int, num_blocks: int, block_size: int
+        self,
+        drafter: Drafter,
+        num_spec_tokens: int,
+        num_blocks: int,
+        block_size: int,
+        policy: DrafterPolicy,
     ) -> None:
         if num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
         self.drafter = drafter
+        self.policy = policy  # decides lookahead hashes vs the legacy drop
         self.num_spec_tokens = num_spec_tokens
         self.aux_layers: tuple[int, ...] = drafter.target_aux_layers
         self.kv_cache = drafter.make_kv_cache(num_blocks, block_size)

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from speckv.spec.policy import DrafterPolicy, NgramDrafter
+from speckv.spec.policy import DrafterPolicy, NgramPolicy
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class NgramProposer:
     (L = 0)."""
 
     aux_layers: tuple[int, ...] = ()
-    policy: DrafterPolicy = NgramDrafter()
+    policy: DrafterPolicy = NgramPolicy()
 
     def __init__(self, num_spec_tokens: int, min_n: int = 1, max_n: int = 3) -> None:
         if num_spec_tokens < 1 or min_n < 1 or max_n < min_n:

@@ -52,10 +52,8 @@ def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
             )
         from speckv.drafters.proposer import DrafterProposer
 
-        proposer = DrafterProposer(drafter, config.num_spec_tokens or 3, num_blocks,
-                                   config.block_size)
-        proposer.policy = policy_for_drafter(drafter)  # type: ignore[attr-defined]
-        return proposer  # type: ignore[return-value]
+        return DrafterProposer(drafter, config.num_spec_tokens or 3, num_blocks,
+                               config.block_size, policy_for_drafter(drafter))
     if method == "ngram":
         return NgramProposer(config.num_spec_tokens, config.prompt_lookup_min,
                              config.prompt_lookup_max)

@@ -32,19 +32,19 @@ class DrafterPolicy(Protocol):
 
 
 @dataclass(frozen=True)
-class NoDrafter:
+class NoDrafterPolicy:
     name: str = "none"
     draft_kv_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
-class NgramDrafter:
+class NgramPolicy:
     name: str = "ngram"
     draft_kv_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
-class DraftModelDrafter:
+class DraftModelPolicy:
     """A separate small model: its KV is plain causal over the same tokens."""
 
     name: str = "draft_model"
@@ -52,19 +52,19 @@ class DraftModelDrafter:
 
 
 @dataclass(frozen=True)
-class EagleDrafter:
+class EaglePolicy:
     name: str = "eagle"
     draft_kv_lookahead_tokens: int = 1
 
 
 @dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Policy:
     name: str = "eagle3"
     draft_kv_lookahead_tokens: int = 1
 
 
 @dataclass(frozen=True)
-class MTPDrafter:
+class MTPPolicy:
     """k chained modules; module j writes its KV at p from the token at p + j."""
 
     num_modules: int = 1
@@ -80,19 +80,19 @@ class MTPDrafter:
 
 
 @dataclass(frozen=True)
-class DFlashDrafter:
+class DFlashPolicy:
     name: str = "dflash"
     draft_kv_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
-class DSparkDrafter:
+class DSparkPolicy:
     name: str = "dspark"
     draft_kv_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
-class Gemma4MTPDrafter:
+class Gemma4MTPPolicy:
     """Gemma-4's MTP assistant reads the target's KV and writes none of its own."""
 
     name: str = "gemma4_mtp"
@@ -102,14 +102,14 @@ class Gemma4MTPDrafter:
 _SIMPLE_POLICIES: dict[str, DrafterPolicy] = {
     policy.name: policy
     for policy in (
-        NoDrafter(),
-        NgramDrafter(),
-        DraftModelDrafter(),
-        EagleDrafter(),
-        Eagle3Drafter(),
-        DFlashDrafter(),
-        DSparkDrafter(),
-        Gemma4MTPDrafter(),
+        NoDrafterPolicy(),
+        NgramPolicy(),
+        DraftModelPolicy(),
+        EaglePolicy(),
+        Eagle3Policy(),
+        DFlashPolicy(),
+        DSparkPolicy(),
+        Gemma4MTPPolicy(),
     )
 }
 DRAFTER_NAMES: tuple[str, ...] = (*_SIMPLE_POLICIES, "mtp")
@@ -118,7 +118,7 @@ DRAFTER_NAMES: tuple[str, ...] = (*_SIMPLE_POLICIES, "mtp")
 def make_drafter_policy(name: str, mtp_modules: int = 1) -> DrafterPolicy:
     """The policy for a drafter name; `mtp_modules` applies to `mtp` only."""
     if name == "mtp":
-        return MTPDrafter(num_modules=mtp_modules)
+        return MTPPolicy(num_modules=mtp_modules)
     try:
         return _SIMPLE_POLICIES[name]
     except KeyError:

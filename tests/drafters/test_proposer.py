@@ -10,6 +10,7 @@ from speckv.attention import AttentionMetadata
 from speckv.drafters.evaluate import speculative_generate
 from speckv.drafters.proposer import DrafterProposer
 from speckv.engine.proposer import ProposerInput
+from speckv.engine.speculative import policy_for_drafter
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def test_proposer_loop_matches_standalone_loop(fmt, kw, target):
     ref = speculative_generate(target, d, prompt, new_tokens, S, block_size=bs)
     table = shuffled_table(16, seed=1)
     kv = target.make_kv_cache(16, bs)
-    prop = DrafterProposer(d, S, 16, bs)
+    prop = DrafterProposer(d, S, 16, bs, policy_for_drafter(d))
     aux = prop.aux_layers
 
     def run(ids, start):
