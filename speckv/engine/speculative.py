@@ -36,8 +36,8 @@ def policy_for_drafter(drafter: Drafter) -> DrafterPolicy:
 
 
 def method_of(drafter: Drafter) -> str:
-    name = policy_for_drafter(drafter).name
-    return "mtp" if name == "mtp" else name
+    """The `EngineConfig.speculative_method` of a drafter module (eagle, eagle3, mtp)."""
+    return policy_for_drafter(drafter).name
 
 
 def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
