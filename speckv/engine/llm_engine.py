@@ -95,9 +95,11 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         block_size = config.block_size
         assert model_config.head_dim is not None
+        # a drafter's KV layers share the target's blocks (same heads and head size)
+        num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
         self.num_blocks = config.num_blocks or num_blocks_for_budget(
             config.kv_cache_memory_bytes,
-            model_config.num_hidden_layers,
+            model_config.num_hidden_layers + num_draft_layers,
             block_size,
             model_config.num_key_value_heads,
             model_config.head_dim,

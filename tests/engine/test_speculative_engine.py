@@ -71,3 +71,14 @@ def test_a_changed_successor_token_is_a_miss_in_lookahead_mode(tiny_model):
     _, _, (other,) = _run(engine, [shared + [50, 41, 42, 43]], max_tokens=3)
     _, _, (same,) = _run(engine, [shared + [40, 9, 9, 9]], max_tokens=3)
     assert (other.num_cached_tokens, same.num_cached_tokens) == (4, 8)
+
+
+def test_kv_memory_budget_counts_the_draft_layers(tiny_model):
+    drafter = random_drafter("mtp_deepseek", tiny_model, seed=1, num_modules=2)
+    budget = EngineConfig(kv_cache_memory_bytes=4 * 1024**2)
+    plain = LLMEngine(tiny_model, budget)
+    speculative = LLMEngine(tiny_model, EngineConfig(kv_cache_memory_bytes=4 * 1024**2,
+                                                     speculative_method="mtp",
+                                                     num_spec_tokens=2), drafter=drafter)
+    # 2 target layers + 2 MTP modules: half the blocks for the same memory
+    assert abs(speculative.num_blocks - plain.num_blocks // 2) <= 1
