@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from dataclasses import asdict, dataclass
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
-from speckv.cache.specs import KVCacheSpec, parse_group_specs
+from speckv.cache.specs import KVCacheSpec, format_group_specs, parse_group_specs
 from speckv.engine.cache_sim import CacheSimulator
 from speckv.engine.request import BlockHashing, Request
 from speckv.hashing.functions import get_hash_algo, make_none_hash
@@ -46,17 +47,6 @@ def expected_hit_tokens(prompt_len: int, unit_tokens: int, hash_mode: HashMode) 
     return hit
 
 
-def format_groups(specs: list[KVCacheSpec]) -> str:
-    parts = []
-    for spec in specs:
-        if spec.kind == "sliding_window":
-            parts.append(f"swa:{spec.sliding_window}:{spec.block_size}")
-        else:
-            parts.append(f"{'full' if spec.kind == 'full_attention' else spec.kind}:"
-                         f"{spec.block_size}")
-    return ",".join(parts)
-
-
 def measure_hit_length(
     prompt_len: int, block_size: int, drafter: str, mtp_modules: int = 1,
     mode: str = "lookahead", seed: int = 0, groups: list[KVCacheSpec] | None = None,
@@ -65,7 +55,7 @@ def measure_hit_length(
     policy = make_drafter_policy(drafter, mtp_modules)
     hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=(mode == "legacy"))
     specs = groups if groups is not None else [FullAttentionSpec(block_size)]
-    num_spec = NUM_SPEC_TOKENS if policy.name not in ("none",) else 0
+    num_spec = NUM_SPEC_TOKENS if policy.name != "none" else 0
     min_block = min(spec.block_size for spec in specs)
     num_blocks = len(specs) * (2 * (prompt_len + NUM_DECODE_TOKENS + 2 * num_spec)
                                // min_block + 8)
@@ -87,7 +77,7 @@ def measure_hit_length(
     return HitLengthResult(label, hash_mode.label, prompt_len, unit,
                            second.num_cached_tokens,
                            expected_hit_tokens(prompt_len, unit, hash_mode),
-                           format_groups(specs) if groups is not None else "")
+                           format_group_specs(specs) if groups is not None else "")
 
 
 def full_table(block_size: int) -> list[HitLengthResult]:
@@ -112,8 +102,7 @@ def hybrid_table() -> list[HitLengthResult]:
     results = []
     for groups_text in HYBRID_ROWS:
         specs = parse_group_specs(groups_text)
-        unit = KVCacheManager(specs, 4, resolve_hash_mode(make_drafter_policy("none"))
-                              ).alignment_tokens
+        unit = math.lcm(*(spec.block_size for spec in specs))
         lengths = (1367,) if unit == 544 else (unit + 1, 3 * unit, 5 * unit + 7)
         for name, modules, mode in (("none", 1, "lookahead"), ("mtp", 1, "legacy"),
                                     ("mtp", 1, "lookahead"), ("mtp", 3, "lookahead")):

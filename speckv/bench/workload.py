@@ -19,6 +19,10 @@ from typing import Protocol
 
 import numpy as np
 
+from speckv.hashing.formats import format_for
+from speckv.hashing.functions import get_hash_algo, make_none_hash
+from speckv.hashing.request_hasher import hash_prompt
+
 
 class TextTokenizer(Protocol):
     vocab_size: int
@@ -99,20 +103,19 @@ def oracle_hit_tokens(requests: list[WorkloadRequest], block_size: int) -> int:
     """Prompt tokens a perfect cache of unbounded size could serve, in arrival order: each
     prompt reuses whole blocks of its longest common prefix with any earlier prompt, at most
     N - 1 tokens. Pure."""
-    seen: set[tuple[int, ...]] = set()
+    algo = get_hash_algo("sha256")
+    none_hash = make_none_hash(algo, "oracle")
+    legacy = format_for(0)  # chained hashes: equal hash <=> equal prefix
+    seen: set[bytes] = set()
     total = 0
     for request in requests:
-        tokens = request.prompt_token_ids
-        num_blocks = (len(tokens) - 1) // block_size
+        hashes = hash_prompt(algo, none_hash, block_size, legacy, request.prompt_token_ids)
+        num_candidates = (len(request.prompt_token_ids) - 1) // block_size
         hit_blocks = 0
-        for index in range(num_blocks):
-            if tuple(tokens[: (index + 1) * block_size]) in seen:
-                hit_blocks = index + 1
-            else:
-                break
+        while hit_blocks < num_candidates and hashes[hit_blocks] in seen:
+            hit_blocks += 1
         total += hit_blocks * block_size
-        for index in range(len(tokens) // block_size):
-            seen.add(tuple(tokens[: (index + 1) * block_size]))
+        seen.update(hashes)
     return total
 
 

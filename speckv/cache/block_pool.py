@@ -115,11 +115,6 @@ class BlockPool:
         """Blocks that `get_new_blocks` can hand out (free, cached or not). Pure."""
         return self.free_queue.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        usable = self.num_blocks - 1
-        return 1.0 - self.get_num_free_blocks() / usable
-
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         """The block cached under `(block_hash, group_id)`, if any. Pure."""
         return self.cached_blocks.get(make_cache_key(block_hash, group_id))

@@ -130,14 +130,6 @@ class KVCacheManager:
         )
 
     @property
-    def num_groups(self) -> int:
-        return len(self.managers)
-
-    @property
-    def lookahead_tokens(self) -> int:
-        return self.hash_mode.lookahead_tokens
-
-    @property
     def lookahead_values(self) -> tuple[int, ...]:
         """The L values whose hash chains requests must keep (one per kind of group)."""
         return tuple(sorted({m.group.lookahead_tokens for m in self.managers}))

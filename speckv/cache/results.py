@@ -27,7 +27,3 @@ class Allocation:
     """Blocks newly given to a request in one `allocate_slots` call, per group."""
 
     new_blocks: tuple[list[KVCacheBlock], ...]
-
-    @property
-    def new_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([block.block_id for block in group] for group in self.new_blocks)

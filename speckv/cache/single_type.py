@@ -167,19 +167,19 @@ class _PartialPrefixManager(SingleTypeManager):
     def _runs_worth_keeping(self, request, start, end):
         if self.retention.is_dense:
             return [(start, end)]
-        keep = [False] * (end - start)
-        boundaries = self.retention.boundaries(end * self.block_size, request.num_prompt_tokens)
-        for boundary in boundaries:
-            last = boundary // self.block_size
-            for index in range(max(start, last - self.num_tail_blocks), min(end, last)):
-                keep[index - start] = True
+        # each reachable boundary keeps the num_tail_blocks blocks before it; boundaries
+        # ascend, so the intervals do too and merge in one pass
         runs: list[tuple[int, int]] = []
-        for offset, kept in enumerate(keep):
-            index = start + offset
-            if kept and runs and runs[-1][1] == index:
-                runs[-1] = (runs[-1][0], index + 1)
-            elif kept:
-                runs.append((index, index + 1))
+        for boundary in self.retention.boundaries(end * self.block_size,
+                                                  request.num_prompt_tokens):
+            last = boundary // self.block_size
+            low, high = max(start, last - self.num_tail_blocks), min(end, last)
+            if low >= high:
+                continue
+            if runs and low <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], high))
+            else:
+                runs.append((low, high))
         return runs
 
     def _release_before(self, request_id: str, num_blocks_to_drop: int) -> None:

@@ -96,3 +96,16 @@ def parse_group_specs(text: str) -> list[KVCacheSpec]:
     if not specs:
         raise ValueError("no KV cache groups given")
     return specs
+
+
+def format_group_specs(specs: list[KVCacheSpec]) -> str:
+    """The inverse of `parse_group_specs`."""
+    parts = []
+    for spec in specs:
+        if isinstance(spec, SlidingWindowSpec):
+            parts.append(f"swa:{spec.sliding_window}:{spec.block_size}")
+        elif isinstance(spec, MambaSpec):
+            parts.append(f"mamba:{spec.block_size}")
+        else:
+            parts.append(f"full:{spec.block_size}")
+    return ",".join(parts)

@@ -19,8 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from speckv.hashing.formats import BlockHashFormat, format_for
-
 
 class DrafterPolicy(Protocol):
     name: str
@@ -151,10 +149,6 @@ class HashMode:
             raise ValueError(f"lookahead_tokens must be >= 0, got {self.lookahead_tokens}")
         if self.lookahead_tokens and self.drops_last_unit:
             raise ValueError("lookahead hashes and the legacy block drop are exclusive")
-
-    @property
-    def format(self) -> BlockHashFormat:
-        return format_for(self.lookahead_tokens)
 
     @property
     def label(self) -> str:

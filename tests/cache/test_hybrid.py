@@ -190,3 +190,10 @@ def test_a_hole_in_the_window_moves_the_sliding_window_hit_down():
     assert hit.num_computed_tokens == 20
     assert not any(block.is_null for block in hit.blocks[1][3:5])
     manager.check_integrity()
+
+
+def test_group_text_round_trips():
+    from speckv.cache.specs import format_group_specs
+
+    text = "full:16,swa:1024:16,mamba:544"
+    assert format_group_specs(parse_group_specs(text)) == text

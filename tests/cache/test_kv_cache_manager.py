@@ -106,7 +106,7 @@ def test_finish_caches_the_block_the_last_token_completed(world_factory):
     manager = world.manager
     manager.allocate_slots(request, 7)
     request.num_computed_tokens = 7
-    request.append_output_token_ids([50])  # token 7: completes block [0, 4)'s... already had
+    request.append_output_token_ids([50])  # token 7 fills block [4, 8); its hash waits for token 8
     manager.allocate_slots(request, 1)
     request.num_computed_tokens = 8
     request.append_output_token_ids([51])  # token 8 is the lookahead of block [4, 8)
