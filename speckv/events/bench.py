@@ -16,15 +16,16 @@ Owns three measurements, printed as a rich table (or JSON with `--json`):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
-import socket
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from speckv.cache import events as records
+from speckv.events.endpoints import loopback_endpoint
 from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
 from speckv.events.router import EngineHashConfig, RouterIndex
 from speckv.events.sample import SampleEngine, SampleEngineConfig, run_sample_workload
@@ -46,12 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-requests", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3, help="overhead runs per mode")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def make_stored_records(
@@ -81,15 +76,12 @@ def make_stored_records(
 
 
 def bench_publisher(stored: Sequence[records.BlockStored], num_batches: int) -> dict[str, Any]:
-    port, replay_port = _free_port(), _free_port()
     config = PublisherConfig(
-        endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        endpoint=loopback_endpoint(), replay_endpoint=loopback_endpoint(),
         max_queue_size=num_batches + 1, buffer_steps=10_000, hwm=num_batches + 1,
     )
-    with ZmqEventPublisher(config) as publisher:
-        subscriber = EventSubscriber(
-            SubscriberConfig(endpoint=config.endpoint, start_seq=None)
-        )
+    subscriber_config = SubscriberConfig(endpoint=config.endpoint, start_seq=None)
+    with ZmqEventPublisher(config) as publisher, EventSubscriber(subscriber_config) as subscriber:
         time.sleep(0.3)  # let the subscription reach the publisher
         start = time.perf_counter()
         for index in range(num_batches):
@@ -101,7 +93,6 @@ def bench_publisher(stored: Sequence[records.BlockStored], num_batches: int) -> 
         deadline = time.monotonic() + 5.0
         while received < num_batches and time.monotonic() < deadline:
             received += len(subscriber.poll(0.2))
-        subscriber.close()
         stats = publisher.stats
     return {
         "batches": num_batches,
@@ -118,11 +109,7 @@ def bench_router(stored: Sequence[records.BlockStored], hashing: EngineHashConfi
     batches = [decode_batch(payload) for payload in payloads]
     out: dict[str, Any] = {"events": len(batches)}
     for verify in (False, True):
-        config = EngineHashConfig(
-            algo=hashing.algo, seed=hashing.seed, block_size=hashing.block_size,
-            lookahead_tokens=hashing.lookahead_tokens, verify=verify,
-        )
-        index = RouterIndex({"e": config})
+        index = RouterIndex({"e": dataclasses.replace(hashing, verify=verify)})
         start = time.perf_counter()
         for seq, batch in enumerate(batches):
             index.apply_batch("e", batch, seq)
@@ -141,10 +128,7 @@ def bench_router(stored: Sequence[records.BlockStored], hashing: EngineHashConfi
 
 
 def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
-    port, replay_port = _free_port(), _free_port()
-    config = PublisherConfig(
-        endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
-    )
+    config = PublisherConfig(endpoint=loopback_endpoint(), replay_endpoint=loopback_endpoint())
     times: dict[str, list[float]] = {"off": [], "sink": [], "on": []}
     steps = 0
     with ZmqEventPublisher(config) as publisher:

@@ -1,6 +1,7 @@
 """Command-line entry points of the events package, as `add_arguments` / `run` pairs.
 
-Owns the argument parsing and printing of three commands; the main CLI mounts them:
+Owns the argument parsing and printing of three commands; the main CLI (`speckv.cli`) mounts
+them by name (`add_<name>_arguments` / `run_<name>`):
 
     speckv events tail            print decoded events live, one line per event
     speckv events publish-sample  publish a synthetic workload's events from the real cache
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from speckv.events.endpoints import port_is_free
 from speckv.events.router import EngineHashConfig
 from speckv.events.schema import (
     AllBlocksCleared,
@@ -295,9 +296,9 @@ def parse_engine_specs(specs: list[str]) -> dict[str, tuple[str, str | None]]:
         if len(endpoints) > 2:
             raise UserError(f"--engines entry {spec!r} has more than two endpoints")
         pub = _check_endpoint(endpoints[0], f"engine {name!r} endpoint")
-        replay = _check_endpoint(endpoints[1], f"engine {name!r} replay endpoint") if len(
-            endpoints
-        ) == 2 else None
+        replay = None
+        if len(endpoints) == 2:
+            replay = _check_endpoint(endpoints[1], f"engine {name!r} replay endpoint")
         engines[name] = (pub, replay)
     return engines
 
@@ -310,16 +311,6 @@ def _parse_lora(entries: list[str]) -> dict[str, str]:
             raise UserError(f"--lora entry {entry!r} is not NAME=PATH")
         paths[name] = path
     return paths
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def build_router_service(args: argparse.Namespace) -> Any:
@@ -354,7 +345,7 @@ def run_route(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     service = build_router_service(args)
-    if not _port_free(args.host, args.port):
+    if not port_is_free(args.host, args.port):
         raise UserError(f"cannot listen on {args.host}:{args.port} (in use or not local)")
     service.start()
     try:
@@ -362,31 +353,3 @@ def run_route(args: argparse.Namespace) -> int:
     finally:
         service.stop()
     return 0
-
-
-# what the main CLI mounts
-COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
-                          Callable[[argparse.Namespace], int]]] = {
-    "events tail": (add_tail_arguments, run_tail),
-    "events publish-sample": (add_publish_sample_arguments, run_publish_sample),
-    "route": (add_route_arguments, run_route),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry until the main CLI mounts these: `python -m speckv.events.cli tail`."""
-    parser = argparse.ArgumentParser(prog="python -m speckv.events.cli")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (add, run) in {
-        "tail": COMMANDS["events tail"],
-        "publish-sample": COMMANDS["events publish-sample"],
-        "route": COMMANDS["route"],
-    }.items():
-        add(sub.add_parser(name))
-        sub.choices[name].set_defaults(_run=run)
-    args = parser.parse_args(argv)
-    return args._run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -152,9 +152,8 @@ class ZmqEventPublisher:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._queue and self._sent + self._dropped + self._send_errors >= (
-                    self._published
-                ):
+                # published = sent + dropped + send errors + (queued or being sent)
+                if self._sent + self._dropped + self._send_errors == self._published:
                     return True
             time.sleep(0.001)
         return False

@@ -42,10 +42,11 @@ from speckv.events.schema import (
     low64,
     retag_extra_keys,
 )
+from speckv.hashing.block_hash import hash_block_tokens, hash_lookahead_block
 from speckv.hashing.extra_keys import HashInputs, LoRARef, MultiModalItem
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import HashAlgo, get_hash_algo, make_none_hash
-from speckv.hashing.request_hasher import RequestBlockHasher, hash_prompt
+from speckv.hashing.request_hasher import hash_prompt
 
 
 @dataclass(frozen=True)
@@ -111,22 +112,21 @@ def recompute_block_hashes(
 
     if extra is None and _chain_is_contiguous(tokens, lookahead, block_size, num_lookahead):
         # Fast path: the run is one token sequence; the request hasher encodes it in bulk.
-        sequence = list(tokens) + (list(lookahead[-1]) if lookahead else [])
-        hasher = RequestBlockHasher(algo, parent, block_size, format_for(num_lookahead))
-        hasher.update(sequence)
-        if len(hasher.block_hashes) == num_blocks:
-            return hasher.block_hashes
-    hashes: list[bytes] = []
+        sequence = [*tokens, *lookahead[-1]] if lookahead else tokens
+        hashes = hash_prompt(algo, parent, block_size, format_for(num_lookahead), sequence)
+        if len(hashes) == num_blocks:
+            return hashes
+    hashes = []
     for index in range(num_blocks):
-        block = tuple(tokens[index * block_size : (index + 1) * block_size])
+        block = tokens[index * block_size : (index + 1) * block_size]
         try:
             keys = retag_extra_keys(extra[index] if extra else None, event.lora_name, lora_paths)
         except ExtraKeysError as err:
             raise VerifyError(str(err)) from None
         if lookahead:
-            parent = algo((parent, block, (keys, *lookahead[index])))
+            parent = hash_lookahead_block(algo, parent, block, lookahead[index], keys)
         else:
-            parent = algo((parent, block, keys))
+            parent = hash_block_tokens(algo, parent, block, keys)
         hashes.append(parent)
     return hashes
 
@@ -203,10 +203,13 @@ class RouterIndex:
         if seq is not None:
             state.last_seq = seq
         for event in batch.events:
-            self.apply_event(engine, event)
+            self._apply(engine, state, event)
 
     def apply_event(self, engine: str, event: object) -> None:
-        state = self.state[engine]
+        """Apply one event of an engine's (outside any batch count). Mutates."""
+        self._apply(engine, self.state[engine], event)
+
+    def _apply(self, engine: str, state: EngineState, event: object) -> None:
         if isinstance(event, BlockStored):
             self._stored(engine, state, event)
         elif isinstance(event, BlockRemoved):
@@ -248,11 +251,11 @@ class RouterIndex:
         except VerifyError:
             state.unverifiable_blocks += len(keys)
             return
-        for wire, full in zip(event.block_hashes, expected):
-            ok = wire == full if isinstance(wire, bytes) else low64(full) == wire
-            if ok:
+        for key, wire, full in zip(keys, event.block_hashes, expected):
+            matched = wire == full if isinstance(wire, bytes) else low64(full) == wire
+            if matched:  # then low64(full) == key
                 state.verified_blocks += 1
-                state.full_hashes[low64(full)] = full
+                state.full_hashes[key] = full
             else:
                 state.mismatched_blocks += 1
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from speckv.events.router import EngineHashConfig, RouterIndex
 from speckv.events.schema import KVEventBatch
-from speckv.events.subscriber import EventSubscriber, SubscriberConfig
+from speckv.events.subscriber import EventSubscriber, SubscriberConfig, run_subscriber
 from speckv.hashing.extra_keys import MultiModalItem
 
 
@@ -90,10 +90,12 @@ class RouterService:
             SubscriberConfig(endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint)
         )
         self._subscribers[engine.name] = subscriber
+
+        def on_batch(seq: int, batch: KVEventBatch) -> None:
+            self.apply(engine.name, seq, batch)
+
         try:
-            while not self._stop.is_set():
-                for seq, batch in subscriber.poll(self._poll_timeout_s):
-                    self.apply(engine.name, seq, batch)
+            run_subscriber(subscriber, on_batch, self._stop.is_set, self._poll_timeout_s)
         finally:
             subscriber.close()
 

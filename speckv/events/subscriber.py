@@ -155,30 +155,28 @@ class EventSubscriber:
     def _catch_up(self) -> list[Delivered]:
         """Everything the publisher buffers from `start_seq` on, before going live."""
         assert self.next_seq is not None
-        replayed = self._request_replay(self.next_seq)
-        out: list[Delivered] = []
-        for seq, payload in replayed:
-            if seq < self.next_seq:
-                continue
-            if seq > self.next_seq:
-                self._count_lost(self.next_seq, seq)
-            self.next_seq = seq + 1
-            batch = self._decode(payload)
-            if batch is not None:
-                out.append((seq, batch))
-                self.stats.received_batches += 1
-                self.stats.replayed_batches += 1
+        out, self.next_seq = self._replayed(self.next_seq, None)
         return out
 
     def _recover(self, first_missing: int, live_seq: int) -> list[Delivered]:
         """Replay `[first_missing, live_seq)`; count what cannot be recovered."""
-        replayed = self._request_replay(first_missing) if self._replay_possible else []
         out: list[Delivered] = []
         expected = first_missing
-        for seq, payload in replayed:
+        if self.config.replay_endpoint is not None:
+            out, expected = self._replayed(first_missing, live_seq)
+        if expected < live_seq:
+            self._count_lost(expected, live_seq)
+        return out
+
+    def _replayed(self, first: int, end: int | None) -> tuple[list[Delivered], int]:
+        """The batches replay returns in `[first, end)` (no bound: `end` None), counting the
+        holes between them as lost; and the seq expected after the last one."""
+        out: list[Delivered] = []
+        expected = first
+        for seq, payload in self._request_replay(first):
             if seq < expected:
                 continue
-            if seq >= live_seq:
+            if end is not None and seq >= end:
                 break
             if seq > expected:
                 self._count_lost(expected, seq)
@@ -188,13 +186,7 @@ class EventSubscriber:
                 out.append((seq, batch))
                 self.stats.received_batches += 1
                 self.stats.replayed_batches += 1
-        if expected < live_seq:
-            self._count_lost(expected, live_seq)
-        return out
-
-    @property
-    def _replay_possible(self) -> bool:
-        return self.config.replay_endpoint is not None
+        return out, expected
 
     def _count_lost(self, first: int, end: int) -> None:
         self.stats.lost_batches += end - first

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from speckv.events.endpoints import loopback_endpoint
 from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
 def endpoints() -> tuple[str, str]:
-    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    """A (PUB, replay) pair of free loopback endpoints."""
+    return loopback_endpoint(), loopback_endpoint()
 
 
 @pytest.fixture

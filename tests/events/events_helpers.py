@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from speckv.events.publisher import ZmqEventPublisher
 from speckv.events.schema import KVEventBatch
 from speckv.events.subscriber import EventSubscriber
 
@@ -20,7 +19,7 @@ def collect(
     return got
 
 
-def wait_subscribed(publisher: ZmqEventPublisher, subscriber: EventSubscriber) -> None:
-    """PUB/SUB slow joiner: publish nothing-batches is not allowed (empty steps are skipped),
-    so just give the subscription time to reach the publisher."""
+def wait_subscribed() -> None:
+    """PUB/SUB slow joiner: give a new subscription time to reach the publisher (there is no
+    probe batch to wait for: empty steps are never published)."""
     time.sleep(0.2)

@@ -8,9 +8,9 @@ import json
 import threading
 
 import pytest
-from conftest import free_port
 
 from speckv.events import bench, cli
+from speckv.events.endpoints import loopback_endpoint
 
 
 def parse(add, argv: list[str]) -> argparse.Namespace:
@@ -20,7 +20,7 @@ def parse(add, argv: list[str]) -> argparse.Namespace:
 
 
 def test_publish_sample_then_tail(capsys):
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub, replay = loopback_endpoint(), loopback_endpoint()
     publish_args = parse(cli.add_publish_sample_arguments, [
         "--endpoint", pub, "--replay-endpoint", replay, "--block-size", "8", "--num-blocks", "24",
         "--requests", "6", "--lookahead", "3", "--linger", "3", "--delay", "0",

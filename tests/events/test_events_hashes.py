@@ -52,19 +52,19 @@ def test_recomputed_hashes_equal_the_engines(lookahead, kind):
     published = [h for event in stored for h in event.block_hashes]
     assert published and published == engine_hashes[: len(published)]
     algo = get_hash_algo("sha256")
-    parent = make_none_hash(algo, "0")
+    none_hash = make_none_hash(algo, "0")
     for event in stored:
-        assert event.parent_block_hash == (published[published.index(event.block_hashes[0]) - 1]
-                                           if event.parent_block_hash is not None else None)
+        # the parent is the previous block of the chain; None only for block 0
+        first = published.index(event.block_hashes[0])
+        assert event.parent_block_hash == (published[first - 1] if first else None)
         assert len(event.token_ids) == B * len(event.block_hashes)
         if lookahead:
             assert [len(ids) for ids in event.lookahead_token_ids] == [lookahead] * len(
                 event.block_hashes)
         else:
             assert event.lookahead_token_ids is None
-        start = parent if event.parent_block_hash is None else event.parent_block_hash
+        start = none_hash if event.parent_block_hash is None else event.parent_block_hash
         assert recompute_block_hashes(event, algo, start, PATHS) == event.block_hashes
-        parent = make_none_hash(algo, "0")
 
 
 def test_lookahead_changes_the_hash_when_an_item_starts_in_the_lookahead():

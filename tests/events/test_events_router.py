@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 import uvicorn
-from conftest import free_port
 
+from speckv.events.endpoints import free_port, loopback_endpoint
 from speckv.events.router import EngineHashConfig, RouterIndex
 from speckv.events.sample import SampleEngine, SampleEngineConfig
 from speckv.events.schema import HashEncoding, decode_batch, encode_batch, to_wire_batch
@@ -110,8 +110,7 @@ def test_int_hashes_verify_through_known_parents():
 
 
 def test_http_route_over_real_sockets(make_publisher):
-    endpoints = {name: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-                 for name in ("a", "b")}
+    endpoints = {name: (loopback_endpoint(), loopback_endpoint()) for name in ("a", "b")}
     engines = {"a": engine(), "b": engine()}
     engines["a"].request("a1", PROMPT_A)
     engines["b"].request("b1", PROMPT_B)

@@ -14,6 +14,7 @@ from speckv.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    ExtraKeysError,
     HashEncoding,
     KVEventBatch,
     decode_batch,
@@ -86,7 +87,7 @@ def test_every_event_kind_round_trips_over_sockets(endpoints, make_publisher):
     pub_ep, replay_ep = endpoints
     publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep)
     with EventSubscriber(SubscriberConfig(endpoint=pub_ep, start_seq=None)) as subscriber:
-        wait_subscribed(publisher, subscriber)
+        wait_subscribed()
         seq = publisher.publish(ALL_RECORDS)
         got = collect(subscriber, 1)
     assert [s for s, _ in got] == [seq]
@@ -164,5 +165,9 @@ def test_retag_extra_keys():
         ("lora", "ad", "/p/ad"), ("mm", "img", 3), ("cache_salt", "salt"),
         ("prompt_embeds", b"\x01"),
     )
-    with pytest.raises(ValueError, match="no path"):
+    with pytest.raises(ExtraKeysError, match="no path"):
         retag_extra_keys(["other"], "other", paths)
+    with pytest.raises(ExtraKeysError, match="do not start with LoRA"):
+        retag_extra_keys(["salt"], "ad", paths)
+    with pytest.raises(ExtraKeysError, match="unrecognised"):
+        retag_extra_keys([3], None, paths)
