@@ -52,11 +52,11 @@ def _kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int) -> tor
 def _engine(model, drafter, dtype: str, block_size: int, hash_mode: HashMode | None = None):
     from speckv.engine.config import EngineConfig
     from speckv.engine.llm_engine import LLMEngine
-    from speckv.engine.speculative import method_of
+    from speckv.engine.speculative import speculative_args
 
     config = EngineConfig(block_size=block_size, num_blocks=256, dtype=dtype,
-                          speculative_method=method_of(drafter), num_spec_tokens=3,
-                          hash_seed="0", device=str(model.device))
+                          **speculative_args(drafter, 3), hash_seed="0",
+                          device=str(model.device))
     return LLMEngine(model, config, drafter=drafter, detokenize=False,
                      hash_mode_override=hash_mode)
 
@@ -95,8 +95,10 @@ def measure(model, drafter, name: str, dtype: str, prompt: list[int], block_size
                            (draft_hit - draft_cold).abs().max().item())]
         # negative control: the successor of the shared blocks differs
         shared = (len(prompt) - 2) // block_size * block_size
-        first = prompt[:shared] + [prompt[shared] % 97 + 1] + prompt[shared + 1:]
-        second = prompt[:shared] + [prompt[shared] % 89 + 2] + prompt[shared + 1:]
+        vocab_size = model.config.vocab_size
+        successor = prompt[shared]
+        first = prompt[:shared] + [successor] + prompt[shared + 1:]
+        second = prompt[:shared] + [(successor + 1) % vocab_size] + prompt[shared + 1:]
         stale = _engine(model, drafter, dtype, block_size,
                         HashMode(0, False, "negative control: legacy hashes, drop off"))
         _first_step_kv(stale, first, 0)

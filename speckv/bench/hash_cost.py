@@ -255,7 +255,7 @@ def render_table(rows: list[Row], title: str) -> Table:
     return table
 
 
-def _title(plan: Plan) -> str:
+def _title() -> str:
     return (f"One whole-prompt hashing call, {ALGO_NAME}, ms (% vs legacy); naive: "
             "per-block tuple + pickle.dumps + sha256 of the adopted format (x = naive / adopted)")
 
@@ -263,7 +263,7 @@ def _title(plan: Plan) -> str:
 def quick_table(console: Console) -> list[Row]:
     """The ~5 s mini version for `speckv demo`: text, 32K+1 tokens, B = 16 and 1024."""
     rows = measure(DEMO)
-    console.print(render_table(rows, _title(DEMO)))
+    console.print(render_table(rows, _title()))
     console.print(f"[dim]{DEMO.description}; full table: speckv bench hash[/dim]")
     return rows
 
@@ -296,5 +296,5 @@ def run(args: argparse.Namespace) -> int:
             "rows": [row.to_json() for row in rows],
         }))
         return 0
-    console.print(render_table(rows, _title(plan)))
+    console.print(render_table(rows, _title()))
     return 0

@@ -93,25 +93,25 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
     """One mode on a fresh engine (empty cache) over the whole workload."""
     from speckv.engine.config import EngineConfig
     from speckv.engine.llm_engine import LLMEngine
+    from speckv.engine.outputs import acceptance_stats
     from speckv.engine.sampling_params import SamplingParams
-    from speckv.engine.speculative import method_of
+    from speckv.engine.speculative import speculative_args
 
     spec = MODES[mode]
+    mode_drafter = drafter if spec["speculative"] else None
     config = EngineConfig(
         block_size=options.block_size,
         num_blocks=options.num_blocks,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
         max_num_seqs=options.max_concurrency,
         max_num_batched_tokens=options.max_num_batched_tokens,
-        speculative_method=method_of(drafter) if spec["speculative"] else None,
-        num_spec_tokens=options.num_spec_tokens if spec["speculative"] else 0,
+        **speculative_args(mode_drafter, options.num_spec_tokens),
         disable_lookahead_block_hashes=spec["legacy"],
-        dtype=str(model.dtype).removeprefix("torch."),
+        dtype=str(model.dtype),  # EngineConfig drops the "torch." prefix
         device=str(model.device),
         hash_seed="0",
     )
-    engine = LLMEngine(model, config, drafter=drafter if spec["speculative"] else None,
-                       detokenize=False)
+    engine = LLMEngine(model, config, drafter=mode_drafter, detokenize=False)
     arrivals = _arrivals(len(workload), options.request_rate, options.seed)
     pending = deque(range(len(workload)))
     index_of: dict[str, int] = {}
@@ -147,9 +147,7 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
     ttfts = sorted(1000 * (o.ttft_s or 0.0) for o in ordered)
     tpots = [1000 * (finish[i] - first_token[i]) / (len(o.token_ids) - 1)
              for i, o in enumerate(ordered) if len(o.token_ids) > 1]
-    drafts = sum(o.num_draft_tokens for o in ordered)
-    accepted = sum(o.num_accepted_tokens for o in ordered)
-    steps_with_drafts = drafts / options.num_spec_tokens if drafts else 0
+    acceptance = acceptance_stats(ordered, options.num_spec_tokens)
     return ModeResult(
         mode=mode,
         hash_mode=engine.hash_mode.label,
@@ -161,8 +159,8 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
         ttft_median_ms=statistics.median(ttfts),
         ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         tpot_mean_ms=statistics.fmean(tpots) if tpots else 0.0,
-        acceptance_rate=accepted / drafts if drafts else None,
-        mean_acceptance_length=1 + accepted / steps_with_drafts if drafts else None,
+        acceptance_rate=acceptance[0] if acceptance else None,
+        mean_acceptance_length=acceptance[1] if acceptance else None,
         num_preemptions=sum(o.num_preemptions for o in ordered),
         duration_s=duration,
         outputs=[list(o.token_ids) for o in ordered],

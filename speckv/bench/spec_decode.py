@@ -33,13 +33,10 @@ def _generate(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_sp
     from speckv.engine.config import EngineConfig
     from speckv.engine.llm_engine import LLMEngine
     from speckv.engine.sampling_params import SamplingParams
-    from speckv.engine.speculative import method_of
+    from speckv.engine.speculative import speculative_args
 
-    config = EngineConfig(
-        max_num_seqs=batch_size, num_blocks=512, dtype=str(model.dtype).removeprefix("torch."),
-        speculative_method=method_of(drafter) if drafter is not None else None,
-        num_spec_tokens=num_spec if drafter is not None else 0,
-    )
+    config = EngineConfig(max_num_seqs=batch_size, num_blocks=512, dtype=str(model.dtype),
+                          **speculative_args(drafter, num_spec))
     engine = LLMEngine(model, config, tokenizer, drafter=drafter)
     params = SamplingParams(max_tokens=max_tokens)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
@@ -59,11 +56,10 @@ def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec
                                   num_spec)
     spec, spec_rate = _generate(model, tokenizer, drafter, prompts, batch_size, max_tokens,
                                 num_spec)
-    drafts = sum(o.num_draft_tokens for o in spec)
-    accepted = sum(o.num_accepted_tokens for o in spec)
-    return SpecRow(batch_size, plain_rate, spec_rate, spec_rate / plain_rate,
-                   accepted / drafts if drafts else 0.0,
-                   1 + accepted / (drafts / num_spec) if drafts else 1.0,
+    from speckv.engine.outputs import acceptance_stats
+
+    rate, length = acceptance_stats(spec, num_spec) or (0.0, 1.0)
+    return SpecRow(batch_size, plain_rate, spec_rate, spec_rate / plain_rate, rate, length,
                    [o.token_ids for o in plain] == [o.token_ids for o in spec])
 
 

@@ -21,7 +21,7 @@ import argparse
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from rich.console import Console
@@ -137,9 +137,8 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
     # (a) prefill of a 1,024-token prompt, cold (prefix caching off) vs HF
     prompt = _random_tokens(rng, PREFILL_TOKENS, vocab)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine = LLMEngine(model, EngineConfig(dtype=dtype, device=device,
-                                           enable_prefix_caching=False,
-                                           max_num_batched_tokens=PREFILL_TOKENS))
+    engine = LLMEngine(model, replace(base, enable_prefix_caching=False,
+                                      max_num_batched_tokens=PREFILL_TOKENS))
     ours, theirs = [], []
     for index in range(repeats + 1):  # the first round warms up both
         _sync(torch_device)
@@ -159,8 +158,7 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
     prompts = [_random_tokens(rng, DECODE_PROMPT_TOKENS, vocab)
                for _ in range(NUM_DECODE_REQUESTS)]
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
-    engine = LLMEngine(model, EngineConfig(dtype=dtype, device=device,
-                                           enable_prefix_caching=False))
+    engine = LLMEngine(model, replace(base, enable_prefix_caching=False))
     _run_engine(engine, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     best = float("inf")
     for _ in range(repeats):
@@ -183,8 +181,7 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
     # (c) TTFT: 1,024 cached prefix tokens + a fresh suffix vs the same prompt cold
     prefix = _random_tokens(rng, CACHED_PREFIX_TOKENS, vocab)
     cold_times, cached_times, cached_tokens = [], [], 0
-    engine = LLMEngine(model, EngineConfig(dtype=dtype, device=device,
-                                           max_num_batched_tokens=2048))
+    engine = LLMEngine(model, replace(base, max_num_batched_tokens=2048))
     _run_engine(engine, [_random_tokens(rng, 64, vocab)], one)  # warm up
     for _ in range(repeats):
         engine.manager.reset_prefix_cache()

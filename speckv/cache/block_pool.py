@@ -25,6 +25,7 @@ from speckv.cache.block import (
 )
 from speckv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
 from speckv.hashing.extra_keys import HashInputs, untag
+from speckv.hashing.functions import HashAlgo
 
 
 class CachingRequest(Protocol):
@@ -74,6 +75,11 @@ class CompareContent:
 
     def accepts(self, block: KVCacheBlock, expected: Callable[[], BlockContent]) -> bool:
         return block.content == expected()
+
+
+def hit_check_for(algo: HashAlgo) -> HitCheck:
+    """Trust cryptographic hashes; verify hits of fast non-cryptographic ones by content."""
+    return TrustHashes() if algo.cryptographic else CompareContent()
 
 
 def content_of(

@@ -39,7 +39,8 @@ def run_model_demo(console: Console, max_tokens: int = 32) -> None:
     console.print(
         f"[bold]Built-in model[/] SmolLM2-135M-Instruct on {engine.runner.device} "
         f"({engine.model.dtype}), {engine.num_blocks} KV blocks of {engine.config.block_size}, "
-        f"EAGLE speculation with 3 draft tokens, {engine.hash_mode.label} block hashes"
+        f"EAGLE speculation with {engine.num_spec_tokens} draft tokens, "
+        f"{engine.hash_mode.label} block hashes"
     )
     params = SamplingParams(max_tokens=max_tokens)
     prompt = llm.chat_prompt(QUESTION)

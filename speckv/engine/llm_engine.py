@@ -21,13 +21,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from speckv.attention import num_blocks_for_budget
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.engine.config import EngineConfig
 from speckv.engine.model_runner import ModelRunner, RunnerOutput
@@ -56,11 +57,9 @@ class EventPublisher(Protocol):
 
 @dataclass
 class _RequestState:
-    request: Request
+    request: Request  # its eos_token_ids are every token that stops it (EOS + stop_token_ids)
     params: SamplingParams
-    stop_token_ids: frozenset[int]
     generator: torch.Generator | None
-    arrival_s: float
     first_token_s: float | None = None
     text: str = ""
     num_sent_tokens: int = 0
@@ -69,7 +68,6 @@ class _RequestState:
     num_accepted_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -114,14 +112,15 @@ class LLMEngine:
             disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
         )
         self.event_publisher = event_publisher
+        algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
             [FullAttentionSpec(block_size)],
             self.num_blocks,
             self.hash_mode,
             enable_caching=config.enable_prefix_caching,
+            hit_check=hit_check_for(algo),
             event_sink=KVEventSink() if event_publisher is not None else None,
         )
-        algo = get_hash_algo(config.hash_algo)
         self.hashing = BlockHashing(
             algo,
             make_none_hash(algo, config.hash_seed),
@@ -144,7 +143,6 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
         self._states: dict[str, _RequestState] = {}
         self._counter = itertools.count()
-        self.num_steps = 0
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
@@ -182,7 +180,7 @@ class LLMEngine:
             token_ids,
             self.hashing,
             max_tokens=params.max_tokens,
-            eos_token_ids=sorted(stop_ids),
+            eos_token_ids=stop_ids,
             vocab_size=self.vocab_size,
             arrival_time=time.perf_counter(),
         )
@@ -196,9 +194,7 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
             generator = make_generator(seed, self.runner.device)
-        self._states[request_id] = _RequestState(
-            request, params, frozenset(stop_ids), generator, request.arrival_time
-        )
+        self._states[request_id] = _RequestState(request, params, generator)
         self.scheduler.add(request)
         return request_id
 
@@ -207,9 +203,7 @@ class LLMEngine:
         state = self._states.get(request_id)
         if state is None:
             return None
-        self.scheduler.remove(state.request)
-        self.manager.free(state.request)
-        self._forget(request_id)
+        self._retire(state.request, cache=False)
         state.request.status = RequestStatus.FINISHED_ABORTED
         state.finish_reason = "abort"
         return self._output(state)
@@ -229,7 +223,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that produced tokens or
         finished in it (deltas since the previous output)."""
-        self.num_steps += 1
         scheduler_output = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if scheduler_output.is_empty:
@@ -241,9 +234,7 @@ class LLMEngine:
         self._propose(scheduler_output, runner_output)
         for state in sampled_states:
             if state.finish_reason is not None:
-                self.manager.finish(state.request)
-                self.scheduler.remove(state.request)
-                self._forget(state.request.request_id)
+                self._retire(state.request, cache=True)
             outputs.append(self._output(state))
         self._publish_events()
         return outputs
@@ -273,14 +264,14 @@ class LLMEngine:
             else:
                 assert state.generator is not None
                 sampled = verify_random(logits[lo:hi], drafts, state.params, state.generator)
-            sampled, reason = self._truncate_at_stop(state, sampled)
+            sampled, reason, text = self._truncate_at_stop(state, sampled)
             request.apply_verification(item.num_drafts, sampled)
             state.num_draft_tokens += item.num_drafts
             state.num_accepted_tokens += len(sampled) - 1
             if state.first_token_s is None:
                 state.first_token_s = now
             if self.detokenize:
-                self._update_text(state)
+                self._update_text(state, text)
             if reason is not None:
                 state.finish_reason = reason
                 request.status = (
@@ -292,23 +283,26 @@ class LLMEngine:
 
     def _truncate_at_stop(
         self, state: _RequestState, sampled: list[int]
-    ) -> tuple[list[int], str | None]:
-        """Cut `sampled` after the first token that ends the request, and say why. Pure."""
+    ) -> tuple[list[int], str | None, str | None]:
+        """Cut `sampled` after the first token that ends the request, and say why; also the
+        decoded output including the kept tokens when stop strings made it decode them
+        (None otherwise), so the text update need not decode again. Pure."""
         request = state.request
+        text = None
         for index, token in enumerate(sampled):
             kept = sampled[: index + 1]
-            if token in state.stop_token_ids:
-                return kept, "stop"
+            if token in request.eos_token_ids:
+                return kept, "stop", None
             if state.params.stop and self.tokenizer is not None:
                 text = self._decode(state, request.output_token_ids + kept)
                 if any(stop in text for stop in state.params.stop):
-                    return kept, "stop"
+                    return kept, "stop", text
             if (
                 request.num_output_tokens + index + 1 >= state.params.max_tokens
                 or request.num_tokens + index + 1 >= self.max_model_len
             ):
-                return kept, "length"
-        return sampled, None
+                return kept, "length", text
+        return sampled, None, text
 
     def _decode(self, state: _RequestState, token_ids: Sequence[int]) -> str:
         assert self.tokenizer is not None
@@ -316,8 +310,10 @@ class LLMEngine:
             token_ids, skip_special_tokens=state.params.skip_special_tokens
         )
 
-    def _update_text(self, state: _RequestState) -> None:
-        text = self._decode(state, state.request.output_token_ids)
+    def _update_text(self, state: _RequestState, text: str | None = None) -> None:
+        """`text`: the output already decoded (by `_truncate_at_stop`), else decoded here."""
+        if text is None:
+            text = self._decode(state, state.request.output_token_ids)
         for stop in state.params.stop:
             cut = text.find(stop)
             if cut >= 0:
@@ -366,8 +362,7 @@ class LLMEngine:
             return []
         request = self.scheduler.waiting[0]
         state = self._states[request.request_id]
-        self.scheduler.remove(request)
-        self.manager.free(request)
+        self._retire(request, cache=False)
         request.status = RequestStatus.FINISHED_LENGTH
         state.finish_reason = "length"
         state.error = (
@@ -376,11 +371,17 @@ class LLMEngine:
         )
         return [self._output(state)]
 
-    def _forget(self, request_id: str) -> None:
-        """Drop the proposer's per-request state (drafters carry KV bookkeeping)."""
-        free = getattr(self.proposer, "free", None)
-        if free is not None:
-            free(request_id)
+    def _retire(self, request: Request, cache: bool) -> None:
+        """Take a request out of the scheduler, release its blocks (`cache`: first cache what
+        its last token completed) and drop the proposer's per-request state (drafters carry
+        KV bookkeeping). Every way out of the engine (finish, abort, unschedulable) ends here."""
+        self.scheduler.remove(request)
+        if cache:
+            self.manager.finish(request)
+        else:
+            self.manager.free(request)
+        if self.proposer is not None:
+            self.proposer.free(request.request_id)
 
     def _publish_events(self) -> None:
         if self.event_publisher is not None:
@@ -410,7 +411,11 @@ class LLMEngine:
             delta_token_ids=delta_ids,
             delta_text=delta_text,
             num_cached_tokens=request.num_cached_tokens,
-            ttft_s=(state.first_token_s - state.arrival_s) if state.first_token_s else None,
+            ttft_s=(
+                state.first_token_s - request.arrival_time
+                if state.first_token_s is not None
+                else None
+            ),
             finish_reason=state.finish_reason,
             num_preemptions=request.num_preemptions,
             num_draft_tokens=state.num_draft_tokens,

@@ -60,8 +60,7 @@ class ModelRunner:
         for index, item in enumerate(scheduler_output.scheduled):
             request = item.request
             token_offsets.append(len(input_ids))
-            real = request.all_token_ids
-            tokens = real[item.start : min(item.end, len(real))]
+            tokens = request.all_token_ids[item.start : item.end]
             tokens += request.spec_token_ids[: item.end - item.start - len(tokens)]
             assert len(tokens) == item.num_new_tokens, "scheduled tokens do not exist"
             if item.samples:

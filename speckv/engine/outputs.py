@@ -2,11 +2,14 @@
 
 Owns the typed result: token ids and text (whole output so far plus this step's delta),
 cached prompt tokens, time to first token and the finish reason ("stop", "length", "abort",
-"error" with `error` set, or None while running).
+"error" for a prompt `LLM` could not add, or None while running; `error` is set with "error",
+and with "length" when a request no longer fits the KV cache), and `acceptance_stats`, the
+drafts' acceptance over a set of outputs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -29,3 +32,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def acceptance_stats(
+    outputs: Iterable[RequestOutput], num_spec_tokens: int
+) -> tuple[float, float] | None:
+    """(acceptance rate, mean acceptance length) of the drafts in `outputs`; None: no drafts.
+
+    Rate = accepted / drafted tokens. Mean acceptance length = tokens per verification step
+    that had drafts = 1 + accepted / steps, with steps estimated as drafted / num_spec_tokens
+    (exact when every such step drafted `num_spec_tokens`)."""
+    num_drafts = num_accepted = 0
+    for output in outputs:
+        num_drafts += output.num_draft_tokens
+        num_accepted += output.num_accepted_tokens
+    if not num_drafts:
+        return None
+    return num_accepted / num_drafts, 1 + num_accepted / (num_drafts / num_spec_tokens)

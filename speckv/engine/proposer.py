@@ -1,11 +1,11 @@
 """The speculative-decoding seam: what a drafter gets after verification, and what it returns.
 
-Owns the `Proposer` protocol and the one real proposer built now, `NgramProposer`
-(prompt-lookup decoding). EAGLE / EAGLE3 / MTP drafters (next issue) implement the same
-protocol; the engine calls `propose` once per step AFTER the sampled tokens are appended and
-BEFORE any finished request is freed, so a drafter writes its draft KV for every position made
-final this step (finishing requests included) before the block that position completes can be
-cached (SPEC §5: draft KV first, then the hash is used).
+Owns the `Proposer` protocol and `NgramProposer` (prompt-lookup decoding). EAGLE / EAGLE3 /
+MTP drafters reach the engine through the same protocol (`DrafterProposer` in
+`speckv.drafters.proposer`); the engine calls `propose` once per step AFTER the sampled tokens
+are appended and BEFORE any finished request is freed, so a drafter writes its draft KV for
+every position made final this step (finishing requests included) before the block that
+position completes can be cached (SPEC §5: draft KV first, then the hash is used).
 
 For position p of a request, the drafter reads the target's hidden state at p and the real
 token at p + 1 (`token_ids[p + 1]`, i.e. the token after it; module j of a k-module MTP reads
@@ -53,6 +53,10 @@ class Proposer(Protocol):
         id for the requests with `wants_drafts`."""
         ...
 
+    def free(self, request_id: str) -> None:
+        """Forget a finished / aborted request's per-request state."""
+        ...
+
 
 class NgramProposer:
     """Prompt-lookup decoding: find the last n tokens earlier in the request's history and
@@ -68,6 +72,9 @@ class NgramProposer:
         self.num_spec_tokens = num_spec_tokens
         self.min_n = min_n
         self.max_n = max_n
+
+    def free(self, request_id: str) -> None:
+        """Keeps nothing per request."""
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
         return {

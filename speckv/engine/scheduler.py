@@ -7,9 +7,10 @@ budget (`max_num_batched_tokens`) and a batch limit (`max_num_seqs`):
    unfinished prefill its next chunk. When `allocate_slots` finds no free blocks, the most
    recently added running request is preempted by recompute (its computed blocks cached, then
    freed; it goes back to the front of the queue) until the allocation fits.
-2. Then waiting requests, unless a preemption happened this step: a prefix-cache hit on the
-   first schedule (hit tokens skip their prefill and cost no budget), then as much of the
-   prompt as the budget allows (chunked prefill).
+2. Then waiting requests, unless a preemption happened this step: a prefix-cache hit (hit
+   tokens skip their prefill and cost no budget; a preempted request re-hits what it had
+   cached), then as much of the prompt as the budget allows (chunked prefill).
+   `Request.num_cached_tokens` records the hit of the first schedule only.
 
 The lifecycle follows `speckv.engine.cache_sim`: hit → allocate → (the caller computes) →
 verify drafts → append real tokens → finish / preempt. `num_computed_tokens` is advanced here,
@@ -32,7 +33,7 @@ class ScheduledRequest:
     start: int  # first position computed this step
     num_new_tokens: int  # tokens computed this step, drafts included
     num_drafts: int  # drafts among them (the last ones)
-    num_hit_tokens: int  # prefix-cache hit taken this step, tokens (0 unless first schedule)
+    num_hit_tokens: int  # prefix-cache hit taken this step, tokens (0 unless from waiting)
     # True when this step reaches the request's last real token (its logits sample); fixed at
     # schedule time (the request's token count grows once the step's tokens are appended)
     samples: bool
@@ -68,7 +69,6 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._ever_scheduled: set[str] = set()
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -81,7 +81,6 @@ class Scheduler:
             self.running.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
-        self._ever_scheduled.discard(request.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -128,23 +127,21 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                hit = None
-                num_hit = 0
-                if request.num_computed_tokens == 0:
-                    hit = self.manager.get_computed_blocks(request)
-                    num_hit = hit.num_computed_tokens
-                num_pending = request.num_tokens - request.num_computed_tokens - num_hit
+                # a waiting request has nothing computed (new, or preempted: reset to 0)
+                assert request.num_computed_tokens == 0
+                hit = self.manager.get_computed_blocks(request)
+                num_hit = hit.num_computed_tokens
+                num_pending = request.num_tokens - num_hit
                 num_new = min(num_pending, budget)
                 lookahead = self.num_spec_tokens if num_new == num_pending else 0
                 allocation = self.manager.allocate_slots(request, num_new, hit, lookahead)
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
                 self.waiting.popleft()
-                if request.request_id not in self._ever_scheduled:
+                if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
                     request.num_cached_tokens = num_hit
-                    self._ever_scheduled.add(request.request_id)
                 request.status = RequestStatus.RUNNING
-                start = request.num_computed_tokens + num_hit
+                start = num_hit
                 request.num_computed_tokens = start + num_new
                 self.running.append(request)
                 scheduled.append(

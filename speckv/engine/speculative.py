@@ -7,7 +7,7 @@ carries its `DrafterPolicy`; the policy then decides lookahead hashes versus the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speckv.engine.config import DRAFT_MODEL_METHODS, EngineConfig
 from speckv.engine.proposer import NgramProposer, Proposer
@@ -40,20 +40,28 @@ def method_of(drafter: Drafter) -> str:
     return policy_for_drafter(drafter).name
 
 
+def speculative_args(drafter: Drafter | None, num_spec_tokens: int) -> dict[str, Any]:
+    """The `EngineConfig` speculative fields for running `drafter` (None: no speculation)."""
+    if drafter is None:
+        return {"speculative_method": None, "num_spec_tokens": 0}
+    return {"speculative_method": method_of(drafter), "num_spec_tokens": num_spec_tokens}
+
+
 def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
                   ) -> Proposer | None:
     """The proposer for the config (None: no speculation)."""
     method = config.speculative_method
     if drafter is not None:
-        if method not in (None, method_of(drafter)):
+        policy = policy_for_drafter(drafter)
+        if method not in (None, policy.name):
             raise ValueError(
                 f"EngineConfig.speculative_method is {method!r} but the drafter is "
-                f"{method_of(drafter)}"
+                f"{policy.name}"
             )
         from speckv.drafters.proposer import DrafterProposer
 
         return DrafterProposer(drafter, config.num_spec_tokens or 3, num_blocks,
-                               config.block_size, policy_for_drafter(drafter))
+                               config.block_size, policy)
     if method == "ngram":
         return NgramProposer(config.num_spec_tokens, config.prompt_lookup_min,
                              config.prompt_lookup_max)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
-from speckv.cache.block_pool import CompareContent
+from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVEventSink
 from speckv.engine.request import BlockHashing, Request
 from speckv.hashing.functions import get_hash_algo, make_none_hash
@@ -27,7 +27,7 @@ class CacheWorld:
         self.sink = KVEventSink() if events else None
         self.manager = KVCacheManager(
             [FullAttentionSpec(block_size)], num_blocks, self.hash_mode,
-            hit_check=None if hash_algo.cryptographic else CompareContent(),
+            hit_check=hit_check_for(hash_algo),
             event_sink=self.sink,
         )
         self.hashing = BlockHashing(hash_algo, make_none_hash(hash_algo, "0"),

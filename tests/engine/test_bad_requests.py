@@ -100,3 +100,15 @@ def test_a_draft_model_method_needs_a_drafter(tiny_model):
         LLMEngine(tiny_model, config)
     with pytest.raises(ValueError, match="draft_model needs speculative_method"):
         EngineConfig(draft_model="builtin")
+
+
+def test_fast_hash_hits_are_verified_by_content(tiny_model):
+    from speckv.cache.block_pool import CompareContent
+
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=32, block_size=4,
+                                                hash_algo="xxhash"))
+    assert isinstance(engine.manager.pool.hit_check, CompareContent)
+    prompt = [(5 * j) % 90 + 1 for j in range(13)]
+    first = LLM(tiny_model, num_blocks=32, block_size=4, hash_algo="xxhash")
+    outputs = first.generate([prompt, prompt], SamplingParams(max_tokens=2))
+    assert outputs[1].num_cached_tokens == 12

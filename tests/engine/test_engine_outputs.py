@@ -115,3 +115,17 @@ def test_stop_token_truncates_accepted_drafts(tiny_model):
         )
         assert final["r0"].token_ids == plain[: first + 1]
         assert final["r0"].finish_reason == "stop"
+
+
+def test_acceptance_stats_and_speculative_args():
+    from speckv.engine.outputs import RequestOutput, acceptance_stats
+    from speckv.engine.speculative import speculative_args
+
+    def output(drafts, accepted):
+        return RequestOutput("r", [1], [2], "", [2], "", 0, None, "length",
+                             num_draft_tokens=drafts, num_accepted_tokens=accepted)
+
+    assert acceptance_stats([output(0, 0)], 3) is None
+    # 12 drafts at 3 per step = 4 steps, 6 accepted: 1.5 extra tokens per step
+    assert acceptance_stats([output(6, 2), output(6, 4)], 3) == (0.5, 2.5)
+    assert speculative_args(None, 3) == {"speculative_method": None, "num_spec_tokens": 0}
