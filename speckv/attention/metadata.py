@@ -30,6 +30,8 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...] | None = None
     # Backend-private cache of per-forward plans (masks, gather indices), shared by all layers.
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # positions() of a `build`-made metadata, computed alongside the slot mapping.
+    _positions: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.query_lens_host is None:
@@ -67,33 +69,41 @@ class AttentionMetadata:
             )
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        positions: list[int] = []
         slots: list[int] = []
         for q, s, bt in zip(query_lens, seq_lens, block_tables):
             if q < 0 or q > s:
                 raise ValueError(f"query_lens must be in [0, seq_len], got {q} for seq_len {s}")
             if len(bt) * block_size < s:
                 raise ValueError(f"block table of {len(bt)} blocks too short for seq_len {s}")
-            for pos in range(s - q, s):
-                slots.append(bt[pos // block_size] * block_size + pos % block_size)
-        max_blocks = max((len(bt) for bt in block_tables), default=0)
-        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
-        for i, bt in enumerate(block_tables):
-            table[i, : len(bt)] = torch.tensor(list(bt), dtype=torch.int32)
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        return cls(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            new_positions = range(s - q, s)
+            positions.extend(new_positions)
+            slots.extend(bt[pos // block_size] * block_size + pos % block_size
+                         for pos in new_positions)
+        width = max(1, max((len(bt) for bt in block_tables), default=0))
+        table = [[*bt, *[0] * (width - len(bt))] for bt in block_tables]  # 0-padded (null)
+        md = cls(
+            query_start_loc=torch.tensor(
+                [0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device
+            ),
             seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            block_tables=table.to(device),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=device).view(-1, width),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_size=block_size,
             query_lens_host=tuple(int(q) for q in query_lens),
             seq_lens_host=tuple(int(s) for s in seq_lens),
         )
+        md._positions = torch.tensor(positions, dtype=torch.int64, device=device)
+        return md
 
     def positions(self) -> torch.Tensor:
         """The absolute position of every new token. [num_tokens] int64"""
-        assert self.query_lens_host is not None and self.seq_lens_host is not None
-        pos = [p for q, s in zip(self.query_lens_host, self.seq_lens_host) for p in range(s - q, s)]
-        return torch.tensor(pos, dtype=torch.int64, device=self.seq_lens.device)
+        if self._positions is None:
+            assert self.query_lens_host is not None and self.seq_lens_host is not None
+            self._positions = torch.tensor(
+                [p for q, s in zip(self.query_lens_host, self.seq_lens_host)
+                 for p in range(s - q, s)],
+                dtype=torch.int64,
+                device=self.seq_lens.device,
+            )
+        return self._positions

@@ -180,8 +180,6 @@ class SDPABackend:
                 # [g, num_kv_heads, rep * max_q, head_dim] -> [g, max_q, num_heads, head_dim]
                 o = o.view(g, num_kv_heads, rep, max_q, head_dim).permute(0, 3, 1, 2, 4)
                 o = o.reshape(g, max_q, num_heads, head_dim)
-            if p.all_valid:
-                out.index_copy_(0, p.token_index.flatten(), o.flatten(0, 1))
-            else:
-                out.index_copy_(0, p.out_index, o[p.valid])
+            # all rows valid: o[p.valid] is o.flatten(0, 1) without the boolean-mask gather
+            out.index_copy_(0, p.out_index, o.flatten(0, 1) if p.all_valid else o[p.valid])
         return out

@@ -88,10 +88,6 @@ def fast_path_fits(block_size: int, lookahead_tokens: int) -> bool:
     return max_piece_bytes(block_size, lookahead_tokens) < MAX_FAST_PAYLOAD_BYTES
 
 
-def _split_cells(data: bytes) -> list[bytes]:
-    return [data[i : i + _CELL_BYTES] for i in range(0, len(data), _CELL_BYTES)]
-
-
 @dataclass(frozen=True)
 class _Segment:
     """A run of cells in a row: constant bytes, or token ids `token_offset`.. of a block."""
@@ -133,7 +129,7 @@ class PieceEncoder:
                 pending += item
                 continue
             if pending and (item[1] or item == (0, 0)):  # (0, 0): the end of the row
-                num = len(_split_cells(pending))
+                num = -(-len(pending) // _CELL_BYTES)  # cells the constant spans
                 segments.append(_Segment(cell, num, data=pending))
                 cell += num
                 pending = b""
@@ -249,7 +245,6 @@ class _Rows:
 
     def __init__(self, encoder: PieceEncoder) -> None:
         num_rows, cells = encoder.blocks_per_chunk, encoder.cells_per_row
-        self.encoder = encoder
         self.table = np.zeros((num_rows, cells, _CELL_BYTES), dtype=np.uint8)
         self.mask = np.zeros((num_rows, cells, _CELL_BYTES), dtype=bool)
         self.packed = np.empty(self.table.size, dtype=np.uint8)

@@ -56,7 +56,7 @@ def _positive_float(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
-def _validate_rope_scaling(rs: Mapping[str, Any], max_position_embeddings: int) -> None:
+def _validate_rope_scaling(rs: Mapping[str, Any]) -> None:
     rope_type = rs.get("rope_type")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
@@ -144,7 +144,7 @@ class ModelConfig:
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, Mapping):
                 raise ValueError(f"rope_scaling must be a dict or None, got {self.rope_scaling!r}")
-            _validate_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+            _validate_rope_scaling(self.rope_scaling)
             if self.rope_scaling["rope_type"] == "default":
                 object.__setattr__(self, "rope_scaling", None)
             else:
@@ -165,10 +165,9 @@ class ModelConfig:
                 raise ValueError(f"layer_types entries must be in {LAYER_TYPES}, got {lt!r}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_window must be set when layer_types has sliding_attention")
-        for name in ("bos_token_id",):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0 or v >= self.vocab_size):
-                raise ValueError(f"{name} must be in [0, vocab_size), got {v!r}")
+        v = self.bos_token_id
+        if v is not None and (not isinstance(v, int) or v < 0 or v >= self.vocab_size):
+            raise ValueError(f"bos_token_id must be in [0, vocab_size), got {v!r}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         for v in self.eos_token_ids:
             if not isinstance(v, int) or v < 0 or v >= self.vocab_size:

@@ -105,12 +105,19 @@ class GGUFFile:
                 f"general.architecture {self.arch!r} is not supported "
                 f"(supported: {_SUPPORTED_ARCHS})"
             )
+        self._config: ModelConfig | None = None
 
     def _meta(self, key: str, default: Any = None) -> Any:
         return self.fields.get(f"{self.arch}.{key}", default)
 
     def config(self) -> ModelConfig:
-        """ModelConfig from `{arch}.*` metadata; vocab size from the token list."""
+        """ModelConfig from `{arch}.*` metadata; vocab size from the token list (parsed once)."""
+        if self._config is None:
+            self._config = self._parse_config()
+        return self._config
+
+    def _parse_config(self) -> ModelConfig:
+        names = {t.name for t in self.reader.tensors}
         tokens = self.fields.get("tokenizer.ggml.tokens")
         vocab_size = self._meta("vocab_size") or (len(tokens) if tokens else None)
         if vocab_size is None:
@@ -123,7 +130,7 @@ class GGUFFile:
         rope_dim = self._meta("rope.dimension_count")
         if rope_dim is not None and int(rope_dim) != head_dim:
             raise ValueError(f"{self.arch}.rope.dimension_count: partial rotary is not supported")
-        if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
+        if "rope_freqs.weight" in names:
             raise ValueError("rope_freqs.weight: GGUF llama3 rope factors are not supported yet")
         rope_scaling: dict[str, Any] | None = None
         scaling_type = self._meta("rope.scaling.type")
@@ -137,7 +144,6 @@ class GGUFFile:
                 rope_scaling["original_max_position_embeddings"] = int(orig)
         elif scaling_type not in (None, "none"):
             raise ValueError(f"{self.arch}.rope.scaling.type {scaling_type!r} is not supported")
-        names = {t.name for t in self.reader.tensors}
         eos = self.fields.get("tokenizer.ggml.eos_token_id")
         return ModelConfig(
             architecture=self.arch,

@@ -24,7 +24,8 @@ def rope_inv_freq(
     """(inv_freq [head_dim // 2] fp32, attention_factor applied to cos/sin)."""
     dim = head_dim
     base_exp = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # [dim // 2]
-    inv_freq = 1.0 / (theta**base_exp)
+    pos_freqs = theta**base_exp  # [dim // 2]
+    inv_freq = 1.0 / pos_freqs
     if scaling is None:
         return inv_freq, 1.0
     rope_type = scaling["rope_type"]
@@ -40,7 +41,7 @@ def rope_inv_freq(
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if rope_type == "yarn":
-        return _yarn_inv_freq(dim, theta, scaling, max_position_embeddings)
+        return _yarn_inv_freq(dim, theta, pos_freqs, scaling, max_position_embeddings)
     raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported")
 
 
@@ -61,7 +62,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 def _yarn_inv_freq(
-    dim: int, base: float, s: dict[str, Any], max_position_embeddings: int
+    dim: int,
+    base: float,
+    pos_freqs: torch.Tensor,  # [dim // 2] base ** (2i / dim)
+    s: dict[str, Any],
+    max_position_embeddings: int,
 ) -> tuple[torch.Tensor, float]:
     omax = int(s.get("original_max_position_embeddings") or max_position_embeddings)
     factor = s.get("factor")
@@ -92,7 +97,6 @@ def _yarn_inv_freq(
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
         0, 1
     )
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
     extra_factor = 1 - ramp

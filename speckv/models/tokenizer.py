@@ -31,14 +31,18 @@ _TOKEN_TYPE_USER_DEFINED = 4
 _CONFIG_FILE = "speckv_tokenizer.json"
 
 
+_SPLIT_RE: dict[str, str] = {
+    "llama-bpe": _LLAMA3_RE,
+    "llama3": _LLAMA3_RE,
+    "smaug-bpe": _LLAMA3_RE,
+    "qwen2": _QWEN2_RE,
+}
+
+
 def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_RE), behavior="isolated", invert=False)
-        return pre_tokenizers.Sequence(
-            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-    if pre in ("qwen2",):
-        split = pre_tokenizers.Split(Regex(_QWEN2_RE), behavior="isolated", invert=False)
+    split_re = _SPLIT_RE.get(pre) if pre is not None else None
+    if split_re is not None:
+        split = pre_tokenizers.Split(Regex(split_re), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )

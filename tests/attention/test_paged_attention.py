@@ -135,14 +135,27 @@ def test_bf16_close_to_dense() -> None:
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_plans_are_cached_per_forward() -> None:
+def test_plans_are_cached_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    from speckv.attention import sdpa
+
+    planned: list[int | None] = []
+    original = sdpa._plan
+
+    def spy(metadata, sliding_window, rep, device):  # type: ignore[no-untyped-def]
+        planned.append(sliding_window)
+        return original(metadata, sliding_window, rep, device)
+
+    monkeypatch.setattr(sdpa, "_plan", spy)
     md = AttentionMetadata.build([2, 1], [5, 3], [[1, 2], [3]], BLOCK_SIZE)
     cache = PagedKVCache(1, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     q = torch.randn(3, NUM_HEADS, HEAD_DIM)
     b = SDPABackend()
-    b.forward(q, cache.layer(0).key, cache.layer(0).value, md, 1.0)
-    b.forward(q, cache.layer(0).key, cache.layer(0).value, md, 1.0)
-    assert len(md.plans) == 1
+    first = b.forward(q, cache.layer(0).key, cache.layer(0).value, md, 1.0)
+    second = b.forward(q, cache.layer(0).key, cache.layer(0).value, md, 1.0)
+    assert planned == [None] and len(md.plans) == 1  # the second layer reuses the plan
+    assert torch.equal(first, second)
+    b.forward(q, cache.layer(0).key, cache.layer(0).value, md, 1.0, sliding_window=2)
+    assert planned == [None, 2] and len(md.plans) == 2  # a window is planned separately
 
 
 def test_write_kv_lands_in_slots() -> None:
@@ -190,6 +203,12 @@ def test_cache_validation() -> None:
 def test_metadata_validation_and_positions() -> None:
     md = AttentionMetadata.build([2, 1], [6, 3], [[4, 1], [2]], BLOCK_SIZE)
     assert md.positions().tolist() == [4, 5, 2]
+    assert md.block_tables.tolist() == [[4, 1], [2, 0]]  # padded with the null block
+    # built from tensors only: host lengths and positions derived from them
+    again = AttentionMetadata(md.query_start_loc, md.seq_lens, md.block_tables,
+                              md.slot_mapping, BLOCK_SIZE)
+    assert again.query_lens_host == (2, 1) and again.seq_lens_host == (6, 3)
+    assert again.positions().tolist() == [4, 5, 2]
     assert md.slot_mapping.tolist() == [1 * 4 + 0, 1 * 4 + 1, 2 * 4 + 2]
     assert md.query_start_loc.tolist() == [0, 2, 3]
     with pytest.raises(ValueError, match="query_lens"):

@@ -47,7 +47,9 @@ def encoded_pieces(fmt, block_size: int, tokens: list[int]) -> list[bytes]:
 def test_pieces_are_pickle_bytes(fmt, block_size: int, tokens: list[int],
                                  parent_len: int) -> None:
     parent = bytes(range(parent_len))
-    for index, piece in enumerate(encoded_pieces(fmt, block_size, tokens)):
+    pieces = encoded_pieces(fmt, block_size, tokens)
+    assert len(pieces) == (len(tokens) - fmt.lookahead_tokens) // block_size > 0
+    for index, piece in enumerate(pieces):
         start = index * block_size
         expected = pickle.dumps(fmt.key(parent, tokens, start, start + block_size,
                                         NO_HASH_INPUTS), protocol=5)
@@ -61,11 +63,12 @@ def test_pieces_are_pickle_bytes(fmt, block_size: int, tokens: list[int],
 def test_large_blocks(block_size: int, fmt) -> None:
     tokens = [EDGE_IDS[i % len(EDGE_IDS)] ^ (i % 3) for i in range(2 * block_size + 4)]
     algo = get_hash_algo("sha256")
-    got = chain_hash(algo.digest, b"\x05" * 32, encoded_pieces(fmt, block_size, tokens), [],
+    out: list[bytes] = []
+    got = chain_hash(algo.digest, b"\x05" * 32, encoded_pieces(fmt, block_size, tokens), out,
                      PieceEncoder(fmt.pickle_layout(block_size), block_size,
                                   fmt.lookahead_tokens).max_piece_len)
     expected = plain_chain(algo, b"\x05" * 32, block_size, fmt, tokens)
-    assert got == expected[-1]
+    assert out == expected and got == expected[-1]
 
 
 @settings(max_examples=60, deadline=None)

@@ -188,7 +188,7 @@ def test_q8_0_gguf_dequantizes_close(
     loaded, _, _ = load_gguf(path)
     for (name, a), (_, b) in zip(original.state_dict().items(), loaded.state_dict().items()):
         # Q8_0: 32-value blocks, int8 with one fp16 scale -> error <= max|block| / 254
-        torch.testing.assert_close(b, a, atol=float(a.abs().max()) / 200 + 1e-6, rtol=0), name
+        torch.testing.assert_close(b, a, atol=float(a.abs().max()) / 200 + 1e-6, rtol=0, msg=name)
     ids = list(range(3, 30))
     ref = original.compute_logits(run_prefill(original, ids).hidden_states)
     got = loaded.compute_logits(run_prefill(loaded, ids).hidden_states)
