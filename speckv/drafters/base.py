@@ -119,10 +119,9 @@ class DraftState:
     carries: list[DraftCarry]  # one per request: store on the request, pass back next pass
     num_real_tokens: list[int]  # per request: tokens t[0 .. n-1] known
     block_tables: list[list[int]]
-    # Per request: module 1's output at its last written position, [hidden], and that
-    # position; propose needs it at n - 2 (all known real tokens consumed).
-    _last_h1: list[torch.Tensor | None] = field(default_factory=list, repr=False)
-    _last_h1_pos: list[int] = field(default_factory=list, repr=False)
+    # Per request: module 1's output [hidden] at its last written position, which is
+    # carries[i].next_position - 1; propose needs it at n - 2 (all known real tokens consumed).
+    _last_h1: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def subset(self, rows: Sequence[int]) -> DraftState:
         """The state of the requests `rows` only (e.g. those that want drafts)."""
@@ -131,7 +130,6 @@ class DraftState:
             num_real_tokens=[self.num_real_tokens[i] for i in rows],
             block_tables=[self.block_tables[i] for i in rows],
             _last_h1=[self._last_h1[i] for i in rows],
-            _last_h1_pos=[self._last_h1_pos[i] for i in rows],
         )
 
 
@@ -236,7 +234,8 @@ class Drafter(nn.Module, ABC):
 
     @abstractmethod
     def first_hidden(self, target_states: TargetStates) -> torch.Tensor:
-        """h_0 from the target: [num_tokens, hidden] (EAGLE3 fuses its aux layers here)."""
+        """h_0 from the target: [num_tokens, hidden] in the drafter's dtype (EAGLE3 fuses its
+        aux layers here)."""
 
     # ---- catch-up ----------------------------------------------------------------------------
 
@@ -273,19 +272,21 @@ class Drafter(nn.Module, ABC):
         starts = [r.start_position for r in requests]
         tables = [r.block_table for r in requests]
         carries = [DraftCarry([], [], r.start_position + r.num_positions) for r in requests]
-        last_h1: list[torch.Tensor | None] = [None] * len(requests)
+        last_h1: list[torch.Tensor] = []
         for j in range(1, k + 1):
             if j > 1:
                 avail = [_merge(_carried(r.carry, j), out) for r, out in zip(requests, avail)]
             outs, written = self._run_module(j, avail, tokens, starts, tables, kv_cache)
-            # What module j+1 may consume: module j's outputs, plus leftovers stay pending.
-            for i, (a, w) in enumerate(zip(avail, written)):
-                if j > 1:
-                    left = a.rows[w:]
-                    carries[i].start.append(a.start + w)
-                    carries[i].pending.append(left)
-                elif outs[i] is not None and outs[i].shape[0] > 0:
-                    last_h1[i] = outs[i][-1]
+            if j == 1:
+                # Module 1 writes every position (a next token is known for each), so its
+                # last output is at start_position + num_positions - 1.
+                last_h1 = [o[-1] for o in outs]  # type: ignore[index]
+            else:
+                # h_{j-1} rows module j could not write yet stay pending for the next pass.
+                for c, a, w in zip(carries, avail, written):
+                    c.start.append(a.start + w)
+                    c.pending.append(a.rows[w:])
+            # What module j+1 may consume: module j's outputs.
             avail = [
                 _ModuleRows(a.start, o if o is not None else a.rows[:0])
                 for a, o in zip(avail, outs)
@@ -296,7 +297,6 @@ class Drafter(nn.Module, ABC):
             num_real_tokens=[r.start_position + 1 + len(r.next_token_ids) for r in requests],
             block_tables=[list(r.block_table) for r in requests],
             _last_h1=last_h1,
-            _last_h1_pos=[r.start_position + r.num_positions - 1 for r in requests],
         )
 
     def _run_module(
@@ -344,7 +344,7 @@ class Drafter(nn.Module, ABC):
         md = AttentionMetadata.build(q_lens, s_lens, tables, kv_cache.block_size, device)
         out = module(
             torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.cat(rows).to(self.dtype),
+            torch.cat(rows),  # already in the drafter's dtype (first_hidden / module outputs)
             torch.tensor(positions, dtype=torch.int64, device=device),
             kv_cache,
             md,
@@ -367,36 +367,31 @@ class Drafter(nn.Module, ABC):
     ) -> torch.Tensor:
         """Greedy drafts [num_reqs, num_spec_tokens] int64 from each request's last position.
 
-        Writes provisional draft KV (positions n-2 .. n-2+max(0, S-k) and, for MTP module j,
-        n-j .. n-2); the next catch-up overwrites every provisional position before any block
-        that contains it is hashed. Does not change `state`.
+        Writes provisional draft KV (module k at n-1 .. n-2+S-k when S > k and, for MTP module
+        j >= 2, n-j .. n-2); the next catch-up overwrites every provisional position before any
+        block that contains it is hashed. Does not change `state`.
         """
         if num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
         k = len(self.modules_chain)
-        nreq = len(state.num_real_tokens)
-        for i, (h, p) in enumerate(zip(state._last_h1, state._last_h1_pos)):
-            if h is None or p != state.num_real_tokens[i] - 2:
-                raise ValueError(
-                    f"request {i}: propose needs the catch-up to end at the last real token "
-                    "(pass exactly num_positions next tokens)"
-                )
-        m1 = self.modules_chain[0]
-        h_last = torch.stack([h for h in state._last_h1 if h is not None])  # [nreq, hidden]
-        drafts = [m1.compute_logits(h_last).argmax(-1)]  # each [nreq]
         n = state.num_real_tokens
-        # Tokens seen by propose: drafts, placed at positions n, n+1, ...
-        tok_lists: list[list[int]] = [[] for _ in range(nreq)]
-
-        def add_drafts(d: torch.Tensor) -> None:
-            for i, v in enumerate(d.tolist()):
-                tok_lists[i].append(int(v))
-
-        add_drafts(drafts[0])
-        tok_starts = [x - 1 for x in n]  # tok_lists[i][0] is t[n_i]
+        nreq = len(n)
+        if len(state._last_h1) != nreq or any(
+            c.next_position != x - 1 for c, x in zip(state.carries, n)
+        ):
+            raise ValueError(
+                "propose needs the catch-up to end at the last real token of every request "
+                "(pass exactly num_positions next tokens)"
+            )
+        device = self.device
+        h_last = torch.stack(state._last_h1)  # [nreq, hidden]: module 1's output at n - 2
+        drafts = [self.modules_chain[0].compute_logits(h_last).argmax(-1)]  # each [nreq]
+        last_real = [x - 2 for x in n]  # modules 2..k draft from their output here
+        tok_starts = [x - 1 for x in n]  # the drafts are t[n], t[n+1], ...
         prev_out: list[torch.Tensor | None] = [None] * nreq  # module d-1's provisional outputs
-        prev_start = [x - 2 for x in n]
+        prev_start = last_real
         for d in range(2, min(num_spec_tokens, k) + 1):
+            tok_lists = torch.stack(drafts, dim=1).tolist()  # [nreq][d - 1]
             avail = []
             for i in range(nreq):
                 c = state.carries[i]
@@ -406,13 +401,7 @@ class Drafter(nn.Module, ABC):
                     a = _merge(a, _ModuleRows(prev_start[i], extra))
                 avail.append(a)
             outs, written = self._run_module(
-                d,
-                avail,
-                tok_lists,
-                tok_starts,
-                state.block_tables,
-                kv_cache,
-                max_position=[x - 2 for x in n],
+                d, avail, tok_lists, tok_starts, state.block_tables, kv_cache, last_real
             )
             for i, w in enumerate(written):
                 if w == 0 or outs[i] is None or avail[i].start + w - 1 != n[i] - 2:
@@ -420,25 +409,21 @@ class Drafter(nn.Module, ABC):
             prev_out = outs
             prev_start = [a.start for a in avail]
             h_last = torch.stack([o[-1] for o in outs if o is not None])
-            dk = self.modules_chain[d - 1].compute_logits(h_last).argmax(-1)
-            drafts.append(dk)
-            add_drafts(dk)
-        # Beyond k modules: module k autoregressively, one position further per draft.
+            drafts.append(self.modules_chain[d - 1].compute_logits(h_last).argmax(-1))
+        # Beyond k modules: module k autoregressively, one position further per draft, fed the
+        # previous draft straight from the device (no host round trip).
         mk = self.modules_chain[k - 1]
         for d in range(len(drafts) + 1, num_spec_tokens + 1):
-            pos = [x - 2 + (d - k) for x in n]
-            ids = torch.tensor([tok_lists[i][-1] for i in range(nreq)], device=self.device)
+            pos = [x + (d - k) for x in last_real]
             md = AttentionMetadata.build(
                 [1] * nreq,
                 [p + 1 for p in pos],
                 state.block_tables,
                 kv_cache.block_size,
-                self.device,
+                device,
             )
-            h_last = mk(ids, h_last, torch.tensor(pos, device=self.device), kv_cache, md)
-            dk = mk.compute_logits(h_last).argmax(-1)
-            drafts.append(dk)
-            add_drafts(dk)
+            h_last = mk(drafts[-1], h_last, torch.tensor(pos, device=device), kv_cache, md)
+            drafts.append(mk.compute_logits(h_last).argmax(-1))
         return torch.stack(drafts, dim=1)  # [num_reqs, num_spec_tokens]
 
 

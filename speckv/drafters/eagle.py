@@ -51,8 +51,6 @@ class EagleDrafter(Drafter):
         super().__init__()
         assert target_config.head_dim is not None
         self.config = drafter_layer_config(target_config, 1)
-        self.input_layernorm = input_layernorm
-        self.fc_bias = fc_bias
         self.num_kv_heads = self.config.num_key_value_heads
         self.head_dim = target_config.head_dim
         self.modules_chain = nn.ModuleList(

@@ -118,5 +118,4 @@ def speculative_generate(
 
 def mean_acceptance_length(results: Sequence[SpecResult]) -> float:
     """Tokens per verification step over all steps of all results."""
-    steps = [a for r in results for a in r.accepted_per_step]
-    return (sum(steps) + len(steps)) / len(steps) if steps else 0.0
+    return SpecResult([], [a for r in results for a in r.accepted_per_step]).acceptance_length

@@ -40,6 +40,7 @@ from speckv.drafters.eagle3 import Eagle3Drafter, vllm_aux_to_ours
 from speckv.drafters.layers import SharedTarget
 from speckv.drafters.mtp import MTPDrafter
 from speckv.models.llama import LlamaForCausalLM
+from speckv.models.loader import _safetensors_files
 
 FORMATS: tuple[str, ...] = ("eagle", "eagle3", "mtp_deepseek", "mtp_qwen")
 
@@ -102,10 +103,11 @@ def hf_name(drafter: Drafter, fmt: str, ours: str) -> str:
 
 
 def _target_layers(drafter: Drafter) -> int:
-    n = getattr(drafter, "target_num_layers", None)
-    if n is None:
-        raise ValueError("mtp_deepseek naming needs drafter.target_num_layers")
-    return int(n)
+    if not isinstance(drafter, MTPDrafter):
+        raise ValueError(
+            f"the mtp_deepseek layout needs an MTPDrafter, got {type(drafter).__name__}"
+        )
+    return drafter.target_num_layers
 
 
 # ---- config.json ------------------------------------------------------------------------------
@@ -116,7 +118,8 @@ def _config_json(drafter: Drafter, fmt: str) -> dict[str, Any]:
     cfg["speckv_drafter_format"] = fmt
     if fmt == "eagle":
         cfg["architectures"] = ["EagleLlamaForCausalLM"]
-        cfg["bias"] = bool(getattr(drafter, "fc_bias", True))
+        assert isinstance(drafter, EagleDrafter)
+        cfg["bias"] = drafter.module.fc.bias is not None
     elif fmt == "eagle3":
         assert isinstance(drafter, Eagle3Drafter)
         cfg["architectures"] = ["LlamaForCausalLMEagle3"]
@@ -153,17 +156,6 @@ def detect_format(path: str | Path) -> str:
 
 
 # ---- safetensors ------------------------------------------------------------------------------
-
-
-def _safetensors_files(d: Path) -> list[Path]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [d / f for f in sorted(set(weight_map.values()))]
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {d} (.bin pickles are never loaded)")
-    return files
 
 
 def _tensor_index(d: Path) -> dict[str, Path]:
@@ -221,9 +213,7 @@ def build_drafter(fmt: str, target: LlamaForCausalLM, **kwargs: Any) -> Drafter:
         return Eagle3Drafter(target.config, shared, **kwargs)
     if fmt in ("mtp_deepseek", "mtp_qwen"):
         kwargs.setdefault("shared_projection", fmt == "mtp_qwen")
-        d = MTPDrafter(target.config, shared, **kwargs)
-        d.target_num_layers = target.config.num_hidden_layers
-        return d
+        return MTPDrafter(target.config, shared, **kwargs)
     raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
 
 
@@ -259,6 +249,9 @@ def load_drafter(
     d = Path(path)
     fmt = fmt or detect_format(d)
     cfg = json.loads((d / "config.json").read_text())
+    hidden = target.config.hidden_size
+    if int(cfg.get("hidden_size", hidden)) != hidden:
+        raise ValueError(f"{fmt} drafter hidden_size {cfg['hidden_size']} != target's {hidden}")
     index = _tensor_index(d)
     keys = set(index)
     kwargs: dict[str, Any] = {}
@@ -283,9 +276,7 @@ def load_drafter(
         n = target.config.num_hidden_layers
         for j, m in enumerate(drafter.modules_chain):
             if f"model.layers.{n + j}.shared_head.head.weight" in keys:
-                h = target.config.hidden_size
-                m.head = torch.nn.Linear(h, target.config.vocab_size, bias=False)
-    _check_shapes(drafter, fmt, cfg, target)
+                m.head = torch.nn.Linear(hidden, target.config.vocab_size, bias=False)
     wanted = {ours: hf_name(drafter, fmt, ours) for ours in drafter.state_dict()}
     missing = sorted({h for h in wanted.values() if h not in keys})
     if missing:
@@ -303,16 +294,6 @@ def load_drafter(
         state[ours] = t.to(expected[ours].dtype)
     drafter.load_state_dict(state, strict=True)
     return _finish(drafter, dtype or target.dtype, device or target.device)
-
-
-def _check_shapes(
-    drafter: Drafter, fmt: str, cfg: dict[str, Any], target: LlamaForCausalLM
-) -> None:
-    tc = target.config
-    if int(cfg.get("hidden_size", tc.hidden_size)) != tc.hidden_size:
-        raise ValueError(
-            f"{fmt} drafter hidden_size {cfg.get('hidden_size')} != target's {tc.hidden_size}"
-        )
 
 
 def _finish(drafter: Drafter, dtype: torch.dtype | str, device: torch.device | str) -> Drafter:

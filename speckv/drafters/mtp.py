@@ -74,7 +74,8 @@ class MTPDrafter(Drafter):
             raise ValueError(f"num_modules must be >= 1, got {num_modules}")
         assert target_config.head_dim is not None
         self.config = drafter_layer_config(target_config, num_modules)
-        self.shared_projection = shared_projection
+        # The mtp_deepseek layout numbers module j's tensors model.layers.{N + j}.
+        self.target_num_layers = target_config.num_hidden_layers
         self.num_kv_heads = self.config.num_key_value_heads
         self.head_dim = target_config.head_dim
         shared = MTPProjection(self.config) if shared_projection else None
@@ -85,10 +86,6 @@ class MTPDrafter(Drafter):
     @property
     def num_modules(self) -> int:
         return len(self.modules_chain)
-
-    def mtp_module(self, j: int) -> MTPModule:
-        """Module j, 1-based."""
-        return self.modules_chain[j - 1]  # type: ignore[return-value]
 
     def first_hidden(self, target_states: TargetStates) -> torch.Tensor:
         return target_states.hidden_states.to(self.dtype)

@@ -79,9 +79,7 @@ class DrafterProposer:
         ]
         if not want:
             return {}
-        sub = state.subset(want)
-        drafts = self.drafter.propose(sub, self.num_spec_tokens, self.kv_cache).tolist()
-        return {
-            items[i].request_id: d[: min(items[i].max_drafts, self.num_spec_tokens)]
-            for i, d in zip(want, drafts)
-        }
+        # Greedy drafts are a prefix of longer runs: draft no more than any request may take.
+        num = min(self.num_spec_tokens, max(items[i].max_drafts for i in want))
+        drafts = self.drafter.propose(state.subset(want), num, self.kv_cache).tolist()
+        return {items[i].request_id: d[: items[i].max_drafts] for i, d in zip(want, drafts)}

@@ -23,18 +23,21 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from speckv.attention import AttentionMetadata
+from speckv.drafters.builtin import BUILTIN_EAGLE_DIR
 from speckv.drafters.eagle import EagleDrafter
 from speckv.drafters.evaluate import mean_acceptance_length, speculative_generate
 from speckv.drafters.loaders import build_drafter, save_drafter
 from speckv.drafters.prompts import eval_prompts, train_prompts
 from speckv.models.llama import LlamaForCausalLM
 
-ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-eagle"
+if TYPE_CHECKING:
+    from speckv.models.tokenizer import Tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--install-asset",
         action="store_true",
-        help=f"also copy the head to {ASSET_DIR} (package asset)",
+        help=f"also copy the head to {BUILTIN_EAGLE_DIR} (package asset)",
     )
     parser.add_argument(
         "--data-cache",
@@ -89,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- 1. data ------------------------------------------------------------------------------------
+
+
+def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as one user turn of the chat template (training and evaluation)."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(prompt, add_special_tokens=False)
 
 
 @torch.inference_mode()
@@ -160,13 +169,7 @@ def collect_data(
         if time.monotonic() > deadline:
             break
         chunk = texts[b0 : b0 + args.gen_batch]
-        ids = [
-            tokenizer.encode(
-                tokenizer.apply_chat_template([{"role": "user", "content": t}]),
-                add_special_tokens=False,
-            )
-            for t in chunk
-        ]
+        ids = [chat_ids(tokenizer, t) for t in chunk]
         temperature = 0.6 if (b0 // args.gen_batch) % 3 == 2 else 0.0
         data += generate_batch(model, ids, args.max_new_tokens, temperature, stop, gen)
         bar.update(len(chunk))
@@ -217,7 +220,6 @@ def init_from_target(drafter: EagleDrafter, model: LlamaForCausalLM) -> None:
         m.layer.self_attn.o_proj.weight.zero_()
         m.layer.mlp.down_proj.weight.zero_()
         h = model.config.hidden_size
-        m.fc.weight.zero_()
         m.fc.weight[:, h:] = torch.eye(h)
         m.fc.weight[:, :h].normal_(0.0, 0.01)
         if m.fc.bias is not None:
@@ -267,7 +269,7 @@ def train(drafter: EagleDrafter, model, data, args, deadline: float, log):
     log(f"train vocabulary: {len(vocab)} tokens")
     m = drafter.module
     m.requires_grad_(True)
-    params = [p for p in m.parameters() if p.requires_grad]
+    params = list(m.parameters())  # the target's embedding / LM head are not m's parameters
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_hint = args.max_steps or 10**9
     start = time.monotonic()
@@ -275,14 +277,12 @@ def train(drafter: EagleDrafter, model, data, args, deadline: float, log):
     batches: list[list[int]] = []
     bar = tqdm(desc="training EAGLE head", unit="step", total=args.max_steps or None)
     step = 0
-    positions_cache: dict[int, torch.Tensor] = {}
     while step < steps_hint and time.monotonic() < deadline:
         if not batches:
             batches = make_batches(data, args.batch_tokens, rng)
         idx = batches.pop()
         ids, x, y, mask = batch_tensors(data, idx)
-        T = ids.shape[1]
-        pos = positions_cache.setdefault(T, torch.arange(T))
+        pos = torch.arange(ids.shape[1])
         # LR: short warmup, then cosine by elapsed share of the budget.
         frac = min(1.0, (time.monotonic() - start) / max(1.0, deadline - start))
         if args.max_steps:
@@ -363,15 +363,11 @@ def evaluate(model, tokenizer, drafter, args, log) -> float:
 
     results = []
     for text in tqdm(eval_prompts(args.eval_prompts), desc="evaluating", unit="prompt"):
-        ids = tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-            add_special_tokens=False,
-        )
         results.append(
             speculative_generate(
                 model,
                 drafter,
-                ids,
+                chat_ids(tokenizer, text),
                 args.eval_new_tokens,
                 args.spec_tokens,
                 stop_token_ids=model.config.eos_token_ids,
@@ -438,11 +434,11 @@ def run(args: argparse.Namespace) -> int:
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
     (out / "train_log.txt").write_text("\n".join(log_lines) + "\n")
     if args.install_asset:
-        ASSET_DIR.mkdir(parents=True, exist_ok=True)
+        BUILTIN_EAGLE_DIR.mkdir(parents=True, exist_ok=True)
         for f in ("config.json", "model.safetensors", "train_summary.json", "loss_curve.png"):
             if (out / f).exists():
-                shutil.copy2(out / f, ASSET_DIR / f)
-        log(f"installed the head as {ASSET_DIR}")
+                shutil.copy2(out / f, BUILTIN_EAGLE_DIR / f)
+        log(f"installed the head as {BUILTIN_EAGLE_DIR}")
     return 0
 
 

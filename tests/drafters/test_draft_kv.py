@@ -17,7 +17,7 @@ from drafter_test_utils import (
     tiny_target,
 )
 
-from speckv.drafters import CatchUpRequest
+from speckv.drafters import CatchUpRequest, TargetStates
 
 BS = 4
 N = 23  # target rows (positions 0 .. N-1); tokens t[0 .. N]
@@ -96,9 +96,7 @@ def test_batched_requests_equal_single(target):
     t1, t2 = list(range(1, 8)), list(range(8, 15))
     kv = d.make_kv_cache(16, BS)
     n2 = 17
-    both = type(states)(
-        torch.cat([states.hidden_states, states2.hidden_states[:n2]]),
-    )
+    both = TargetStates(torch.cat([states.hidden_states, states2.hidden_states[:n2]]))
     d.write_draft_kv(
         both,
         [
@@ -107,15 +105,16 @@ def test_batched_requests_equal_single(target):
         ],
         kv,
     )
-    alone = d.make_kv_cache(16, BS)
-    catch_up_all(d, states2.select(torch.arange(n2)), tokens2[: n2 + 1], t2, alone, [n2])
-    for j in range(1, 4):
-        torch.testing.assert_close(
-            read_kv(kv, j - 1, t2, range(n2 + 1 - j)),
-            read_kv(alone, j - 1, t2, range(n2 + 1 - j)),
-            rtol=1e-5,
-            atol=1e-5,
-        )
+    for st, toks, table, n in ((states, tokens, t1, N), (states2, tokens2, t2, n2)):
+        alone = d.make_kv_cache(16, BS)
+        catch_up_all(d, st.select(torch.arange(n)), toks[: n + 1], table, alone, [n])
+        for j in range(1, 4):
+            torch.testing.assert_close(
+                read_kv(kv, j - 1, table, range(n + 1 - j)),
+                read_kv(alone, j - 1, table, range(n + 1 - j)),
+                rtol=1e-5,
+                atol=1e-5,
+            )
 
 
 @pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
@@ -134,3 +133,14 @@ def test_propose_equals_dense_drafting(fmt, kw, num_spec, target):
         carry = state.carries[0]
     got = d.propose(state, num_spec, kv)[0].tolist()
     assert got == dense_propose(d, st, tokens[:n], num_spec)
+
+
+@pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
+def test_propose_refuses_a_catch_up_short_of_the_last_real_token(fmt, kw, target):
+    """A pass given more next tokens than positions (a non-final prefill chunk) cannot draft."""
+    d, tokens, states = _setup(fmt, kw, target)
+    kv = d.make_kv_cache(N // BS + 3, BS)
+    req = CatchUpRequest(0, 9, tokens[1:11], list(range(1, N // BS + 3)))
+    state = d.write_draft_kv(states.select(torch.arange(9)), [req], kv)
+    with pytest.raises(ValueError, match="last real token"):
+        d.propose(state, 2, kv)

@@ -30,7 +30,7 @@ def target():
 
 
 def _outputs(d, target):
-    """Draft KV of a catch-up pass plus the propose logits of module 1 at the last row."""
+    """Draft KV of a catch-up pass plus module 1's (dense) logits at every row."""
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.config.vocab_size, (N + 1,), generator=g).tolist()
     states = random_states(d, N, target.config.hidden_size)
@@ -162,12 +162,16 @@ def test_mtp_deepseek_own_shared_head(target, tmp_path):
 def test_refuses_bin_and_wrong_shapes(target, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"speckv_drafter_format": "eagle"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
-    with pytest.raises(FileNotFoundError, match="never loaded"):
+    with pytest.raises(FileNotFoundError, match="never load"):
         load_drafter(tmp_path, target)
-    other = tiny_target(vocab_size=61)
-    d = make_drafter("eagle", {}, other)
+    d = make_drafter("eagle", {}, target)
     p = tmp_path / "ok"
     save_drafter(d, p, "eagle")
+    cfg = json.loads((p / "config.json").read_text())
+    (p / "config.json").write_text(json.dumps({**cfg, "hidden_size": 48}))
+    with pytest.raises(ValueError, match="hidden_size 48"):
+        load_drafter(p, target)
+    (p / "config.json").write_text(json.dumps(cfg))
     with safe_open(str(p / "model.safetensors"), framework="pt") as st:
         state = {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
     state["fc.weight"] = torch.zeros(32, 48)

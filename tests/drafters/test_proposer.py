@@ -67,3 +67,26 @@ def test_proposer_loop_matches_standalone_loop(fmt, kw, target):
         drafts = prop.propose([item(tokens, n - 1, n + a, out, a + 1, True)])["r"]
     assert tokens[len(prompt) :][:new_tokens] == ref.tokens
     assert accepted == ref.accepted_per_step
+
+
+@pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
+def test_proposer_caps_drafts_at_max_drafts(fmt, kw, target):
+    """max_drafts < num_spec_tokens: that many drafts, the prefix of the uncapped ones."""
+    bs, S = 4, 4
+    prompt = [1, 4, 2, 2, 5, 0, 3, 1, 4, 4, 2]
+    d = make_drafter(fmt, kw, target)
+    table = list(range(1, 8))
+    kv = target.make_kv_cache(8, bs)
+    md = AttentionMetadata.build([len(prompt)], [len(prompt)], [table], bs)
+    out = target(torch.tensor(prompt), md.positions(), kv, md, d.target_aux_layers)
+    tokens = [*prompt, int(target.compute_logits(out.hidden_states[-1:]).argmax())]
+    got = {}
+    for max_drafts in (S, 2, 1):
+        prop = DrafterProposer(d, S, 8, bs, policy_for_drafter(d))
+        x = ProposerInput(
+            "r", tokens, 0, len(prompt), out.hidden_states, out.prenorm_hidden,
+            out.aux_hidden_states, table, torch.empty(0), True, max_drafts,
+        )  # fmt: skip
+        got[max_drafts] = prop.propose([x])["r"]
+    assert len(got[S]) == S
+    assert got[2] == got[S][:2] and got[1] == got[S][:1]
