@@ -14,12 +14,13 @@ from collections.abc import Sequence
 
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("demo",), "speckv.demo",
+    (("demo",), "speckv.commands.demo",
      "the main job: hit lengths, hashing cost, the built-in model with EAGLE, and a short "
      "prefix_repetition run"),
-    (("generate",), "speckv.engine.generate_cli",
+    (("generate",), "speckv.commands.generate",
      "stream one completion from the built-in model (or --model DIR)"),
-    (("hash",), "speckv.hash_cli", "print the block hashes of a token list (router debugging)"),
+    (("hash",), "speckv.commands.hash",
+     "print the block hashes of a token list (router debugging)"),
     (("bench", "hit-length"), "speckv.bench.hit_length",
      "cached tokens of a repeated prompt, per drafter and hash mode"),
     (("bench", "retention"), "speckv.bench.retention",
@@ -37,11 +38,11 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "train an EAGLE head for the built-in model on its own generations"),
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),
-    (("bench", "events"), "speckv.events.bench", "KV-event publisher and router throughput"),
-    (("events", "tail"), "speckv.events.cli:tail", "print KV events from a publisher, live"),
-    (("events", "publish-sample"), "speckv.events.cli:publish_sample",
+    (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
+    (("events", "tail"), "speckv.commands.events:tail", "print KV events from a publisher, live"),
+    (("events", "publish-sample"), "speckv.commands.events:publish_sample",
      "publish a synthetic workload's KV events for consumer authors"),
-    (("route",), "speckv.events.cli:route", "KV-aware router as a small HTTP service"),
+    (("route",), "speckv.commands.route:route", "KV-aware router as a small HTTP service"),
 ]
 
 

@@ -21,14 +21,25 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from speckv.spec.policy import HashMode
+from speckv.cache.hash_mode import HashMode
+from speckv.engine.llm_engine import LLMEngine
+from speckv.spec.policy import DrafterPolicy, drafter_policy
 
-DRAFTERS = ("eagle", "eagle3", "mtp k=1", "mtp k=4")
+DRAFTERS = ("eagle", "eagle3", "mtp")
+
+
+class _StaleHashesEngine(LLMEngine):
+    """The negative control's engine: legacy hashes with the drop turned off, which no
+    configuration allows (it serves stale draft KV, which is what the control must show)."""
+
+    def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
+        return HashMode.for_lookahead(0, "negative control: legacy hashes, drop off")
 
 
 @dataclass(frozen=True)
 class DraftKVRow:
-    drafter: str
+    drafter: str  # eagle, eagle3, mtp
+    num_modules: int  # draft modules (mtp may have several)
     dtype: str
     case: str  # "lookahead hit" or "negative control"
     hit_tokens: int
@@ -49,16 +60,14 @@ def _kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int) -> tor
     return torch.stack(layers).float()
 
 
-def _engine(model, drafter, dtype: str, block_size: int, hash_mode: HashMode | None = None):
+def _engine(model, drafter, dtype: str, block_size: int, engine_type=LLMEngine):
     from speckv.engine.config import EngineConfig
-    from speckv.engine.llm_engine import LLMEngine
     from speckv.engine.speculative import speculative_args
 
     config = EngineConfig(block_size=block_size, num_blocks=256, dtype=dtype,
                           **speculative_args(drafter, 3), hash_seed="0",
                           device=str(model.device))
-    return LLMEngine(model, config, drafter=drafter, detokenize=False,
-                     hash_mode_override=hash_mode)
+    return engine_type(model, config, drafter=drafter, detokenize=False)
 
 
 def _first_step_kv(engine, prompt: list[int], num_tokens: int | None = None):
@@ -70,7 +79,7 @@ def _first_step_kv(engine, prompt: list[int], num_tokens: int | None = None):
     engine.step()
     request = engine.get_request(request_id)
     length = request.num_cached_tokens if num_tokens is None else num_tokens
-    block_ids = engine.manager.get_block_ids(request_id)[0]
+    block_ids = engine.runner.block_table(request_id)
     block_size = engine.config.block_size
     target = _kv_at(engine.runner.kv_cache, block_ids, length, block_size)
     draft = _kv_at(engine.proposer.kv_cache, block_ids, length, block_size)
@@ -79,8 +88,9 @@ def _first_step_kv(engine, prompt: list[int], num_tokens: int | None = None):
     return length, target, draft
 
 
-def measure(model, drafter, name: str, dtype: str, prompt: list[int], block_size: int
+def measure(model, drafter, dtype: str, prompt: list[int], block_size: int
             ) -> list[DraftKVRow]:
+    policy = drafter.policy
     model_dtype = model.dtype
     model.to(getattr(torch, dtype))
     drafter.to(getattr(torch, dtype))
@@ -90,7 +100,7 @@ def measure(model, drafter, name: str, dtype: str, prompt: list[int], block_size
         hit, target_hit, draft_hit = _first_step_kv(warm, prompt)
         cold = _engine(model, drafter, dtype, block_size)
         _, target_cold, draft_cold = _first_step_kv(cold, prompt, hit)
-        rows = [DraftKVRow(name, dtype, "lookahead hit", hit,
+        rows = [DraftKVRow(policy.name, policy.num_modules, dtype, "lookahead hit", hit,
                            (target_hit - target_cold).abs().max().item(),
                            (draft_hit - draft_cold).abs().max().item())]
         # negative control: the successor of the shared blocks differs
@@ -99,13 +109,12 @@ def measure(model, drafter, name: str, dtype: str, prompt: list[int], block_size
         successor = prompt[shared]
         first = prompt[:shared] + [successor] + prompt[shared + 1:]
         second = prompt[:shared] + [(successor + 1) % vocab_size] + prompt[shared + 1:]
-        stale = _engine(model, drafter, dtype, block_size,
-                        HashMode(0, False, "negative control: legacy hashes, drop off"))
+        stale = _engine(model, drafter, dtype, block_size, _StaleHashesEngine)
         _first_step_kv(stale, first, 0)
         hit, target_hit, draft_hit = _first_step_kv(stale, second)
         cold = _engine(model, drafter, dtype, block_size)
         _, target_cold, draft_cold = _first_step_kv(cold, second, hit)
-        rows.append(DraftKVRow(name, dtype, "negative control", hit,
+        rows.append(DraftKVRow(policy.name, policy.num_modules, dtype, "negative control", hit,
                                (target_hit - target_cold).abs().max().item(),
                                (draft_hit - draft_cold).abs().max().item()))
         return rows
@@ -114,23 +123,25 @@ def measure(model, drafter, name: str, dtype: str, prompt: list[int], block_size
         drafter.to(model_dtype)
 
 
-def make_drafter(name: str, model):
+def make_drafter(policy: DrafterPolicy, model):
+    """The built-in EAGLE head where it exists, else a random drafter of `policy`."""
     from speckv.drafters.builtin import builtin_eagle_available, load_builtin_eagle
     from speckv.drafters.loaders import random_drafter
 
-    if name == "eagle" and builtin_eagle_available():
+    if policy.name == "eagle" and builtin_eagle_available():
         return load_builtin_eagle(model)
-    if name == "eagle":
-        return random_drafter("eagle", model, seed=0)
-    if name == "eagle3":
-        return random_drafter("eagle3", model, seed=0)
-    modules = int(name.split("=")[1])
-    return random_drafter("mtp_deepseek", model, seed=0, num_modules=modules)
+    if policy.name == "mtp":
+        return random_drafter("mtp", model, seed=0, num_modules=policy.num_modules)
+    return random_drafter(policy.name, model, seed=0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="builtin")
-    parser.add_argument("--drafters", default=",".join(DRAFTERS))
+    parser.add_argument("--drafters", default=",".join(DRAFTERS),
+                        help="comma-separated: eagle, eagle3, mtp (default: %(default)s)")
+    parser.add_argument("--mtp-num-modules", default="1,4",
+                        help="module counts to run mtp with, comma-separated "
+                        "(default: %(default)s)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--block-size", type=int, default=16)
@@ -140,10 +151,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from speckv.engine.llm import load_model
 
-    drafters = [name.strip() for name in args.drafters.split(",")]
-    unknown = [name for name in drafters if name not in DRAFTERS]
+    names = [name.strip() for name in args.drafters.split(",")]
+    unknown = [name for name in names if name not in DRAFTERS]
     if unknown:
-        raise ValueError(f"unknown drafter(s) {unknown}; choose from {list(DRAFTERS)}")
+        raise ValueError(f"--drafters: unknown {unknown}; choose from {list(DRAFTERS)}")
+    try:
+        module_counts = [int(k) for k in args.mtp_num_modules.split(",")]
+        policies = [drafter_policy(name, k) for name in names
+                    for k in (module_counts if name == "mtp" else [1])]
+    except ValueError as error:
+        raise ValueError(f"--mtp-num-modules: {error}") from None
     dtypes = [dtype.strip() for dtype in args.dtypes.split(",")]
     if any(dtype not in ("float32", "bfloat16", "float16") for dtype in dtypes):
         raise ValueError("--dtypes: float32, bfloat16 or float16")
@@ -161,10 +178,10 @@ def run(args: argparse.Namespace) -> int:
             "complicates it. " * 4)}])
         prompt = tokenizer.encode(text)[: args.prompt_len]
     rows = []
-    for name in drafters:
-        drafter = make_drafter(name, model)
+    for policy in policies:
+        drafter = make_drafter(policy, model)
         for dtype in dtypes:
-            rows.extend(measure(model, drafter, name, dtype, prompt, args.block_size))
+            rows.extend(measure(model, drafter, dtype, prompt, args.block_size))
     if args.json:
         print(json.dumps([asdict(row) for row in rows]))
         return 0
@@ -174,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right" if column in ("hit tokens", "target KV",
                                                                "draft KV") else "left")
     for row in rows:
-        table.add_row(row.drafter, row.dtype, row.case, str(row.hit_tokens),
+        label = drafter_policy(row.drafter, row.num_modules).label
+        table.add_row(label, row.dtype, row.case, str(row.hit_tokens),
                       f"{row.target_max_abs_diff:.3g}", f"{row.draft_max_abs_diff:.3g}")
     Console().print(table)
     return 0

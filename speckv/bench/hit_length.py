@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.hash_mode import HashMode
 from speckv.cache.specs import KVCacheSpec, format_group_specs, parse_group_specs
-from speckv.engine.cache_sim import CacheSimulator
-from speckv.engine.request import BlockHashing, Request
-from speckv.hashing.functions import get_hash_algo, make_none_hash
-from speckv.spec.policy import DRAFTER_NAMES, HashMode, make_drafter_policy, resolve_hash_mode
+from speckv.engine.request import Request
+from speckv.spec.policy import DRAFTER_NAMES, drafter_policy, resolve_hash_mode
+from speckv.testing import run_to_completion, toy_core
 
 NUM_SPEC_TOKENS = 3
 NUM_DECODE_TOKENS = 12
@@ -29,7 +29,8 @@ NUM_DECODE_TOKENS = 12
 
 @dataclass(frozen=True)
 class HitLengthResult:
-    drafter: str
+    drafter: str  # eagle, eagle3, mtp, ...
+    num_modules: int  # draft modules (mtp may have several)
     mode: str
     prompt_len: int
     block_size: int  # the alignment unit U (the block size for one group)
@@ -52,7 +53,7 @@ def measure_hit_length(
     mode: str = "lookahead", seed: int = 0, groups: list[KVCacheSpec] | None = None,
     retention_interval: int | None = None,
 ) -> HitLengthResult:
-    policy = make_drafter_policy(drafter, mtp_modules)
+    policy = drafter_policy(drafter, mtp_modules)
     hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=(mode == "legacy"))
     specs = groups if groups is not None else [FullAttentionSpec(block_size)]
     num_spec = NUM_SPEC_TOKENS if policy.name != "none" else 0
@@ -61,20 +62,17 @@ def measure_hit_length(
                                // min_block + 8)
     manager = KVCacheManager(specs, num_blocks, hash_mode,
                              retention_interval=retention_interval)
-    algo = get_hash_algo("sha256")
-    hashing = BlockHashing(algo, make_none_hash(algo, "0"), manager.hash_block_size,
-                           manager.lookahead_values)
-    sim = CacheSimulator(manager, num_spec)
+    hashing = manager.block_hashing("sha256", "0")
+    core = toy_core(manager, num_spec)
+    core.runner.num_accept = 1
     rng = random.Random(seed)
     prompt = [rng.randrange(1, 32000) for _ in range(prompt_len)]
-    first = Request("first", prompt, hashing, max_tokens=NUM_DECODE_TOKENS)
-    sim.run_to_completion(first, num_accept=1)
+    run_to_completion(core, [Request("first", prompt, hashing, max_tokens=NUM_DECODE_TOKENS)])
     second = Request("second", prompt, hashing, max_tokens=1)
-    sim.step(second)
+    run_to_completion(core, [second])
     manager.check_integrity()
-    label = drafter if drafter != "mtp" else f"mtp k={mtp_modules}"
     unit = manager.alignment_tokens
-    return HitLengthResult(label, hash_mode.label, prompt_len, unit,
+    return HitLengthResult(policy.name, policy.num_modules, hash_mode.label, prompt_len, unit,
                            second.num_cached_tokens,
                            expected_hit_tokens(prompt_len, unit, hash_mode),
                            format_group_specs(specs) if groups is not None else "")
@@ -133,7 +131,8 @@ def _print_one_table(results: list[HitLengthResult], console: Console, label: st
         table.add_column(str(prompt_len), justify="right", no_wrap=True)
     rows: dict[tuple[str, str], dict[int, HitLengthResult]] = {}
     for r in results:
-        rows.setdefault((r.drafter, r.mode), {})[r.prompt_len] = r
+        label = drafter_policy(r.drafter, r.num_modules).label
+        rows.setdefault((label, r.mode), {})[r.prompt_len] = r
     for (drafter, mode), cells in rows.items():
         values = []
         for prompt_len in lengths:
@@ -148,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, help="N; omit for the whole table")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--drafter", default="eagle", choices=DRAFTER_NAMES)
-    parser.add_argument("--mtp-modules", type=int, default=1)
+    parser.add_argument("--mtp-num-modules", type=int, default=1,
+                        help="draft modules of --drafter mtp (default: %(default)s)")
     parser.add_argument("--mode", choices=("lookahead", "legacy"), default="lookahead",
                         help="legacy = disable_lookahead_block_hashes")
     parser.add_argument("--groups", help="hybrid KV cache groups, e.g. "
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         if args.prompt_len <= 0:
             raise ValueError(f"--prompt-len must be > 0, got {args.prompt_len}")
         result = measure_hit_length(args.prompt_len, args.block_size, args.drafter,
-                                    args.mtp_modules, args.mode, groups=groups,
+                                    args.mtp_num_modules, args.mode, groups=groups,
                                     retention_interval=args.retention)
         if args.json:
             print(json.dumps(asdict(result)))

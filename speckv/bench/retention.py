@@ -29,10 +29,9 @@ from rich.table import Table
 from speckv.cache import KVCacheManager
 from speckv.cache.retention import TailWidening
 from speckv.cache.specs import FullAttentionSpec, SlidingWindowSpec
-from speckv.engine.cache_sim import CacheSimulator
-from speckv.engine.request import BlockHashing, Request
-from speckv.hashing.functions import get_hash_algo, make_none_hash
-from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
+from speckv.engine.request import Request
+from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.testing import run_to_completion, toy_core
 
 
 @dataclass(frozen=True)
@@ -44,15 +43,14 @@ class RetentionRow:
 
 def run_scenario(drafter: str, legacy: bool, widening: TailWidening, prefix_len: int,
                  retention: int, window: int, num_requests: int = 4) -> RetentionRow:
-    policy = make_drafter_policy(drafter)  # MTP3: one module, 3 speculative tokens
+    policy = drafter_policy(drafter)  # MTP3: one module, 3 speculative tokens
     hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=legacy)
     specs = [FullAttentionSpec(32), SlidingWindowSpec(16, window)]
     manager = KVCacheManager(specs, 8 * prefix_len // 16 + 256, hash_mode,
                              retention_interval=retention, tail_widening=widening)
-    algo = get_hash_algo("sha256")
-    hashing = BlockHashing(algo, make_none_hash(algo, "0"), manager.hash_block_size,
-                           manager.lookahead_values)
-    sim = CacheSimulator(manager, num_spec_tokens=3 if drafter != "none" else 0)
+    hashing = manager.block_hashing("sha256", "0")
+    core = toy_core(manager, num_spec_tokens=3 if drafter != "none" else 0)
+    core.runner.num_accept = 1
     rng = random.Random(0)
     prefix = [rng.randrange(1, 32000) for _ in range(prefix_len)]
 
@@ -65,7 +63,7 @@ def run_scenario(drafter: str, legacy: bool, widening: TailWidening, prefix_len:
     cached = []
     for index, prompt in enumerate(prompts[:num_requests]):
         request = Request(f"req{index}", prompt, hashing, max_tokens=4)
-        sim.run_to_completion(request, num_accept=1)
+        run_to_completion(core, [request])
         manager.check_integrity()
         cached.append(request.num_cached_tokens)
     if drafter == "mtp" and legacy:

@@ -29,11 +29,13 @@ from typing import Protocol
 
 from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, HitCheck
 from speckv.cache.events import KVCacheEvent, KVEventSink
+from speckv.cache.hash_mode import HashMode
 from speckv.cache.results import Allocation, CacheHit
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.single_type import FullAttentionManager, SingleTypeManager, manager_for
 from speckv.cache.specs import KVCacheSpec, MambaSpec, SlidingWindowSpec
-from speckv.spec.policy import HashMode
+from speckv.hashing.block_hashing import BlockHashing
+from speckv.hashing.functions import HashAlgo, get_hash_algo, make_none_hash
 
 
 class ManagedRequest(CachingRequest, Protocol):
@@ -134,6 +136,18 @@ class KVCacheManager:
         """The L values whose hash chains requests must keep (one per kind of group)."""
         return tuple(sorted({m.group.lookahead_tokens for m in self.managers}))
 
+    def block_hashing(self, algo: str | HashAlgo, hash_seed: str | None) -> BlockHashing:
+        """The request hashing this manager's groups need: the hash unit as block size, one
+        chain per lookahead value (none when caching is off). `hash_seed` None: from
+        PYTHONHASHSEED, else random (see `make_none_hash`). Every caller builds it here."""
+        hash_algo = get_hash_algo(algo) if isinstance(algo, str) else algo
+        return BlockHashing(
+            hash_algo,
+            make_none_hash(hash_algo, hash_seed),
+            self.hash_block_size,
+            self.lookahead_values if self.enable_caching else (),
+        )
+
     def _group_hashes(self, request: ManagedRequest, manager: SingleTypeManager):
         chain = request.get_block_hashes(manager.group.lookahead_tokens)
         stride = manager.block_size // self.hash_block_size
@@ -213,10 +227,11 @@ class KVCacheManager:
         )
         if num_needed > self.pool.get_num_free_blocks():
             return None
-        new_blocks = []
+        new_block_ids = []
         for manager, blocks in zip(self.managers, hit_blocks):
             manager.save_new_computed_blocks(request_id, blocks)
-            new_blocks.append(manager.allocate_new_blocks(request_id, num_total))
+            new = manager.allocate_new_blocks(request_id, num_total)
+            new_block_ids.append([block.block_id for block in (*blocks, *new)])
         # Draft positions are not real tokens: their KV may be rejected.
         num_to_cache = min(
             num_computed + num_new_tokens - len(request.spec_token_ids), request.num_tokens
@@ -225,7 +240,7 @@ class KVCacheManager:
         # only after caching: a block leaving the window may be one a later hit needs
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, num_computed)
-        return Allocation(tuple(new_blocks))
+        return Allocation(tuple(new_block_ids))
 
     def cache_computed_blocks(self, request: ManagedRequest) -> None:
         """Cache every computed block whose hash exists, e.g. the block whose lookahead the

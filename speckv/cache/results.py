@@ -24,6 +24,8 @@ class CacheHit:
 
 @dataclass(frozen=True)
 class Allocation:
-    """Blocks newly given to a request in one `allocate_slots` call, per group."""
+    """Block ids newly given to a request in one `allocate_slots` call, per group: the hit's
+    blocks (first scheduling) then the freshly allocated ones, in block-table order. The
+    scheduler forwards them to the model runner as its block-table delta."""
 
-    new_blocks: tuple[list[KVCacheBlock], ...]
+    new_block_ids: tuple[list[int], ...]

@@ -18,7 +18,8 @@ from speckv.drafters.builtin import load_builtin_eagle
 from speckv.drafters.eagle import EagleDrafter
 from speckv.drafters.eagle3 import Eagle3Drafter
 from speckv.drafters.loaders import (
-    FORMATS,
+    METHODS,
+    MTP_LAYOUTS,
     build_drafter,
     detect_format,
     load_drafter,
@@ -28,7 +29,8 @@ from speckv.drafters.loaders import (
 from speckv.drafters.mtp import MTPDrafter
 
 __all__ = [
-    "FORMATS",
+    "METHODS",
+    "MTP_LAYOUTS",
     "CatchUpRequest",
     "DraftCarry",
     "DraftModule",

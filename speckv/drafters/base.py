@@ -55,6 +55,7 @@ from torch import nn
 from speckv.attention import AttentionMetadata, PagedKVCache
 from speckv.drafters.layers import dense_attention
 from speckv.models.llama import LlamaDecoderLayer
+from speckv.spec.policy import DrafterPolicy
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,14 @@ class Drafter(nn.Module, ABC):
     # ---- what the engine reads ------------------------------------------------------------
 
     @property
+    @abstractmethod
+    def policy(self) -> DrafterPolicy:
+        """The drafter's entry in the policy table (name, modules): decides the hash mode."""
+
+    @property
     def draft_kv_lookahead_tokens(self) -> int:
         """L: the draft KV at p depends on tokens up to p + L (1 for EAGLE/EAGLE3, k for MTP)."""
-        return len(self.modules_chain)
+        return self.policy.draft_kv_lookahead_tokens
 
     @property
     def num_kv_layers(self) -> int:

@@ -35,6 +35,6 @@ def load_builtin_eagle(
             f"no shipped EAGLE head in {BUILTIN_EAGLE_DIR}; train one with "
             "`speckv train-draft --install-asset`"
         )
-    drafter = load_drafter(BUILTIN_EAGLE_DIR, model, dtype, device, fmt="eagle")
+    drafter = load_drafter(BUILTIN_EAGLE_DIR, model, dtype, device)
     assert isinstance(drafter, EagleDrafter)
     return drafter

@@ -16,6 +16,7 @@ from speckv.drafters.base import Drafter, FuseThenLayerModule, TargetStates
 from speckv.drafters.layers import SharedTarget, drafter_layer_config
 from speckv.models.config import ModelConfig
 from speckv.models.llama import LlamaDecoderLayer
+from speckv.spec.policy import DrafterPolicy, drafter_policy
 
 
 class EagleModule(FuseThenLayerModule):
@@ -40,6 +41,10 @@ class EagleModule(FuseThenLayerModule):
 
 class EagleDrafter(Drafter):
     """EAGLE head on a Llama-family target (L = 1)."""
+
+    @property
+    def policy(self) -> DrafterPolicy:
+        return drafter_policy("eagle")
 
     def __init__(
         self,

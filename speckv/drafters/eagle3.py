@@ -24,6 +24,7 @@ from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_
 from speckv.models.config import ModelConfig
 from speckv.models.layers import RMSNorm
 from speckv.models.llama import LlamaDecoderLayer
+from speckv.spec.policy import DrafterPolicy, drafter_policy
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -97,6 +98,10 @@ class Eagle3Module(DraftModule):
 
 class Eagle3Drafter(Drafter):
     """EAGLE3 head (L = 1); the target must run with `aux_layers=self.target_aux_layers`."""
+
+    @property
+    def policy(self) -> DrafterPolicy:
+        return drafter_policy("eagle3")
 
     def __init__(
         self,

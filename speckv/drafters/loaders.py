@@ -42,7 +42,29 @@ from speckv.drafters.mtp import MTPDrafter
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.loader import _safetensors_files
 
+METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # EngineConfig.speculative_method
+MTP_LAYOUTS: tuple[str, ...] = ("deepseek", "qwen")  # where an MTP checkpoint keeps its tensors
+# The loader's own key per (method, layout): the tensor-name table and the config.json tag.
 FORMATS: tuple[str, ...] = ("eagle", "eagle3", "mtp_deepseek", "mtp_qwen")
+
+
+def format_key(method: str, layout: str | None = None) -> str:
+    """The loader's key of a drafter method (+ MTP checkpoint layout, default deepseek)."""
+    if method not in METHODS:
+        raise ValueError(f"drafter method must be one of {METHODS}, got {method!r}")
+    if method != "mtp":
+        if layout is not None:
+            raise ValueError(f"{method} has one checkpoint layout; got layout={layout!r}")
+        return method
+    layout = layout or "deepseek"
+    if layout not in MTP_LAYOUTS:
+        raise ValueError(f"mtp layout must be one of {MTP_LAYOUTS}, got {layout!r}")
+    return f"mtp_{layout}"
+
+
+def _method_and_layout(fmt: str) -> tuple[str, str | None]:
+    method, _, layout = fmt.partition("_")
+    return method, layout or None
 
 
 # ---- name maps: our state_dict name -> public tensor name ------------------------------------
@@ -137,7 +159,12 @@ def _config_json(drafter: Drafter, fmt: str) -> dict[str, Any]:
     return cfg
 
 
-def detect_format(path: str | Path) -> str:
+def detect_format(path: str | Path) -> tuple[str, str | None]:
+    """(method, MTP layout or None) of a drafter directory."""
+    return _method_and_layout(_detect_key(path))
+
+
+def _detect_key(path: str | Path) -> str:
     """Which of FORMATS a directory holds (speckv's own tag, else the tensor names)."""
     d = Path(path)
     cfg = json.loads((d / "config.json").read_text())
@@ -183,9 +210,12 @@ def _read(index: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
 
 
 def save_drafter(
-    drafter: Drafter, path: str | Path, fmt: str, dtype: torch.dtype | str | None = None
+    drafter: Drafter, path: str | Path, layout: str | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Path:
-    """Write config.json + model.safetensors under the public names of `fmt`."""
+    """Write config.json + model.safetensors under the public names of the drafter's method
+    (and, for MTP, the checkpoint `layout`: deepseek or qwen)."""
+    fmt = format_key(drafter.policy.name, layout)
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     torch_dtype = resolve_dtype(dtype) if dtype is not None else drafter.dtype
@@ -204,8 +234,14 @@ def save_drafter(
     return d
 
 
-def build_drafter(fmt: str, target: LlamaForCausalLM, **kwargs: Any) -> Drafter:
-    """An (uninitialised) drafter of `fmt` on `target`'s config, fp32 on CPU."""
+def build_drafter(method: str, target: LlamaForCausalLM, *, layout: str | None = None,
+                  **kwargs: Any) -> Drafter:
+    """An (uninitialised) drafter of `method` (eagle, eagle3, mtp; MTP in checkpoint `layout`)
+    on `target`'s config, fp32 on CPU."""
+    return _build(format_key(method, layout), target, **kwargs)
+
+
+def _build(fmt: str, target: LlamaForCausalLM, **kwargs: Any) -> Drafter:
     shared = SharedTarget.of(target)
     if fmt == "eagle":
         return EagleDrafter(target.config, shared, **kwargs)
@@ -218,14 +254,16 @@ def build_drafter(fmt: str, target: LlamaForCausalLM, **kwargs: Any) -> Drafter:
 
 
 def random_drafter(
-    fmt: str,
+    method: str,
     target: LlamaForCausalLM,
     init_std: float = 0.02,
     seed: int | None = None,
+    *,
+    layout: str | None = None,
     **kwargs: Any,
 ) -> Drafter:
     """Random init like `LlamaForCausalLM.from_config` (normal weights, unit norms, zero bias)."""
-    drafter = build_drafter(fmt, target, **kwargs)
+    drafter = build_drafter(method, target, layout=layout, **kwargs)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -243,11 +281,10 @@ def load_drafter(
     target: LlamaForCausalLM,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
-    fmt: str | None = None,
 ) -> Drafter:
-    """Load any FORMATS directory for `target` (dtype/device default to the target's)."""
+    """Load any drafter directory for `target` (dtype/device default to the target's)."""
     d = Path(path)
-    fmt = fmt or detect_format(d)
+    fmt = _detect_key(d)
     cfg = json.loads((d / "config.json").read_text())
     hidden = target.config.hidden_size
     if int(cfg.get("hidden_size", hidden)) != hidden:
@@ -271,7 +308,7 @@ def load_drafter(
             raise ValueError("mtp_deepseek: config num_hidden_layers differs from the target's")
     elif fmt == "mtp_qwen":
         kwargs["num_modules"] = int(cfg.get("mtp_num_hidden_layers") or 1)
-    drafter = build_drafter(fmt, target, **kwargs)
+    drafter = _build(fmt, target, **kwargs)
     if fmt == "mtp_deepseek":
         n = target.config.num_hidden_layers
         for j, m in enumerate(drafter.modules_chain):

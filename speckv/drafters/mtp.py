@@ -20,6 +20,7 @@ from speckv.drafters.layers import SharedTarget, drafter_layer_config
 from speckv.models.config import ModelConfig
 from speckv.models.layers import RMSNorm
 from speckv.models.llama import LlamaDecoderLayer
+from speckv.spec.policy import DrafterPolicy, drafter_policy
 
 
 class MTPProjection(nn.Module):
@@ -61,6 +62,10 @@ class MTPModule(FuseThenLayerModule):
 
 class MTPDrafter(Drafter):
     """k chained MTP modules (L = k); module j proposes draft j."""
+
+    @property
+    def policy(self) -> DrafterPolicy:
+        return drafter_policy("mtp", self.num_modules)
 
     def __init__(
         self,

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 import torch
 
 from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
-from speckv.engine.proposer import ProposerInput
 from speckv.spec.policy import DrafterPolicy
+from speckv.spec.proposer import ProposerInput
 
 
 class DrafterProposer:
-    """Engine adapter: call `propose(inputs)` once per step (see speckv/engine/proposer.py)."""
+    """Runner adapter: call `propose(inputs)` once per step (see speckv/spec/proposer.py)."""
 
     def __init__(
         self,
@@ -29,20 +29,15 @@ class DrafterProposer:
         num_spec_tokens: int,
         num_blocks: int,
         block_size: int,
-        policy: DrafterPolicy,
     ) -> None:
         if num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
         self.drafter = drafter
-        self.policy = policy  # decides lookahead hashes vs the legacy drop
+        self.policy: DrafterPolicy = drafter.policy  # decides lookahead hashes vs the drop
         self.num_spec_tokens = num_spec_tokens
         self.aux_layers: tuple[int, ...] = drafter.target_aux_layers
         self.kv_cache = drafter.make_kv_cache(num_blocks, block_size)
         self._carries: dict[str, DraftCarry] = {}
-
-    @property
-    def draft_kv_lookahead_tokens(self) -> int:
-        return self.drafter.draft_kv_lookahead_tokens
 
     def free(self, request_id: str) -> None:
         """Forget a finished request's carry (the engine should call this when it frees one)."""

@@ -417,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
     eval_reserve = max(60.0, 0.1 * budget)
     losses = train(drafter, model, data, args, t0 + budget - eval_reserve, log)
     drafter.eval()
-    save_drafter(drafter, out, "eagle", dtype=args.save_dtype)
+    save_drafter(drafter, out, dtype=args.save_dtype)
     save_loss_curve(losses, out / "loss_curve.png")
     al = evaluate(model, tokenizer, drafter, args, log)
     size = (out / "model.safetensors").stat().st_size

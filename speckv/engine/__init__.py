@@ -1,4 +1,4 @@
-"""The serving engine: requests, scheduler, model runner, sampler, proposer seam, LLM API.
+"""The serving engine: requests, scheduler, model runner, output processor, LLM API.
 
 Public names are imported lazily (`speckv.engine.request` stays torch-free for cache tools).
 """
@@ -14,9 +14,6 @@ _EXPORTS = {
     "EngineConfig": "speckv.engine.config",
     "SamplingParams": "speckv.engine.sampling_params",
     "RequestOutput": "speckv.engine.outputs",
-    "Proposer": "speckv.engine.proposer",
-    "ProposerInput": "speckv.engine.proposer",
-    "NgramProposer": "speckv.engine.proposer",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -8,6 +8,7 @@ a ValueError naming the field.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from speckv.hashing.functions import HASH_ALGOS
 
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle", "eagle3", "mtp")
-DRAFT_MODEL_METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")
+DRAFTER_METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # need a speculative_model
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
 
@@ -43,12 +44,22 @@ class EngineConfig:
     seed: int = 0  # base of per-request sampling seeds when a request sets none
     speculative_method: str | None = None  # None, "ngram", or a drafter: eagle / eagle3 / mtp
     num_spec_tokens: int = 0  # drafts proposed per request per step
-    draft_model: str | None = None  # drafter dir, or "builtin" (the shipped SmolLM2 EAGLE head)
+    # the EAGLE / EAGLE3 / MTP drafter's checkpoint dir, or "builtin" (the built-in model's
+    # shipped EAGLE head)
+    speculative_model: str | None = None
     disable_lookahead_block_hashes: bool = False  # legacy hashes + the last-block drop
     prompt_lookup_min: int = 1  # n-gram proposer: shortest suffix matched, tokens
     prompt_lookup_max: int = 3  # n-gram proposer: longest suffix matched, tokens
+    draft_model: str | None = None  # deprecated alias of speculative_model (one release)
 
     def __post_init__(self) -> None:
+        if self.draft_model is not None:
+            warnings.warn("EngineConfig.draft_model is deprecated; use speculative_model",
+                          DeprecationWarning, stacklevel=3)
+            if self.speculative_model not in (None, self.draft_model):
+                raise ValueError("EngineConfig: set speculative_model or draft_model, not both")
+            object.__setattr__(self, "speculative_model", self.draft_model)
+            object.__setattr__(self, "draft_model", None)
         _check_positive_int("block_size", self.block_size)
         _check_positive_int("num_blocks", self.num_blocks, allow_none=True)
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -97,9 +108,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.num_spec_tokens must be >= 1 with a speculative_method")
         if self.speculative_method is None and self.num_spec_tokens:
             raise ValueError("EngineConfig.num_spec_tokens needs a speculative_method")
-        if self.draft_model is not None and self.speculative_method not in DRAFT_MODEL_METHODS:
+        if (self.speculative_model is not None
+                and self.speculative_method not in DRAFTER_METHODS):
             raise ValueError(
-                f"EngineConfig.draft_model needs speculative_method in {DRAFT_MODEL_METHODS}, "
+                f"EngineConfig.speculative_model needs speculative_method in {DRAFTER_METHODS}, "
                 f"got {self.speculative_method!r}"
             )
         if not isinstance(self.disable_lookahead_block_hashes, bool):

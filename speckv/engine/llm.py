@@ -8,6 +8,7 @@ A bad prompt gets an output with `finish_reason == "error"` and `error` set; the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ class LLM:
         self.tokenizer = tokenizer
         drafter = load_configured_drafter(config, loaded)
         self.engine = LLMEngine(loaded, config, tokenizer, drafter=drafter)
+        self._request_ids = itertools.count()
 
     def chat_prompt(self, user_text: str) -> str:
         """`user_text` wrapped in the model's chat template (the text itself without one)."""
@@ -124,7 +126,7 @@ class LLM:
         pending: set[str] = set()
         errors: list[RequestOutput] = []
         for prompt, params in zip(items, params_list):
-            request_id = f"llm-{id(self):x}-{len(order)}-{next(engine._counter)}"
+            request_id = f"llm-{id(self):x}-{next(self._request_ids)}"
             order.append(request_id)
             try:
                 engine.add_request(prompt, params, request_id)

@@ -1,15 +1,12 @@
-"""LLMEngine: add requests, step, abort. One step = schedule → run → sample → update → publish.
+"""LLMEngine: add requests, step, abort. The front of the engine for `LLM` and the server.
 
-Owns the per-request serving state (sampling params, generator, text, timings) and the order
-of one step:
+Owns turning user input into scheduler requests (tokenization, validation against the vocab,
+`max_model_len` and the KV cache size, sampling seeds), building the parts from an
+`EngineConfig`, and one step's outer order:
 
-    schedule (scheduler.py: hits, chunked prefill, preemption)
-    run the model (model_runner.py: logits only at rows that sample)
-    sample / verify drafts (sampler.py), truncated at the first stop: EOS, stop token,
-        stop string, max_tokens or max_model_len; `Request.apply_verification`
-    proposer (proposer.py): writes draft KV for every position made final this step, then
-        proposes the next drafts; runs BEFORE finished requests are freed (SPEC §5)
-    finish: `KVCacheManager.finish` (caches what the last token completed, then frees)
+    EngineCore.step (core.py): schedule → run → update (scheduler.py, model_runner.py)
+    OutputProcessor (output_processor.py): detokenize, stop strings, deltas → RequestOutput
+        a stop string ends its request in the core (its last block cached, then freed)
     publish the step's KV events (optional)
 
 Bad requests raise a ValueError from `add_request` and never enter the batch; the engine keeps
@@ -21,53 +18,32 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
-
-import torch
 
 from speckv.attention import num_blocks_for_budget
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
+from speckv.cache.hash_mode import HashMode
 from speckv.engine.config import EngineConfig
-from speckv.engine.model_runner import ModelRunner, RunnerOutput
+from speckv.engine.core import EngineCore
+from speckv.engine.messages import FinishReason
+from speckv.engine.model_runner import ModelRunner
+from speckv.engine.output_processor import OutputProcessor
 from speckv.engine.outputs import RequestOutput
-from speckv.engine.proposer import Proposer, ProposerInput
-from speckv.engine.request import BlockHashing, Request, RequestStatus
-from speckv.engine.sampler import make_generator, verify_greedy, verify_random
+from speckv.engine.request import Request
 from speckv.engine.sampling_params import SamplingParams
-from speckv.engine.scheduler import Scheduler, SchedulerOutput
+from speckv.engine.scheduler import Scheduler
 from speckv.engine.speculative import Drafter, make_proposer
-from speckv.hashing.functions import get_hash_algo, make_none_hash
+from speckv.hashing.functions import get_hash_algo
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
-from speckv.spec.policy import HashMode, make_drafter_policy, resolve_hash_mode
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+from speckv.spec.policy import NO_DRAFTER, DrafterPolicy, resolve_hash_mode
+from speckv.spec.proposer import Proposer
 
 
 class EventPublisher(Protocol):
     def publish(self, events: Sequence[KVCacheEvent]) -> Any: ...
-
-
-@dataclass
-class _RequestState:
-    request: Request  # its eos_token_ids are every token that stops it (EOS + stop_token_ids)
-    params: SamplingParams
-    generator: torch.Generator | None
-    first_token_s: float | None = None
-    text: str = ""
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 class LLMEngine:
@@ -80,14 +56,10 @@ class LLMEngine:
         event_publisher: EventPublisher | None = None,
         detokenize: bool = True,
         drafter: Drafter | None = None,
-        hash_mode_override: HashMode | None = None,
     ) -> None:
-        """`hash_mode_override` bypasses the policy decision; only the draft-KV benchmark's
-        negative control uses it (legacy hashes without the drop serve stale draft KV)."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
-        self.detokenize = detokenize and tokenizer is not None
         model_config = model.config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -105,12 +77,9 @@ class LLMEngine:
         )
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks)
-        policy = proposer.policy if proposer is not None else make_drafter_policy("none")
-        self.hash_mode = hash_mode_override or resolve_hash_mode(
-            policy,
-            enable_prefix_caching=config.enable_prefix_caching,
-            disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
-        )
+        self.proposer = proposer
+        self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
+        self.hash_mode = self._resolve_hash_mode(proposer.policy if proposer else NO_DRAFTER)
         self.event_publisher = event_publisher
         algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
@@ -121,28 +90,24 @@ class LLMEngine:
             hit_check=hit_check_for(algo),
             event_sink=KVEventSink() if event_publisher is not None else None,
         )
-        self.hashing = BlockHashing(
-            algo,
-            make_none_hash(algo, config.hash_seed),
-            self.manager.hash_block_size,
-            self.manager.lookahead_values if config.enable_prefix_caching else [],
-        )
-        self.proposer = proposer
-        self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
+        self.hashing = self.manager.block_hashing(algo, config.hash_seed)
         self.scheduler = Scheduler(
             self.manager, config.max_num_batched_tokens, config.max_num_seqs, self.num_spec_tokens
         )
-        self.runner = ModelRunner(
-            model,
-            self.manager,
-            self.num_blocks,
-            block_size,
-            aux_layers=tuple(proposer.aux_layers) if proposer is not None else (),
-        )
+        self.runner = ModelRunner(model, self.num_blocks, block_size, proposer)
+        self.core = EngineCore(self.scheduler, self.runner)
+        self.output_processor = OutputProcessor(tokenizer, detokenize)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
-        self._states: dict[str, _RequestState] = {}
         self._counter = itertools.count()
+
+    def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
+        """Lookahead hashes or the legacy drop for this engine, from the drafter's policy."""
+        return resolve_hash_mode(
+            policy,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            disable_lookahead_block_hashes=self.config.disable_lookahead_block_hashes,
+        )
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
@@ -157,24 +122,27 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         index = next(self._counter)
         request_id = request_id if request_id is not None else f"req-{index}"
-        if request_id in self._states:
-            raise ValueError(f"request {request_id}: the id is already in use")
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"request {request_id}: a text prompt needs a tokenizer")
+                raise ValueError("a text prompt needs a tokenizer")
             if not prompt:
-                raise ValueError(f"request {request_id}: the prompt is empty")
+                raise ValueError("the prompt is empty")
             token_ids: Sequence[int] = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
         if len(token_ids) > self.max_model_len:
             raise ValueError(
-                f"request {request_id}: the prompt has {len(token_ids)} tokens, more than "
-                f"max_model_len ({self.max_model_len})"
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len})"
             )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
+        seed = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
         request = Request(
             request_id,
             token_ids,
@@ -183,37 +151,37 @@ class LLMEngine:
             eos_token_ids=stop_ids,
             vocab_size=self.vocab_size,
             arrival_time=time.perf_counter(),
+            max_model_len=self.max_model_len,
+            sampling_params=params,
+            sampling_seed=seed,
         )
         capacity = (self.num_blocks - 1) * self.config.block_size
         if request.num_prompt_tokens + 1 + self.num_spec_tokens > capacity:
             raise ValueError(
-                f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens but "
-                f"the KV cache holds {capacity} tokens in all"
+                f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds "
+                f"{capacity} tokens in all"
             )
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
-            generator = make_generator(seed, self.runner.device)
-        self._states[request_id] = _RequestState(request, params, generator)
-        self.scheduler.add(request)
+        self.output_processor.add_request(
+            request_id, request.prompt_token_ids, params, request.arrival_time
+        )
+        self.scheduler.add_request(request)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None: unknown)."""
-        state = self._states.get(request_id)
-        if state is None:
-            return None
-        self._retire(state.request, cache=False)
-        state.request.status = RequestStatus.FINISHED_ABORTED
-        state.finish_reason = "abort"
-        return self._output(state)
+        output = self.output_processor.abort(request_id)
+        self.scheduler.finish_requests([request_id], FinishReason.ABORT)
+        return output
 
     def get_request(self, request_id: str) -> Request:
         """The scheduler-side state of an unfinished request (read-only use)."""
-        return self._states[request_id].request
+        request = self.scheduler.get_request(request_id)
+        if request is None:
+            raise KeyError(request_id)
+        return request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.has_unfinished_requests()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -223,202 +191,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that produced tokens or
         finished in it (deltas since the previous output)."""
-        scheduler_output = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        if scheduler_output.is_empty:
-            outputs.extend(self._fail_unschedulable())
-            self._publish_events()
-            return outputs
-        runner_output = self.runner.execute(scheduler_output)
-        sampled_states = self._sample_and_update(scheduler_output, runner_output)
-        self._propose(scheduler_output, runner_output)
-        for state in sampled_states:
-            if state.finish_reason is not None:
-                self._retire(state.request, cache=True)
-            outputs.append(self._output(state))
-        self._publish_events()
-        return outputs
-
-    def _sample_and_update(
-        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
-    ) -> list[_RequestState]:
-        logits = runner_output.logits  # [num_sample_rows, vocab]
-        argmax: list[int] = []
-        if any(
-            self._states[item.request.request_id].params.greedy
-            for item in scheduler_output.scheduled
-            if item.samples
-        ):
-            argmax = logits.argmax(-1).tolist()
-        now = time.perf_counter()
-        updated: list[_RequestState] = []
-        for index, item in enumerate(scheduler_output.scheduled):
-            if not item.samples:
-                continue
-            request = item.request
-            state = self._states[request.request_id]
-            lo, hi = runner_output.logit_offsets[index]
-            drafts = request.spec_token_ids[: item.num_drafts]
-            if state.params.greedy:
-                sampled = verify_greedy(argmax[lo:hi], drafts)
-            else:
-                assert state.generator is not None
-                sampled = verify_random(logits[lo:hi], drafts, state.params, state.generator)
-            sampled, reason, text = self._truncate_at_stop(state, sampled)
-            request.apply_verification(item.num_drafts, sampled)
-            state.num_draft_tokens += item.num_drafts
-            state.num_accepted_tokens += len(sampled) - 1
-            if state.first_token_s is None:
-                state.first_token_s = now
-            if self.detokenize:
-                self._update_text(state, text)
-            if reason is not None:
-                state.finish_reason = reason
-                request.status = (
-                    RequestStatus.FINISHED_STOPPED if reason == "stop"
-                    else RequestStatus.FINISHED_LENGTH
-                )
-            updated.append(state)
-        return updated
-
-    def _truncate_at_stop(
-        self, state: _RequestState, sampled: list[int]
-    ) -> tuple[list[int], str | None, str | None]:
-        """Cut `sampled` after the first token that ends the request, and say why; also the
-        decoded output including the kept tokens when stop strings made it decode them
-        (None otherwise), so the text update need not decode again. Pure."""
-        request = state.request
-        text = None
-        for index, token in enumerate(sampled):
-            kept = sampled[: index + 1]
-            if token in request.eos_token_ids:
-                return kept, "stop", None
-            if state.params.stop and self.tokenizer is not None:
-                text = self._decode(state, request.output_token_ids + kept)
-                if any(stop in text for stop in state.params.stop):
-                    return kept, "stop", text
-            if (
-                request.num_output_tokens + index + 1 >= state.params.max_tokens
-                or request.num_tokens + index + 1 >= self.max_model_len
-            ):
-                return kept, "length", text
-        return sampled, None, text
-
-    def _decode(self, state: _RequestState, token_ids: Sequence[int]) -> str:
-        assert self.tokenizer is not None
-        return self.tokenizer.decode(
-            token_ids, skip_special_tokens=state.params.skip_special_tokens
-        )
-
-    def _update_text(self, state: _RequestState, text: str | None = None) -> None:
-        """`text`: the output already decoded (by `_truncate_at_stop`), else decoded here."""
-        if text is None:
-            text = self._decode(state, state.request.output_token_ids)
-        for stop in state.params.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
-        state.text = text
-
-    def _propose(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
-        if self.proposer is None:
-            return
-        model_output = runner_output.model_output
-        inputs: list[ProposerInput] = []
-        for index, item in enumerate(scheduler_output.scheduled):
-            request = item.request
-            state = self._states[request.request_id]
-            end = request.num_computed_tokens  # rejected drafts are already rolled back
-            row0 = runner_output.token_offsets[index]
-            rows = slice(row0, row0 + end - item.start)
-            room_tokens = state.params.max_tokens - request.num_output_tokens - 1
-            room_len = self.max_model_len - request.num_tokens - 1
-            inputs.append(
-                ProposerInput(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    start=item.start,
-                    end=end,
-                    hidden_states=model_output.hidden_states[rows],
-                    prenorm_hidden=model_output.prenorm_hidden[rows],
-                    aux_hidden_states=tuple(h[rows] for h in model_output.aux_hidden_states),
-                    block_table=runner_output.block_tables[index],
-                    slot_mapping=runner_output.slot_mapping[rows],
-                    wants_drafts=item.samples and state.finish_reason is None,
-                    max_drafts=max(0, min(self.num_spec_tokens, room_tokens, room_len)),
-                )
-            )
-        drafts = self.proposer.propose(inputs)
-        for item in inputs:
-            proposed = drafts.get(item.request_id)
-            if proposed and item.wants_drafts:
-                self._states[item.request_id].request.spec_token_ids = [
-                    int(t) for t in proposed[: item.max_drafts]
-                ]
-
-    def _fail_unschedulable(self) -> list[RequestOutput]:
-        """Nothing could run: the waiting head needs more blocks than the whole cache has."""
-        if self.scheduler.running or not self.scheduler.waiting:
-            return []
-        request = self.scheduler.waiting[0]
-        state = self._states[request.request_id]
-        self._retire(request, cache=False)
-        request.status = RequestStatus.FINISHED_LENGTH
-        state.finish_reason = "length"
-        state.error = (
-            f"request {request.request_id}: {request.num_tokens} tokens no longer fit in the KV "
-            f"cache ({self.num_blocks - 1} blocks of {self.config.block_size})"
-        )
-        return [self._output(state)]
-
-    def _retire(self, request: Request, cache: bool) -> None:
-        """Take a request out of the scheduler, release its blocks (`cache`: first cache what
-        its last token completed) and drop the proposer's per-request state (drafters carry
-        KV bookkeeping). Every way out of the engine (finish, abort, unschedulable) ends here."""
-        self.scheduler.remove(request)
-        if cache:
-            self.manager.finish(request)
-        else:
-            self.manager.free(request)
-        if self.proposer is not None:
-            self.proposer.free(request.request_id)
-
-    def _publish_events(self) -> None:
+        outputs, stopped_ids = self.output_processor.process(self.core.step())
+        self.scheduler.finish_requests(stopped_ids, FinishReason.STOP)
         if self.event_publisher is not None:
             events = self.manager.take_events()
             if events:
                 self.event_publisher.publish(events)
-
-    def _output(self, state: _RequestState) -> RequestOutput:
-        request = state.request
-        output_ids = request.output_token_ids
-        finished = state.finish_reason is not None
-        text = state.text
-        # hold back an incomplete UTF-8 sequence until the next token completes it
-        visible = len(text) if finished or not text.endswith("\ufffd") else len(text) - 1
-        visible = max(visible, state.num_sent_chars)
-        delta_text = text[state.num_sent_chars : visible]
-        delta_ids = output_ids[state.num_sent_tokens :]
-        state.num_sent_chars = visible
-        state.num_sent_tokens = len(output_ids)
-        if finished:
-            self._states.pop(request.request_id, None)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(output_ids),
-            text=text,
-            delta_token_ids=delta_ids,
-            delta_text=delta_text,
-            num_cached_tokens=request.num_cached_tokens,
-            ttft_s=(
-                state.first_token_s - request.arrival_time
-                if state.first_token_s is not None
-                else None
-            ),
-            finish_reason=state.finish_reason,
-            num_preemptions=request.num_preemptions,
-            num_draft_tokens=state.num_draft_tokens,
-            num_accepted_tokens=state.num_accepted_tokens,
-            error=state.error,
-        )
+        return outputs

@@ -1,11 +1,16 @@
-"""ModelRunner: turns one SchedulerOutput into one batched forward over the paged KV cache.
+"""ModelRunner: turns one SchedulerOutput into one forward, sampled tokens and next drafts.
 
-Owns the model, its `PagedKVCache` and the batch layout: every scheduled request contributes
-its new tokens (real tokens, then drafts) at positions `[start, end)`, flattened on one token
-axis with no padding; `AttentionMetadata` is built fresh each step from the requests' block
-tables (group 0 of the KV cache manager). Logits are computed only at the rows that sample:
-for a request whose step reaches its last real token, the rows from that token to the end
-(1 bonus row + one row per draft).
+Owns the model, its `PagedKVCache`, the proposer (with the drafter's own KV cache) and, per
+request, what it needs across steps: real token ids (it appends what it samples), its block
+table (kept from the scheduler's deltas; the runner never reads the cache manager) and its
+sampling generator. One step:
+
+    forward     every scheduled request's new tokens (real, then drafts) at positions
+                [start, end), flattened on one token axis, no padding; logits only at the
+                rows that sample (from the last real token: 1 bonus row + 1 row per draft)
+    sample      verify drafts (greedy or rejection sampling), cut at the first stop token
+    propose     the proposer writes draft KV for every position made final this step, then
+                proposes the next drafts; before the scheduler frees anything
 """
 
 from __future__ import annotations
@@ -15,20 +20,37 @@ from dataclasses import dataclass
 import torch
 
 from speckv.attention import AttentionMetadata, PagedKVCache
-from speckv.cache.kv_cache_manager import KVCacheManager
-from speckv.engine.scheduler import SchedulerOutput
+from speckv.engine.messages import (
+    EMPTY_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from speckv.engine.sampler import make_generator, verify_greedy, verify_random
+from speckv.engine.stopping import first_stop
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.spec.proposer import Proposer, ProposerInput
+
+
+@dataclass
+class _RunnerRequest:
+    """The runner's copy of one request (kept until the scheduler says it finished)."""
+
+    data: NewRequestData
+    token_ids: list[int]  # real tokens: prompt + sampled
+    block_ids: list[int]  # group 0 block table
+    generator: torch.Generator | None
 
 
 @dataclass(frozen=True)
-class RunnerOutput:
-    """One forward's results, addressed by batch index of `SchedulerOutput.scheduled`."""
+class _Forward:
+    """One forward's rows, by batch index of `SchedulerOutput.scheduled`."""
 
-    model_output: ModelOutput  # hidden states, each [num_tokens, hidden]
-    token_offsets: list[int]  # batch index -> first row of that request in the token axis
-    logits: torch.Tensor  # [num_sample_rows, vocab] fp32, on the model's device
+    output: ModelOutput  # hidden states, each [num_tokens, hidden]
+    token_offsets: list[int]  # batch index -> first row of that request on the token axis
+    logits: torch.Tensor  # [num_sample_rows, vocab] fp32
     logit_offsets: dict[int, tuple[int, int]]  # batch index -> [start, end) rows in `logits`
-    block_tables: list[list[int]]  # batch index -> physical block ids (group 0)
     slot_mapping: torch.Tensor  # [num_tokens] int64 physical slot of every computed token
 
 
@@ -36,20 +58,54 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        manager: KVCacheManager,
         num_blocks: int,
         block_size: int,
-        aux_layers: tuple[int, ...] = (),
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
-        self.manager = manager
         self.block_size = block_size
         self.device = model.device
         self.kv_cache: PagedKVCache = model.make_kv_cache(num_blocks, block_size)
-        self.aux_layers = aux_layers
+        self.proposer = proposer
+        self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
+        self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
+        self.requests: dict[str, _RunnerRequest] = {}
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The runner's block table of a request it holds (group 0)."""
+        return self.requests[request_id].block_ids
+
+    # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return EMPTY_RUNNER_OUTPUT
+        forward = self._forward(scheduler_output.scheduled)
+        sampled, stopped = self._sample(scheduler_output.scheduled, forward)
+        drafts = self._propose(scheduler_output.scheduled, forward, sampled, stopped)
+        return ModelRunnerOutput(sampled, drafts)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.free(request_id)
+        for data in scheduler_output.new_requests:
+            generator = None
+            if data.sampling_seed is not None:
+                generator = make_generator(data.sampling_seed, self.device)
+            self.requests[data.request_id] = _RunnerRequest(
+                data, list(data.prompt_token_ids), [], generator
+            )
+        for item in scheduler_output.scheduled:
+            state = self.requests[item.request_id]
+            if item.replaces_block_table:
+                state.block_ids = list(item.new_block_ids[0])
+            else:
+                state.block_ids.extend(item.new_block_ids[0])
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> _Forward:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -57,21 +113,21 @@ class ModelRunner:
         token_offsets: list[int] = []
         sample_rows: list[int] = []
         logit_offsets: dict[int, tuple[int, int]] = {}
-        for index, item in enumerate(scheduler_output.scheduled):
-            request = item.request
+        for index, item in enumerate(scheduled):
+            state = self.requests[item.request_id]
             token_offsets.append(len(input_ids))
-            tokens = request.all_token_ids[item.start : item.end]
-            tokens += request.spec_token_ids[: item.end - item.start - len(tokens)]
+            tokens = state.token_ids[item.start : item.end]
+            tokens += item.draft_token_ids[: item.num_new_tokens - len(tokens)]
             assert len(tokens) == item.num_new_tokens, "scheduled tokens do not exist"
             if item.samples:
-                first = token_offsets[-1] + (request.num_tokens - 1 - item.start)
+                first = token_offsets[-1] + (len(state.token_ids) - 1 - item.start)
                 rows = range(first, token_offsets[-1] + item.num_new_tokens)
                 logit_offsets[index] = (len(sample_rows), len(sample_rows) + len(rows))
                 sample_rows.extend(rows)
             input_ids.extend(tokens)
             query_lens.append(item.num_new_tokens)
             seq_lens.append(item.end)
-            block_tables.append(self.manager.get_block_ids(request.request_id)[0])
+            block_tables.append(state.block_ids)
         metadata = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.block_size, self.device
         )
@@ -79,6 +135,74 @@ class ModelRunner:
         output = self.model(ids, metadata.positions(), self.kv_cache, metadata, self.aux_layers)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(output.hidden_states.index_select(0, rows))
-        return RunnerOutput(
-            output, token_offsets, logits, logit_offsets, block_tables, metadata.slot_mapping
-        )
+        return _Forward(output, token_offsets, logits, logit_offsets, metadata.slot_mapping)
+
+    def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward
+                ) -> tuple[dict[str, list[int]], set[str]]:
+        """Verified tokens per sampling request, cut at the first stop and appended to the
+        runner's token ids; and the ids of the requests that stopped."""
+        logits = forward.logits  # [num_sample_rows, vocab]
+        states = [self.requests[item.request_id] for item in scheduled]
+        argmax: list[int] = []
+        if any(item.samples and state.generator is None
+               for item, state in zip(scheduled, states)):
+            argmax = logits.argmax(-1).tolist()
+        sampled_by_id: dict[str, list[int]] = {}
+        stopped: set[str] = set()
+        for index, (item, state) in enumerate(zip(scheduled, states)):
+            if not item.samples:
+                continue
+            lo, hi = forward.logit_offsets[index]
+            if state.generator is None:
+                sampled = verify_greedy(argmax[lo:hi], item.draft_token_ids)
+            else:
+                sampled = verify_random(logits[lo:hi], item.draft_token_ids,
+                                        state.data.sampling_params, state.generator)
+            num_kept, reason = first_stop(sampled, len(state.token_ids),
+                                          len(state.data.prompt_token_ids),
+                                          state.data.stop_limits)
+            sampled = sampled[:num_kept]
+            state.token_ids.extend(sampled)
+            sampled_by_id[item.request_id] = sampled
+            if reason is not None:
+                stopped.add(item.request_id)
+        return sampled_by_id, stopped
+
+    def _propose(self, scheduled: list[ScheduledRequest], forward: _Forward,
+                 sampled_by_id: dict[str, list[int]], stopped: set[str]
+                 ) -> dict[str, list[int]]:
+        if self.proposer is None:
+            return {}
+        output = forward.output
+        inputs: list[ProposerInput] = []
+        for index, item in enumerate(scheduled):
+            state = self.requests[item.request_id]
+            sampled = sampled_by_id.get(item.request_id)
+            end = item.end
+            if sampled is not None:
+                end -= item.num_drafts - (len(sampled) - 1)  # rejected drafts' KV is garbage
+            row0 = forward.token_offsets[index]
+            rows = slice(row0, row0 + end - item.start)
+            limits = state.data.stop_limits
+            num_output = len(state.token_ids) - len(state.data.prompt_token_ids)
+            room = min(self.num_spec_tokens, limits.max_tokens - num_output - 1,
+                       limits.max_model_len - len(state.token_ids) - 1)
+            inputs.append(ProposerInput(
+                request_id=item.request_id,
+                token_ids=state.token_ids,
+                start=item.start,
+                end=end,
+                hidden_states=output.hidden_states[rows],
+                prenorm_hidden=output.prenorm_hidden[rows],
+                aux_hidden_states=tuple(h[rows] for h in output.aux_hidden_states),
+                block_table=state.block_ids,
+                slot_mapping=forward.slot_mapping[rows],
+                wants_drafts=sampled is not None and item.request_id not in stopped,
+                max_drafts=max(0, room),
+            ))
+        drafts = self.proposer.propose(inputs)
+        return {
+            item.request_id: [int(token) for token in drafts[item.request_id][: item.max_drafts]]
+            for item in inputs
+            if item.wants_drafts and drafts.get(item.request_id)
+        }

@@ -16,13 +16,14 @@ One step of speculative decoding, with d drafts scheduled and a of them accepted
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import Enum
 
+from speckv.engine.messages import FinishReason, NewRequestData, StopLimits
+from speckv.engine.sampling_params import SamplingParams
+from speckv.hashing.block_hashing import BlockHashing
 from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs, LoRARef
-from speckv.hashing.formats import format_for
-from speckv.hashing.functions import BlockHash, HashAlgo
-from speckv.hashing.request_hasher import RequestBlockHasher
+from speckv.hashing.functions import BlockHash
 
 
 class RequestStatus(Enum):
@@ -32,29 +33,23 @@ class RequestStatus(Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
         return self.value.startswith("finished")
 
+    @classmethod
+    def finished(cls, reason: FinishReason) -> RequestStatus:
+        return _FINISHED[reason]
 
-class BlockHashing:
-    """Builds a request's hashers: one per lookahead value its cache groups use."""
 
-    def __init__(self, algo: HashAlgo, none_hash: BlockHash, block_size: int,
-                 lookahead_values: Iterable[int]) -> None:
-        self.algo = algo
-        self.none_hash = none_hash
-        self.block_size = block_size
-        self.lookahead_values = tuple(sorted(set(lookahead_values)))
-
-    def hashers_for(self, inputs: HashInputs) -> dict[int, RequestBlockHasher]:
-        return {
-            lookahead: RequestBlockHasher(
-                self.algo, self.none_hash, self.block_size, format_for(lookahead), inputs
-            )
-            for lookahead in self.lookahead_values
-        }
+_FINISHED = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
 
 
 def validate_token_ids(token_ids: Sequence[int], vocab_size: int | None, what: str) -> list[int]:
@@ -83,6 +78,9 @@ class Request:
         hash_inputs: HashInputs = NO_HASH_INPUTS,
         vocab_size: int | None = None,
         arrival_time: float = 0.0,
+        max_model_len: int | None = None,
+        sampling_params: SamplingParams | None = None,
+        sampling_seed: int | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -97,7 +95,12 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache, first schedule
         self.num_preemptions = 0
         self.max_tokens = max_tokens
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)  # every token that stops it
+        self.stop_limits = StopLimits(
+            self.eos_token_ids, max_tokens, max_model_len if max_model_len else 2**62
+        )
+        self.sampling_params = sampling_params or SamplingParams(max_tokens=max_tokens)
+        self.sampling_seed = sampling_seed  # the runner's generator seed (None: greedy)
         self.hash_inputs = hash_inputs
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
@@ -130,6 +133,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def new_request_data(self) -> NewRequestData:
+        """What the runner keeps for this request's life (sent on its first schedule)."""
+        return NewRequestData(
+            self.request_id, list(self.prompt_token_ids), self.sampling_params,
+            self.sampling_seed, self.stop_limits,
+        )
+
     # ---- mutations ---------------------------------------------------------------------------
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         """New real tokens (accepted drafts, bonus or plain sampled tokens). Mutates."""
@@ -154,14 +164,6 @@ class Request:
         self.spec_token_ids = []
         self.append_output_token_ids(sampled)
         return num_rejected
-
-    def check_stop(self) -> RequestStatus | None:
-        """The finished status if the last real token ends the request, else None. Pure."""
-        if self.num_output_tokens and self.all_token_ids[-1] in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def preempt(self) -> None:
         """Forget computed state; the caller has freed the blocks. Mutates."""

@@ -1,7 +1,9 @@
-"""Scheduler: continuous batching over the KV cache manager, one step at a time.
+"""Scheduler: continuous batching over the KV cache manager, and the request lifecycle.
 
-Owns the waiting queue and the running list, and decides what runs in each step under a token
-budget (`max_num_batched_tokens`) and a batch limit (`max_num_seqs`):
+Owns the requests (waiting queue, running list) and both halves of every step:
+
+`schedule()` decides what runs under a token budget (`max_num_batched_tokens`) and a batch
+limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas, drafts):
 
 1. Running requests first, in arrival order: a decode takes `1 + len(drafts)` tokens, an
    unfinished prefill its next chunk. When `allocate_slots` finds no free blocks, the most
@@ -10,49 +12,31 @@ budget (`max_num_batched_tokens`) and a batch limit (`max_num_seqs`):
 2. Then waiting requests, unless a preemption happened this step: a prefix-cache hit (hit
    tokens skip their prefill and cost no budget; a preempted request re-hits what it had
    cached), then as much of the prompt as the budget allows (chunked prefill).
-   `Request.num_cached_tokens` records the hit of the first schedule only.
 
-The lifecycle follows `speckv.engine.cache_sim`: hit → allocate → (the caller computes) →
-verify drafts → append real tokens → finish / preempt. `num_computed_tokens` is advanced here,
-right after `allocate_slots` (hit + new tokens); `SchedulerOutput` records where each request's
-new tokens start so the model runner knows which positions to compute.
+`update_from_output()` applies what the runner sampled: rejected drafts' positions are rolled
+back, real tokens appended (new block hashes follow), the next drafts kept, and finished
+requests leave (their last completed block cached, then freed). The runner has already written
+the draft KV of every position made final in the step, so a block is cached only after its
+target and draft KV exist.
+
+    hit → allocate → (runner computes, verifies, drafts) → append real tokens → finish / preempt
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.engine.messages import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from speckv.engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # first position computed this step
-    num_new_tokens: int  # tokens computed this step, drafts included
-    num_drafts: int  # drafts among them (the last ones)
-    num_hit_tokens: int  # prefix-cache hit taken this step, tokens (0 unless from waiting)
-    # True when this step reaches the request's last real token (its logits sample); fixed at
-    # schedule time (the request's token count grows once the step's tokens are appended)
-    samples: bool
-
-    @property
-    def end(self) -> int:
-        """One past the last position computed this step."""
-        return self.start + self.num_new_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # in batch order
-    preempted: list[Request]  # preempted this step (they are waiting again)
-    num_scheduled_tokens: int  # tokens computed this step, all requests
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from speckv.engine.stopping import first_stop
 
 
 class Scheduler:
@@ -67,31 +51,46 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.num_spec_tokens = num_spec_tokens
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # left since the last schedule (runner forgets)
+        self._seen_ids: set[str] = set()  # unfinished requests the runner has been sent
+        self._outputs: list[EngineCoreOutput] = []  # finished outside a step (no-fit errors)
 
     # ---- queue ---------------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def remove(self, request: Request) -> None:
-        """Take a request out of both queues (finish / abort); the caller frees its blocks."""
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> None:
+        """End unfinished requests now (abort, or a stop string the output processor found).
+        ABORT frees their blocks; other reasons first cache what the last token completed.
+        Unknown or finished ids are ignored. Mutates."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, reason)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    # ---- one step ------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step: what runs -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        new_requests: list[NewRequestData] = []
         preempted: list[Request] = []
-        scheduled_ids: set[str] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -117,10 +116,10 @@ class Scheduler:
                 break  # preempted itself: everything after it is preempted too
             start = request.num_computed_tokens
             request.num_computed_tokens += num_new
-            scheduled.append(
-                ScheduledRequest(request, start, num_new, num_drafts, 0, self._samples(request))
-            )
-            scheduled_ids.add(request.request_id)
+            scheduled.append(ScheduledRequest(
+                request.request_id, start, num_new, tuple(request.spec_token_ids),
+                allocation.new_block_ids, False, 0, self._samples(request),
+            ))
             budget -= num_new
             index += 1
 
@@ -140,16 +139,27 @@ class Scheduler:
                 self.waiting.popleft()
                 if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
                     request.num_cached_tokens = num_hit
+                if request.request_id not in self._seen_ids:
+                    self._seen_ids.add(request.request_id)
+                    new_requests.append(request.new_request_data())
                 request.status = RequestStatus.RUNNING
-                start = num_hit
-                request.num_computed_tokens = start + num_new
+                request.num_computed_tokens = num_hit + num_new
                 self.running.append(request)
-                scheduled.append(
-                    ScheduledRequest(request, start, num_new, 0, num_hit, self._samples(request))
-                )
+                scheduled.append(ScheduledRequest(
+                    request.request_id, num_hit, num_new, (), allocation.new_block_ids, True,
+                    num_hit, self._samples(request),
+                ))
                 budget -= num_new
 
-        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+        if not scheduled:
+            self._fail_unschedulable()
+        finished_ids = frozenset(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(
+            new_requests, scheduled, finished_ids,
+            frozenset(request.request_id for request in preempted),
+            self.max_num_batched_tokens - budget,
+        )
 
     @staticmethod
     def _samples(request: Request) -> bool:
@@ -162,3 +172,67 @@ class Scheduler:
         self.manager.free(request)
         request.preempt()
         self.waiting.appendleft(request)
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing could run: the waiting head needs more blocks than the whole cache has
+        (its prompt plus what it generated outgrew the cache). It ends with an error."""
+        if self.running or not self.waiting:
+            return
+        request = self.waiting[0]
+        capacity = (self.manager.pool.num_blocks - 1) * self.manager.hash_block_size
+        error = (
+            f"{request.num_tokens} tokens no longer fit in the KV cache (it holds {capacity} "
+            "tokens in all); raise the KV cache size or lower max_tokens"
+        )
+        self._finish(request, FinishReason.ERROR)
+        self._outputs.append(EngineCoreOutput(
+            request.request_id, [], FinishReason.ERROR, request.num_cached_tokens,
+            num_preemptions=request.num_preemptions, error=error,
+        ))
+
+    # ---- one step: what it produced ----------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's sampled tokens and drafts; finish what stopped. Mutates."""
+        outputs, self._outputs = self._outputs, []
+        sampled_by_id = runner_output.sampled_token_ids
+        for item in scheduler_output.scheduled:
+            sampled = sampled_by_id.get(item.request_id)
+            request = self.requests.get(item.request_id)
+            if sampled is None or request is None:
+                continue  # a prefill chunk that does not sample yet
+            # the runner already cut `sampled` at the first stop; this names the reason
+            num_kept, reason = first_stop(
+                sampled, request.num_tokens, request.num_prompt_tokens, request.stop_limits
+            )
+            sampled = sampled[:num_kept]
+            request.apply_verification(item.num_drafts, sampled)
+            if reason is None:
+                request.spec_token_ids = list(runner_output.draft_token_ids.get(
+                    item.request_id, ()))
+            else:
+                self._finish(request, reason)
+            outputs.append(EngineCoreOutput(
+                item.request_id, sampled, reason, request.num_cached_tokens,
+                num_draft_tokens=item.num_drafts, num_accepted_tokens=len(sampled) - 1,
+                num_preemptions=request.num_preemptions,
+            ))
+        return outputs
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Every way out of the scheduler ends here: out of the queues, blocks released
+        (cached first unless aborted), the runner told at the next step."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if reason is FinishReason.ABORT:
+            self.manager.free(request)
+        else:
+            self.manager.finish(request)
+        request.status = RequestStatus.finished(reason)
+        del self.requests[request.request_id]
+        if request.request_id in self._seen_ids:
+            self._seen_ids.discard(request.request_id)
+            self._finished_ids.add(request.request_id)

@@ -1,17 +1,24 @@
-"""Drafter policies: the single place that decides lookahead hashes versus the legacy drop.
+"""Drafter policies: one table from drafter name to what its draft KV depends on.
 
-Owns one type per drafter family (SPEC §6). A policy says whether the drafter writes draft KV
-at position `p` from a token after `p` (EAGLE-style), and how many such tokens (`L`);
-`resolve_hash_mode` turns that, the prefix-caching setting, `disable_lookahead_block_hashes`
-and the KV connector's capability into one `HashMode` that the cache follows.
+Owns `DRAFTER_LOOKAHEAD`, the single table of drafters, and `resolve_hash_mode`, which turns a
+drafter's policy, the prefix-caching setting, `disable_lookahead_block_hashes` and the KV
+connector's capability into the one `HashMode` the cache follows.
 
-| drafter                          | draft KV from next token(s) | L with lookahead | legacy      |
+A drafter writes its draft KV at position `p` either from tokens after `p` (EAGLE-style: L
+tokens, one per module) or not at all from later tokens (L = 0). That one number decides both
+the lookahead hashes (L successors hashed) and the legacy behaviour (drop the last unit iff
+L > 0):
+
+| drafter                          | draft KV at p from          | L with lookahead | legacy      |
 |----------------------------------|-----------------------------|------------------|-------------|
-| none, ngram, draft_model         | no                          | 0                | no drop     |
-| eagle, eagle3, mtp (1 module)    | yes, p + 1                  | 1                | drop a unit |
-| mtp (k modules)                  | yes, up to p + k            | k                | drop a unit |
-| dflash, dspark                   | no (target hidden only)     | 0                | no drop     |
-| gemma4_mtp (writes no draft KV)  | no                          | 0                | no drop     |
+| none, ngram, draft_model         | nothing after p             | 0                | no drop     |
+| eagle, eagle3, mtp (1 module)    | token p + 1                 | 1                | drop a unit |
+| mtp (k modules)                  | tokens up to p + k          | k                | drop a unit |
+| dflash, dspark                   | target hidden states only   | 0                | no drop     |
+| gemma4_mtp (writes no draft KV)  | nothing (reads target KV)   | 0                | no drop     |
+
+`draft_model` is a separate small LM (its KV is plain causal over the same tokens), not an
+EAGLE/MTP head.
 """
 
 from __future__ import annotations
@@ -19,110 +26,58 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from speckv.cache.hash_mode import HashMode
 
-class DrafterPolicy(Protocol):
+# Lookahead tokens per draft module (mtp: per module, times its module count).
+DRAFTER_LOOKAHEAD: dict[str, int] = {
+    "none": 0,
+    "ngram": 0,
+    "draft_model": 0,
+    "eagle": 1,
+    "eagle3": 1,
+    "mtp": 1,
+    "dflash": 0,
+    "dspark": 0,
+    "gemma4_mtp": 0,
+}
+DRAFTER_NAMES: tuple[str, ...] = tuple(DRAFTER_LOOKAHEAD)
+MULTI_MODULE_DRAFTERS: frozenset[str] = frozenset({"mtp"})
+
+
+@dataclass(frozen=True)
+class DrafterPolicy:
+    """What the cache needs to know of a drafter: its name and L."""
+
     name: str
-
-    @property
-    def draft_kv_lookahead_tokens(self) -> int:
-        """How many tokens after `p` the draft KV at `p` depends on (0: none)."""
-        ...
-
-
-@dataclass(frozen=True)
-class NoDrafterPolicy:
-    name: str = "none"
-    draft_kv_lookahead_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class NgramPolicy:
-    name: str = "ngram"
-    draft_kv_lookahead_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class DraftModelPolicy:
-    """A separate small model: its KV is plain causal over the same tokens."""
-
-    name: str = "draft_model"
-    draft_kv_lookahead_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EaglePolicy:
-    name: str = "eagle"
-    draft_kv_lookahead_tokens: int = 1
-
-
-@dataclass(frozen=True)
-class Eagle3Policy:
-    name: str = "eagle3"
-    draft_kv_lookahead_tokens: int = 1
-
-
-@dataclass(frozen=True)
-class MTPPolicy:
-    """k chained modules; module j writes its KV at p from the token at p + j."""
-
-    num_modules: int = 1
-    name: str = "mtp"
+    num_modules: int = 1  # chained draft modules (mtp only may have more than one)
 
     def __post_init__(self) -> None:
-        if self.num_modules < 1:
-            raise ValueError(f"mtp num_modules must be >= 1, got {self.num_modules}")
+        if self.name not in DRAFTER_LOOKAHEAD:
+            raise ValueError(
+                f"unknown drafter {self.name!r}; choose one of: {', '.join(DRAFTER_NAMES)}"
+            )
+        if not isinstance(self.num_modules, int) or self.num_modules < 1:
+            raise ValueError(f"{self.name} num_modules must be >= 1, got {self.num_modules!r}")
+        if self.num_modules > 1 and self.name not in MULTI_MODULE_DRAFTERS:
+            raise ValueError(f"{self.name} has one module, got num_modules={self.num_modules}")
 
     @property
     def draft_kv_lookahead_tokens(self) -> int:
-        return self.num_modules
+        """L: how many tokens after `p` the draft KV at `p` depends on (0: none)."""
+        return DRAFTER_LOOKAHEAD[self.name] * self.num_modules
+
+    @property
+    def label(self) -> str:
+        """The name, with the module count where it has more than one (tables, JSON keys)."""
+        return self.name if self.num_modules == 1 else f"{self.name} ({self.num_modules} modules)"
 
 
-@dataclass(frozen=True)
-class DFlashPolicy:
-    name: str = "dflash"
-    draft_kv_lookahead_tokens: int = 0
+NO_DRAFTER = DrafterPolicy("none")
 
 
-@dataclass(frozen=True)
-class DSparkPolicy:
-    name: str = "dspark"
-    draft_kv_lookahead_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Gemma4MTPPolicy:
-    """Gemma-4's MTP assistant reads the target's KV and writes none of its own."""
-
-    name: str = "gemma4_mtp"
-    draft_kv_lookahead_tokens: int = 0
-
-
-_SIMPLE_POLICIES: dict[str, DrafterPolicy] = {
-    policy.name: policy
-    for policy in (
-        NoDrafterPolicy(),
-        NgramPolicy(),
-        DraftModelPolicy(),
-        EaglePolicy(),
-        Eagle3Policy(),
-        DFlashPolicy(),
-        DSparkPolicy(),
-        Gemma4MTPPolicy(),
-    )
-}
-DRAFTER_NAMES: tuple[str, ...] = (*_SIMPLE_POLICIES, "mtp")
-
-
-def make_drafter_policy(name: str, mtp_modules: int = 1) -> DrafterPolicy:
-    """The policy for a drafter name; `mtp_modules` applies to `mtp` only."""
-    if name == "mtp":
-        return MTPPolicy(num_modules=mtp_modules)
-    try:
-        return _SIMPLE_POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTER_NAMES)}"
-        ) from None
+def drafter_policy(name: str, num_modules: int = 1) -> DrafterPolicy:
+    """The policy of a drafter name; ValueError for an unknown name or module count."""
+    return DrafterPolicy(name, num_modules)
 
 
 class ConnectorCapability(Protocol):
@@ -130,31 +85,6 @@ class ConnectorCapability(Protocol):
 
     @property
     def supports_lookahead_block_hashes(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class HashMode:
-    """How the cache hashes blocks and whether it drops the last matched unit.
-
-    Exactly one of the two is in effect for an EAGLE-style drafter: lookahead hashes
-    (`lookahead_tokens > 0`) or the legacy drop.
-    """
-
-    lookahead_tokens: int
-    drops_last_unit: bool
-    reason: str
-
-    def __post_init__(self) -> None:
-        if self.lookahead_tokens < 0:
-            raise ValueError(f"lookahead_tokens must be >= 0, got {self.lookahead_tokens}")
-        if self.lookahead_tokens and self.drops_last_unit:
-            raise ValueError("lookahead hashes and the legacy block drop are exclusive")
-
-    @property
-    def label(self) -> str:
-        if self.lookahead_tokens:
-            return f"lookahead L={self.lookahead_tokens}"
-        return "legacy+drop" if self.drops_last_unit else "legacy"
 
 
 def resolve_hash_mode(
@@ -167,11 +97,13 @@ def resolve_hash_mode(
     """Decide lookahead hashes vs legacy hashes (+ drop) for one engine. Pure."""
     lookahead = drafter.draft_kv_lookahead_tokens
     if lookahead == 0:
-        return HashMode(0, False, f"{drafter.name} writes no draft KV from later tokens")
+        return HashMode.for_lookahead(0, f"{drafter.name} writes no draft KV from later tokens")
     if not enable_prefix_caching:
-        return HashMode(0, False, "prefix caching is off")
+        return HashMode.for_lookahead(0, "prefix caching is off")
     if disable_lookahead_block_hashes:
-        return HashMode(0, True, "disable_lookahead_block_hashes is set")
+        return HashMode.legacy_drop("disable_lookahead_block_hashes is set")
     if connector is not None and not connector.supports_lookahead_block_hashes:
-        return HashMode(0, True, "the KV connector does not support lookahead block hashes")
-    return HashMode(lookahead, False, f"{drafter.name} draft KV depends on {lookahead} token(s)")
+        return HashMode.legacy_drop("the KV connector does not support lookahead block hashes")
+    return HashMode.for_lookahead(
+        lookahead, f"{drafter.name} draft KV depends on {lookahead} token(s)"
+    )

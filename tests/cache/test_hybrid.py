@@ -11,20 +11,15 @@ from speckv.bench.retention import run_scenario
 from speckv.cache import KVCacheManager
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec, parse_group_specs
-from speckv.engine.cache_sim import CacheSimulator
-from speckv.engine.request import BlockHashing, Request
-from speckv.hashing.functions import get_hash_algo, make_none_hash
-from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
-
-ALGO = get_hash_algo("sha256")
+from speckv.engine.request import Request
+from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.testing import run_to_completion, toy_core
 
 
 def build(specs, drafter="none", legacy=False, num_blocks=400, **kwargs):
-    mode = resolve_hash_mode(make_drafter_policy(drafter), disable_lookahead_block_hashes=legacy)
+    mode = resolve_hash_mode(drafter_policy(drafter), disable_lookahead_block_hashes=legacy)
     manager = KVCacheManager(specs, num_blocks, mode, **kwargs)
-    hashing = BlockHashing(ALGO, make_none_hash(ALGO, "0"), manager.hash_block_size,
-                           manager.lookahead_values)
-    return manager, hashing
+    return manager, manager.block_hashing("sha256", "0")
 
 
 def prompt(length, seed=0):
@@ -69,7 +64,7 @@ def test_user_documents_hybrid_example():
 
 def _run(manager, hashing, tokens, max_tokens=2, num_spec=0):
     request = Request(f"r{random.random()}", tokens, hashing, max_tokens=max_tokens)
-    CacheSimulator(manager, num_spec).run_to_completion(request)
+    run_to_completion(toy_core(manager, num_spec), [request])
     manager.check_integrity()
     return request
 
@@ -98,9 +93,10 @@ def test_sliding_window_frees_blocks_behind_the_window_as_null_blocks():
     specs = [FullAttentionSpec(4), SlidingWindowSpec(4, 8)]
     manager, hashing = build(specs)
     request = Request("a", prompt(30), hashing, max_tokens=8)
-    sim = CacheSimulator(manager, 0)
-    sim.step(request)
-    sim.step(request)  # the first step's prefill now lies behind the window
+    core = toy_core(manager)
+    core.scheduler.add_request(request)
+    core.step()
+    core.step()  # the first step's prefill now lies behind the window
     swa_ids = manager.get_block_ids("a")[1]
     # at the second allocation 30 tokens were computed: position 30 reads keys from 23 on,
     # so blocks 0..4 stand as the null block (id 0)

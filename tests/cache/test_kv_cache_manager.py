@@ -8,9 +8,12 @@ import random
 import pytest
 
 from speckv.bench.hit_length import expected_hit_tokens, measure_hit_length
+from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.events import BlockStored
-from speckv.engine.cache_sim import CacheSimulator
+from speckv.cache.hash_mode import HashMode
+from speckv.engine.request import Request
 from speckv.spec.policy import DRAFTER_NAMES
+from speckv.testing import HitMismatch, SymbolicKV, run_to_completion, toy_core
 
 
 def _prompt(length, seed=0):
@@ -51,17 +54,14 @@ def test_k_module_mtp_needs_k_tokens_after_each_block(modules):
 
 
 def test_expected_formula_never_negative():
-    from speckv.spec.policy import HashMode
-
-    assert expected_hit_tokens(3, 4, HashMode(0, True, "x")) == 0
+    assert expected_hit_tokens(3, 4, HashMode.legacy_drop()) == 0
 
 
 def test_block_cached_with_another_lookahead_token_is_a_miss(world_factory):
     world = world_factory(block_size=4)
-    sim = CacheSimulator(world.manager, num_spec_tokens=2)
     shared = _prompt(8)
     first = world.request(shared + [111, 5, 6])  # block [4, 8) followed by 111
-    sim.run_to_completion(first)
+    run_to_completion(toy_core(world.manager, 2), [first])
     # Same 8 tokens, different token after block 1: block 1's draft KV would differ.
     second = world.request(shared + [222, 5, 6])
     hit = world.manager.get_computed_blocks(second)
@@ -73,9 +73,8 @@ def test_block_cached_with_another_lookahead_token_is_a_miss(world_factory):
 
 def test_legacy_hashes_ignore_the_successor_token(world_factory):
     world = world_factory(block_size=4, legacy=True)
-    sim = CacheSimulator(world.manager, num_spec_tokens=2)
     shared = _prompt(8)
-    sim.run_to_completion(world.request(shared + [111, 5, 6]))
+    run_to_completion(toy_core(world.manager, 2), [world.request(shared + [111, 5, 6])])
     second = world.request(shared + [222, 5, 6])
     # blocks 0 and 1 match by hash; the drop gives back block 1
     assert world.manager.get_computed_blocks(second).num_computed_tokens == 4
@@ -83,9 +82,8 @@ def test_legacy_hashes_ignore_the_successor_token(world_factory):
 
 def test_allocation_failure_leaves_no_trace(world_factory):
     world = world_factory(block_size=4, num_blocks=6)  # 5 usable blocks
-    sim = CacheSimulator(world.manager, num_spec_tokens=0)
     prompt = _prompt(9)
-    sim.run_to_completion(world.request(prompt, max_tokens=2))
+    run_to_completion(toy_core(world.manager), [world.request(prompt, max_tokens=2)])
     free_before = world.manager.get_num_free_blocks()
     cached_before = dict(world.manager.pool.cached_blocks)
     big = world.request(prompt + _prompt(30, seed=1))
@@ -139,27 +137,10 @@ def test_drafts_are_never_cached(world_factory):
     manager.check_integrity()
 
 
-def test_preempted_request_rehits_its_own_blocks(world_factory):
-    world = world_factory(block_size=4)
-    sim = CacheSimulator(world.manager, num_spec_tokens=2)
-    request = world.request(_prompt(13), max_tokens=6)
-    sim.step(request)
-    sim.step(request, 1)
-    sim.preempt(request)
-    world.manager.check_integrity()
-    assert request.num_computed_tokens == 0
-    num_tokens = request.num_tokens
-    sim.step(request)
-    assert request.num_cached_tokens == (num_tokens - 1) // 4 * 4
-    sim.run_to_completion(request)
-    world.manager.check_integrity()
-
-
 def test_fast_hash_hits_are_verified_by_content(world_factory, monkeypatch):
     world = world_factory(block_size=4, algo="xxhash")
-    sim = CacheSimulator(world.manager, num_spec_tokens=2)
     prompt = _prompt(9)
-    sim.run_to_completion(world.request(prompt))
+    run_to_completion(toy_core(world.manager, 2), [world.request(prompt)])
     assert world.manager.get_computed_blocks(world.request(prompt)).num_computed_tokens == 8
     # Forge a collision: a different request claims the same hashes.
     other = world.request(_prompt(9, seed=5))
@@ -170,39 +151,29 @@ def test_fast_hash_hits_are_verified_by_content(world_factory, monkeypatch):
 
 def test_reset_prefix_cache_forgets_hits(world_factory):
     world = world_factory(block_size=4)
-    sim = CacheSimulator(world.manager, num_spec_tokens=0)
     prompt = _prompt(9)
-    sim.run_to_completion(world.request(prompt))
+    run_to_completion(toy_core(world.manager), [world.request(prompt)])
     assert world.manager.reset_prefix_cache()
     assert world.manager.get_computed_blocks(world.request(prompt)).num_computed_tokens == 0
     world.manager.check_integrity()
 
 
-@pytest.mark.parametrize("hash_mode_args,stale", [((1, False), False), ((0, False), True)])
-def test_symbolic_draft_kv_of_a_hit_matches_a_cold_run(hash_mode_args, stale):
-    """Lookahead hashes: the hit's draft KV is what a cold run writes. Negative control:
-    legacy hashes with the drop turned off serve a last block whose draft KV came from
-    another successor token."""
-    from speckv.cache import FullAttentionSpec, KVCacheManager
-    from speckv.engine.cache_sim import SymbolicKV
-    from speckv.engine.request import BlockHashing
-    from speckv.hashing.functions import get_hash_algo, make_none_hash
-    from speckv.spec.policy import HashMode
-
-    hash_mode = HashMode(*hash_mode_args, reason="test")
-    algo = get_hash_algo("sha256")
-    hashing = BlockHashing(algo, make_none_hash(algo, "0"), 4, [hash_mode.lookahead_tokens])
+@pytest.mark.parametrize("hash_mode,stale", [(HashMode.for_lookahead(1), False),
+                                             (HashMode.for_lookahead(0), True)])
+def test_symbolic_draft_kv_of_a_hit_matches_a_cold_run(hash_mode, stale):
+    """Lookahead hashes: the hit's draft KV is what a cold run writes (the toy runner checks
+    every hit slot). Negative control: legacy hashes with the drop turned off serve a last
+    block whose draft KV came from another successor token."""
     manager = KVCacheManager([FullAttentionSpec(4)], 32, hash_mode)
-    kv = SymbolicKV(32, 4, draft_depth=1)
-    sim = CacheSimulator(manager, num_spec_tokens=2, kv=kv)
-    from speckv.engine.request import Request
-
+    hashing = manager.block_hashing("sha256", "0")
+    core = toy_core(manager, 2, kv=SymbolicKV(32, 4, draft_depth=1))
     shared = _prompt(8)
-    sim.run_to_completion(Request("a", shared + [7, 7, 7], hashing, max_tokens=4))
+    run_to_completion(core, [Request("a", shared + [7, 7, 7], hashing, max_tokens=4)])
     second = Request("b", shared + [9, 9, 9], hashing, max_tokens=4)
-    hit = manager.get_computed_blocks(second)
-    assert hit.num_computed_tokens == (4 if not stale else 8)
-    drafts = [kv.read(hit.block_ids[0], p)[1] for p in range(hit.num_computed_tokens)]
-    expected = [kv.expected_at(second.all_token_ids, p)[1]
-                for p in range(hit.num_computed_tokens)]
-    assert (drafts != expected) is stale
+    assert manager.get_computed_blocks(second).num_computed_tokens == (8 if stale else 4)
+    if stale:
+        with pytest.raises(HitMismatch, match="draft KV"):
+            run_to_completion(core, [second])
+    else:
+        run_to_completion(core, [second])
+        assert core.runner.num_hits_checked == 4

@@ -1,30 +1,35 @@
-"""Hypothesis state machine over the real cache manager and a symbolic KV store.
+"""Hypothesis state machine over the real scheduler, the cache manager and a symbolic KV store.
 
-Random interleavings of new requests (sharing prefixes), steps with drafts accepted or
-rejected, preemption, finish, abort, and eviction pressure, over hybrid group mixes (full
-attention, sliding window, Mamba) and retention settings. Every hit must equal a brute-force
-oracle's longest length valid for every group. After every step: pool integrity
-(free + used = total, ref counts = holders, hash map consistent). On every hit: each hit block
-holds the same target KV and draft KV a cold run of the hitting request would write, and the
-tokens (and lookahead tokens) its hash was published with equal the request's own. (In legacy
-mode only the target KV is promised; see `_check_hit`.)
+The real `Scheduler` runs through `EngineCore` with the toy runner (`speckv.testing`), so the
+lifecycle under test is the engine's own. Random interleavings of new requests (sharing
+prefixes), steps with drafts accepted or rejected, chunked prefill under a small token budget,
+preemption under block pressure, aborts (waiting, running, mid-speculation) and prefix-cache
+resets, over hybrid group mixes (full attention, sliding window, Mamba) and retention
+settings. Checked:
+- after every step: pool integrity (free + used = total, ref counts = holders, hash map);
+- at every hit lookup: the hit equals a brute-force oracle's longest length valid for every
+  group, and the tokens (and lookahead tokens) each hit block's hash was published with equal
+  the request's own;
+- on every hit taken: each hit slot holds the target KV and draft KV a cold run of the hitting
+  request would write (the toy runner raises `HitMismatch`). In legacy mode only the target KV
+  is promised: a chain stitched from two requests' blocks keeps the first copy's draft KV.
 """
 
 from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.events import BlockStored, KVEventSink
 from speckv.cache.specs import MambaSpec, SlidingWindowSpec
-from speckv.engine.cache_sim import CacheSimulator, SymbolicKV
-from speckv.engine.request import BlockHashing, Request
-from speckv.hashing.functions import get_hash_algo, make_none_hash
-from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
+from speckv.engine.messages import FinishReason
+from speckv.engine.request import Request
+from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.testing import SymbolicKV, toy_core
 
 GROUP_MIXES = {
     "full": lambda b: [FullAttentionSpec(b)],
@@ -37,7 +42,7 @@ GROUP_MIXES = {
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]
 
 
-class CacheMachine(RuleBasedStateMachine):
+class SchedulerCacheMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 3, 4]),
         num_blocks=st.integers(6, 40),
@@ -46,27 +51,42 @@ class CacheMachine(RuleBasedStateMachine):
         num_spec_tokens=st.integers(0, 3),
         mix=st.sampled_from(sorted(GROUP_MIXES)),
         retention_units=st.sampled_from([None, 0, 1, 2]),
+        token_budget=st.sampled_from([5, 8, 16, 1024]),
+        max_num_seqs=st.integers(1, 4),
     )
-    def setup(self, block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units):
+    def setup(self, block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units,
+              token_budget, max_num_seqs):
         name, modules, legacy = drafter
-        policy = make_drafter_policy(name, modules)
+        policy = drafter_policy(name, modules)
         self.mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=legacy)
-        algo = get_hash_algo("sha256")
         specs = GROUP_MIXES[mix](block_size)
         unit = specs[-1].block_size if mix != "full+swa" else block_size
         retention = None if mix == "full" or retention_units is None else retention_units * unit
         self.sink = KVEventSink()
         self.manager = KVCacheManager(specs, len(specs) * num_blocks, self.mode,
                                       event_sink=self.sink, retention_interval=retention)
-        self.hashing = BlockHashing(algo, make_none_hash(algo, "0"),
-                                    self.manager.hash_block_size, self.manager.lookahead_values)
+        self.hashing = self.manager.block_hashing("sha256", "0")
         self.block_size = block_size
-        self.kv = SymbolicKV(len(specs) * num_blocks, block_size, policy.draft_kv_lookahead_tokens)
-        self.sim = CacheSimulator(self.manager, num_spec_tokens if name != "none" else 0,
-                                  vocab_size=50, kv=self.kv)
-        self.running: list[Request] = []
+        num_spec = num_spec_tokens if name != "none" else 0
+        self.core = toy_core(
+            self.manager, num_spec, vocab_size=50,
+            kv=SymbolicKV(len(specs) * num_blocks, block_size,
+                          policy.draft_kv_lookahead_tokens),
+            check_draft_kv=not self.mode.drops_last_unit,
+            max_num_batched_tokens=max(token_budget, 1 + num_spec), max_num_seqs=max_num_seqs,
+        )
         self.published: dict[tuple[bytes, int], tuple[list[int], list[int] | None]] = {}
         self.counter = 0
+        lookup = self.manager.get_computed_blocks
+
+        def checked_lookup(request):
+            hit = lookup(request)
+            self._absorb_events()
+            self._check_hit(request, hit)
+            return hit
+
+        # a spy on the scheduler's lookups: the oracle is evaluated at the moment of each one
+        self.manager.get_computed_blocks = checked_lookup
 
     def _absorb_events(self):
         for event in self.sink.take():
@@ -83,20 +103,36 @@ class CacheMachine(RuleBasedStateMachine):
     def add_request(self, prefix, prefix_len, suffix, max_tokens):
         self.counter += 1
         prompt = PREFIXES[prefix][:prefix_len] + suffix
-        request = Request(f"r{self.counter}", prompt, self.hashing, max_tokens=max_tokens)
-        self.running.append(request)
+        self.core.scheduler.add_request(
+            Request(f"r{self.counter}", prompt, self.hashing, max_tokens=max_tokens))
 
-    @precondition(lambda self: self.running)
-    @rule(pick=st.integers(0, 100), num_accept=st.integers(0, 3))
-    def step(self, pick, num_accept):
-        request = self.running[pick % len(self.running)]
-        if request.num_computed_tokens == 0:
-            # the hit the step is about to take (lookup is pure)
-            self._check_hit(request, self.manager.get_computed_blocks(request))
-        outcome = self.sim.step(request, num_accept)
+    @precondition(lambda self: self.core.scheduler.has_unfinished_requests())
+    @rule(num_accept=st.integers(0, 3))
+    def step(self, num_accept):
+        self.core.runner.num_accept = num_accept
+        hits_before = self.core.runner.num_hits_checked
+        for output in self.core.step():
+            assert output.finish_reason in (None, FinishReason.LENGTH, FinishReason.ERROR)
+            if output.num_preemptions:
+                event("a request was preempted")
+            if output.num_accepted_tokens:
+                event("drafts accepted")
+        if self.core.runner.num_hits_checked > hits_before:
+            event("a hit was taken and checked")
         self._absorb_events()
-        if outcome.finished:
-            self.running.remove(request)
+
+    @precondition(lambda self: self.core.scheduler.has_unfinished_requests())
+    @rule(pick=st.integers(0, 100))
+    def abort(self, pick):
+        ids = sorted(self.core.scheduler.requests)
+        self.core.scheduler.finish_requests([ids[pick % len(ids)]], FinishReason.ABORT)
+        self._absorb_events()
+
+    @rule()
+    def reset(self):
+        if self.manager.reset_prefix_cache():
+            self.published.clear()
+        self._absorb_events()
 
     def _check_hit(self, request, hit):
         hit_tokens = hit.num_computed_tokens
@@ -105,18 +141,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert hit_tokens == self._oracle_hit(request), "hit is not the longest valid one"
         for manager, blocks in zip(self.manager.managers, hit.blocks):
             assert len(blocks) == hit_tokens // manager.block_size
-        block_ids = hit.block_ids[0]
         tokens = request.all_token_ids
         lookahead = self.mode.lookahead_tokens
         hashes = request.get_block_hashes(lookahead)
-        for position in range(hit_tokens):
-            target, draft = self.kv.read(block_ids, position)
-            expected_target, expected_draft = self.kv.expected_at(tokens, position)
-            assert target == expected_target, f"hit slot {position}: target KV differs"
-            if not self.mode.drops_last_unit:
-                # Legacy hashes + drop cannot promise this: a chain stitched from blocks of
-                # different requests keeps the first copy's draft KV (only drafts suffer).
-                assert draft == expected_draft, f"hit slot {position}: draft KV differs"
         for index in range(hit_tokens // self.block_size):
             published_tokens, published_lookahead = self.published[(hashes[index], 0)]
             end = (index + 1) * self.block_size
@@ -126,7 +153,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _valid_for_group(self, request, manager, length):
         """Brute force: does this group hold what a hit at `length` needs?"""
-        hashes = self.manager._group_hashes(request, manager)
+        stride = manager.block_size // self.manager.hash_block_size
+        chain = request.get_block_hashes(manager.group.lookahead_tokens)
+        hashes = chain[stride - 1::stride]
         num_blocks = length // manager.block_size
         if num_blocks > len(hashes):
             return False
@@ -154,35 +183,14 @@ class CacheMachine(RuleBasedStateMachine):
             best = longest_valid(best - unit)
         return best
 
-    @precondition(lambda self: self.running)
-    @rule(pick=st.integers(0, 100))
-    def preempt(self, pick):
-        request = self.running[pick % len(self.running)]
-        if request.num_computed_tokens:
-            self.sim.preempt(request)
-            self._absorb_events()
-
-    @precondition(lambda self: self.running)
-    @rule(pick=st.integers(0, 100))
-    def abort(self, pick):
-        request = self.running.pop(pick % len(self.running))
-        self.sim.abort(request)
-        self._absorb_events()
-
-    @rule()
-    def reset(self):
-        if self.manager.reset_prefix_cache():
-            self.published.clear()
-        self._absorb_events()
-
     @invariant()
     def pool_is_sound(self):
         if hasattr(self, "manager"):
             self.manager.check_integrity()
 
 
-TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(
+TestSchedulerCacheMachine = SchedulerCacheMachine.TestCase
+TestSchedulerCacheMachine.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

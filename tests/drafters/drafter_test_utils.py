@@ -11,15 +11,15 @@ from speckv.drafters import CatchUpRequest, Drafter, TargetStates, random_drafte
 from speckv.models.config import ModelConfig
 from speckv.models.llama import LlamaForCausalLM
 
-# (format, kwargs) of every drafter flavour the tests cover.
-FLAVOURS: list[tuple[str, dict[str, int]]] = [
+# (method, kwargs) of every drafter flavour the tests cover; MTP in both checkpoint layouts.
+FLAVOURS: list[tuple[str, dict[str, object]]] = [
     ("eagle", {}),
     ("eagle3", {}),
-    ("mtp_deepseek", {"num_modules": 1}),
-    ("mtp_deepseek", {"num_modules": 3}),
-    ("mtp_qwen", {"num_modules": 2}),
+    ("mtp", {"num_modules": 1, "layout": "deepseek"}),
+    ("mtp", {"num_modules": 3, "layout": "deepseek"}),
+    ("mtp", {"num_modules": 2, "layout": "qwen"}),
 ]
-FLAVOUR_IDS = [f"{f}-{kw.get('num_modules', 1)}" for f, kw in FLAVOURS]
+FLAVOUR_IDS = [f"{f}-{kw.get('layout', '')}-{kw.get('num_modules', 1)}" for f, kw in FLAVOURS]
 
 
 def tiny_target(vocab_size: int = 61, init_std: float = 0.3, seed: int = 0) -> LlamaForCausalLM:
@@ -36,7 +36,7 @@ def tiny_target(vocab_size: int = 61, init_std: float = 0.3, seed: int = 0) -> L
     return LlamaForCausalLM.from_config(cfg, init_std=init_std)
 
 
-def make_drafter(fmt: str, kw: dict[str, int], target: LlamaForCausalLM, seed: int = 1) -> Drafter:
+def make_drafter(fmt: str, kw: dict[str, object], target: LlamaForCausalLM, seed: int = 1) -> Drafter:
     extra: dict[str, object] = dict(kw)
     if fmt == "eagle3":
         v = target.config.vocab_size

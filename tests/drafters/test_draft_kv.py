@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from drafter_test_utils import (
+from tests.drafters.drafter_test_utils import (
     FLAVOUR_IDS,
     FLAVOURS,
     catch_up_all,
@@ -90,7 +90,7 @@ def test_draft_kv_at_p_depends_on_token_p_plus_j(fmt, kw, target):
 
 def test_batched_requests_equal_single(target):
     """Two requests in one catch-up pass write what each writes alone."""
-    fmt, kw = "mtp_deepseek", {"num_modules": 3}
+    fmt, kw = "mtp", {"num_modules": 3}
     d, tokens, states = _setup(fmt, kw, target)
     _, tokens2, states2 = _setup(fmt, kw, target, seed=5)
     t1, t2 = list(range(1, 8)), list(range(8, 15))

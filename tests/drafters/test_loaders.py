@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from drafter_test_utils import (
+from tests.drafters.drafter_test_utils import (
     FLAVOUR_IDS,
     FLAVOURS,
     catch_up_all,
@@ -52,8 +52,8 @@ def _names(path):
 @pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
 def test_round_trip_identical_outputs(fmt, kw, target, tmp_path):
     d = make_drafter(fmt, kw, target)
-    save_drafter(d, tmp_path, fmt)
-    assert detect_format(tmp_path) == fmt
+    save_drafter(d, tmp_path, kw.get("layout"))
+    assert detect_format(tmp_path) == (fmt, kw.get("layout"))
     loaded = load_drafter(tmp_path, target)
     assert type(loaded) is type(d)
     assert loaded.draft_kv_lookahead_tokens == d.draft_kv_lookahead_tokens
@@ -101,9 +101,9 @@ def test_public_names(target, tmp_path):
     for fmt, kw in FLAVOURS:
         d = make_drafter(fmt, kw, target)
         p = tmp_path / f"{fmt}-{kw.get('num_modules', 1)}"
-        save_drafter(d, p, fmt)
+        save_drafter(d, p, kw.get("layout"))
         names = _names(p)
-        want = expect[fmt]
+        want = expect[fmt if "layout" not in kw else f"{fmt}_{kw['layout']}"]
         if kw.get("num_modules") == 1:  # only module 1 exists
             want = {x for x in want if f"layers.{n + 2}." not in x}
         assert want <= names, sorted(want - names)
@@ -116,7 +116,7 @@ def test_public_names(target, tmp_path):
 def test_eagle1_input_layernorm_and_extra_tensors(target, tmp_path):
     """A checkpoint WITH layers.0.input_layernorm (and a shipped embedding) loads as such."""
     d = make_drafter("eagle", {}, target)
-    save_drafter(d, tmp_path, "eagle")
+    save_drafter(d, tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as st:
         state = {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
     state["layers.0.input_layernorm.weight"] = torch.full((32,), 2.0)
@@ -130,7 +130,7 @@ def test_eagle1_input_layernorm_and_extra_tensors(target, tmp_path):
 def test_eagle3_vllm_aux_layer_ids_and_d2t(target, tmp_path):
     d = make_drafter("eagle3", {}, target)
     assert isinstance(d, Eagle3Drafter)
-    save_drafter(d, tmp_path, "eagle3")
+    save_drafter(d, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     # Stored as vLLM layer INPUT indices: ours + 1.
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in d.aux_layers]
@@ -146,8 +146,8 @@ def test_eagle3_vllm_aux_layer_ids_and_d2t(target, tmp_path):
 
 
 def test_mtp_deepseek_own_shared_head(target, tmp_path):
-    d = make_drafter("mtp_deepseek", {"num_modules": 1}, target)
-    save_drafter(d, tmp_path, "mtp_deepseek")
+    d = make_drafter("mtp", {"num_modules": 1}, target)
+    save_drafter(d, tmp_path, "deepseek")
     n = target.config.num_hidden_layers
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as st:
         state = {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
@@ -166,7 +166,7 @@ def test_refuses_bin_and_wrong_shapes(target, tmp_path):
         load_drafter(tmp_path, target)
     d = make_drafter("eagle", {}, target)
     p = tmp_path / "ok"
-    save_drafter(d, p, "eagle")
+    save_drafter(d, p)
     cfg = json.loads((p / "config.json").read_text())
     (p / "config.json").write_text(json.dumps({**cfg, "hidden_size": 48}))
     with pytest.raises(ValueError, match="hidden_size 48"):

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, shuffled_table, tiny_target
+from tests.drafters.drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, shuffled_table, tiny_target
 
 from speckv.attention import AttentionMetadata
 from speckv.drafters.evaluate import speculative_generate
 from speckv.drafters.proposer import DrafterProposer
-from speckv.engine.proposer import ProposerInput
-from speckv.engine.speculative import policy_for_drafter
+from speckv.spec.proposer import ProposerInput
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def test_proposer_loop_matches_standalone_loop(fmt, kw, target):
     ref = speculative_generate(target, d, prompt, new_tokens, S, block_size=bs)
     table = shuffled_table(16, seed=1)
     kv = target.make_kv_cache(16, bs)
-    prop = DrafterProposer(d, S, 16, bs, policy_for_drafter(d))
+    prop = DrafterProposer(d, S, 16, bs)
     aux = prop.aux_layers
 
     def run(ids, start):
@@ -82,7 +81,7 @@ def test_proposer_caps_drafts_at_max_drafts(fmt, kw, target):
     tokens = [*prompt, int(target.compute_logits(out.hidden_states[-1:]).argmax())]
     got = {}
     for max_drafts in (S, 2, 1):
-        prop = DrafterProposer(d, S, 8, bs, policy_for_drafter(d))
+        prop = DrafterProposer(d, S, 8, bs)
         x = ProposerInput(
             "r", tokens, 0, len(prompt), out.hidden_states, out.prenorm_hidden,
             out.aux_hidden_states, table, torch.empty(0), True, max_drafts,

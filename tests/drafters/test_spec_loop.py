@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, tiny_target
+from tests.drafters.drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, tiny_target
 
 from speckv.drafters.evaluate import speculative_generate
 from speckv.models.generate import greedy_generate

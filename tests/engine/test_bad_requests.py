@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engine_test_utils import shared_prefix_prompts
+from tests.engine.engine_test_utils import shared_prefix_prompts
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm import LLM
@@ -92,14 +92,22 @@ def test_streaming_deltas_add_up(tiny_model):
         assert output.ttft_s is not None and output.ttft_s >= 0
 
 
-def test_a_draft_model_method_needs_a_drafter(tiny_model):
+def test_a_drafter_method_needs_a_drafter(tiny_model):
     from speckv.engine import LLMEngine
 
     config = EngineConfig(num_blocks=32, speculative_method="eagle", num_spec_tokens=2)
-    with pytest.raises(ValueError, match="needs a drafter"):
+    with pytest.raises(ValueError, match="needs a drafter: set speculative_model"):
         LLMEngine(tiny_model, config)
-    with pytest.raises(ValueError, match="draft_model needs speculative_method"):
-        EngineConfig(draft_model="builtin")
+    with pytest.raises(ValueError, match="speculative_model needs speculative_method"):
+        EngineConfig(speculative_model="builtin")
+
+
+def test_draft_model_is_a_deprecated_alias_of_speculative_model():
+    with pytest.warns(DeprecationWarning, match="use speculative_model"):
+        config = EngineConfig(speculative_method="eagle", num_spec_tokens=2,
+                              draft_model="builtin")
+    assert config.speculative_model == "builtin"
+    assert config.draft_model is None
 
 
 def test_fast_hash_hits_are_verified_by_content(tiny_model):

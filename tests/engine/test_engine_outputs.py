@@ -4,7 +4,7 @@ prefix caching on/off under eviction pressure, chunked prefill, preemption, n-gr
 from __future__ import annotations
 
 import pytest
-from engine_test_utils import run_engine, shared_prefix_prompts
+from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine

@@ -49,17 +49,6 @@ def test_verification_rejects_impossible_acceptance():
         request.apply_verification(1, [1, 2, 3])
 
 
-def test_stop_conditions():
-    request = Request("a", [1], HASHING, max_tokens=2, eos_token_ids=[0])
-    request.append_output_token_ids([5])
-    assert request.check_stop() is None
-    request.append_output_token_ids([0])
-    assert request.check_stop() is RequestStatus.FINISHED_STOPPED
-    other = Request("b", [1], HASHING, max_tokens=1)
-    other.append_output_token_ids([3])
-    assert other.check_stop() is RequestStatus.FINISHED_LENGTH
-
-
 def test_preempt_resets_computed_state():
     request = Request("a", [1, 2, 3], HASHING)
     request.num_computed_tokens = 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_test_utils import run_engine, shared_prefix_prompts
+from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine

@@ -12,8 +12,8 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 
 DRAFTERS = [("eagle", {}), ("eagle3", {"aux_layers": (0, 1, 1)}),
-            ("mtp_deepseek", {"num_modules": 1}),
-            ("mtp_deepseek", {"num_modules": 3})]
+            ("mtp", {"num_modules": 1}),
+            ("mtp", {"num_modules": 3})]
 
 
 def _run(engine, prompts, max_tokens=10):
@@ -37,7 +37,7 @@ def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs
     prompts += [prompts[0][:8] + [5, 6, 7], list(prompts[1])]
     reference, _, _ = _run(LLMEngine(tiny_model, EngineConfig(num_blocks=200, block_size=4)),
                            prompts)
-    method = "mtp" if fmt.startswith("mtp") else fmt
+    method = fmt
     tight = EngineConfig(num_blocks=14, block_size=4, speculative_method=method,
                          num_spec_tokens=3, max_num_batched_tokens=16)
     outputs, preemptions, finals = _run(LLMEngine(tiny_model, tight, drafter=drafter), prompts)
@@ -46,12 +46,11 @@ def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs
     assert sum(o.num_draft_tokens for o in finals) > 0
 
 
-@pytest.mark.parametrize("fmt,kwargs,name", [("eagle", {}, "eagle"),
-                                             ("mtp_deepseek", {"num_modules": 2}, "mtp k=2")])
-def test_hit_reads_the_draft_kv_of_a_cold_run(tiny_model, fmt, kwargs, name):
+@pytest.mark.parametrize("fmt,kwargs", [("eagle", {}), ("mtp", {"num_modules": 2})])
+def test_hit_reads_the_draft_kv_of_a_cold_run(tiny_model, fmt, kwargs):
     drafter = random_drafter(fmt, tiny_model, init_std=0.2, seed=2, **kwargs)
     prompt = [(5 * j) % 90 + 1 for j in range(26)]
-    hit, control = measure(tiny_model, drafter, name, "float32", prompt, 4)
+    hit, control = measure(tiny_model, drafter, "float32", prompt, 4)
     lookahead = drafter.draft_kv_lookahead_tokens
     assert hit.hit_tokens == (26 - lookahead) // 4 * 4
     assert hit.target_max_abs_diff == 0 and hit.draft_max_abs_diff == 0
@@ -74,7 +73,7 @@ def test_a_changed_successor_token_is_a_miss_in_lookahead_mode(tiny_model):
 
 
 def test_kv_memory_budget_counts_the_draft_layers(tiny_model):
-    drafter = random_drafter("mtp_deepseek", tiny_model, seed=1, num_modules=2)
+    drafter = random_drafter("mtp", tiny_model, seed=1, num_modules=2)
     budget = EngineConfig(kv_cache_memory_bytes=4 * 1024**2)
     plain = LLMEngine(tiny_model, budget)
     speculative = LLMEngine(tiny_model, EngineConfig(kv_cache_memory_bytes=4 * 1024**2,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from events_helpers import collect
+from tests.events.events_helpers import collect
 
 from speckv.drafters.loaders import random_drafter
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.events.router import EngineHashConfig, RouterIndex
+from speckv.router.index import EngineHashConfig, RouterIndex
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.models import LlamaForCausalLM, ModelConfig
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from events_helpers import collect
+from tests.events.events_helpers import collect
 
-from speckv.events.router import recompute_block_hashes
-from speckv.events.sample import SampleEngine, SampleEngineConfig
+from speckv.router.index import recompute_block_hashes
+from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
 from speckv.events.schema import BlockStored, decode_batch, encode_batch, to_wire_batch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.hashing.extra_keys import HashInputs, LoRARef, MultiModalItem

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import zmq
-from events_helpers import collect, wait_subscribed
+from tests.events.events_helpers import collect, wait_subscribed
 
 from speckv.cache import events as records
 from speckv.events.publisher import END_SEQ, PublisherConfig, ZmqEventPublisher

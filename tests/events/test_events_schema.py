@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from events_helpers import collect, wait_subscribed
+from tests.events.events_helpers import collect, wait_subscribed
 
 from speckv.cache import events as records
 from speckv.events.schema import (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hashing_reference import plain_chain
+from tests.hashing.hashing_reference import plain_chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from speckv_model_test_utils import prefill
+from tests.models.speckv_model_test_utils import prefill
 
 from speckv.models.llama import ModelOutput
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from speckv_model_test_utils import TINY, widen_init
+from tests.models.speckv_model_test_utils import TINY, widen_init
 
 from speckv.attention import AttentionMetadata
 from speckv.models.config import ModelConfig

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from speckv_model_test_utils import widen_init
+from tests.models.speckv_model_test_utils import widen_init
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from speckv.events.router import EngineHashConfig, RouterIndex
 from speckv.events.schema import KVEventBatch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig, run_subscriber
 from speckv.hashing.extra_keys import MultiModalItem
+from speckv.router.index import EngineHashConfig, RouterIndex
 
 
 @dataclass(frozen=True)

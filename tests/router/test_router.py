@@ -11,10 +11,10 @@ import pytest
 import uvicorn
 
 from speckv.events.endpoints import free_port, loopback_endpoint
-from speckv.events.router import EngineHashConfig, RouterIndex
-from speckv.events.sample import SampleEngine, SampleEngineConfig
+from speckv.router.index import EngineHashConfig, RouterIndex
+from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
 from speckv.events.schema import HashEncoding, decode_batch, encode_batch, to_wire_batch
-from speckv.events.service import EngineEndpoint, RouterService, make_app
+from speckv.router.service import EngineEndpoint, RouterService, make_app
 from speckv.hashing.extra_keys import HashInputs, LoRARef
 
 B = 8

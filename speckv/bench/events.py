@@ -27,13 +27,13 @@ from typing import Any
 from speckv.cache import events as records
 from speckv.events.endpoints import loopback_endpoint
 from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
-from speckv.events.router import EngineHashConfig, RouterIndex
-from speckv.events.sample import SampleEngine, SampleEngineConfig, run_sample_workload
 from speckv.events.schema import decode_batch, encode_batch, to_wire_batch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
+from speckv.router.index import EngineHashConfig, RouterIndex
+from speckv.testing.event_sample import SampleEngine, SampleEngineConfig, run_sample_workload
 
 BLOCKS_PER_EVENT = 32
 
@@ -223,7 +223,7 @@ def _print_table(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m speckv.events.bench")
+    parser = argparse.ArgumentParser(prog="python -m speckv.bench.events")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
         quick_table(console)
     if not args.skip_model:
-        from speckv.engine.demo_section import run_model_demo
+        from speckv.commands.demo_model import run_model_demo
 
         run_model_demo(console)
         _prefix_repetition(console)

@@ -1,10 +1,10 @@
 """A small synthetic engine for KV-event consumers: the real cache manager, no model.
 
-Owns `SampleEngine` (a `KVCacheManager` + `CacheSimulator` with an event sink, hashing as an
-engine with `L` lookahead tokens would) and `run_sample_workload`, a few requests that share
-prefixes, one with a LoRA adapter, one salted, one with a multimodal item, on a cache small
-enough to evict, ending with a prefix-cache reset. Events are published once per step, as an
-engine does. Used by `speckv events publish-sample`, the tests and the benchmark.
+Owns `SampleEngine` (the real scheduler and a `KVCacheManager` with an event sink, run by the
+toy runner, hashing as an engine with `L` lookahead tokens would) and `run_sample_workload`, a
+few requests that share prefixes, one with a LoRA adapter, one salted, one with a multimodal
+item, on a cache small enough to evict, ending with a prefix-cache reset. Events are published
+once per step, as an engine does. Used by `speckv events publish-sample`, the tests and the benchmark.
 """
 
 from __future__ import annotations
@@ -15,25 +15,15 @@ from dataclasses import dataclass
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.events import KVCacheEvent, KVEventSink
-from speckv.engine.cache_sim import CacheSimulator
-from speckv.engine.request import BlockHashing, Request
+from speckv.cache.hash_mode import HashMode
+from speckv.engine.messages import FinishReason
+from speckv.engine.request import Request
 from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs, LoRARef, MultiModalItem
-from speckv.hashing.functions import get_hash_algo, make_none_hash
-from speckv.spec.policy import HashMode, make_drafter_policy, resolve_hash_mode
+from speckv.hashing.functions import get_hash_algo
+from speckv.testing.toy_runner import toy_core
 
 SAMPLE_LORA = LoRARef("sample-adapter", "/adapters/sample-adapter")
 Publish = Callable[[Sequence[KVCacheEvent]], object]
-
-
-def hash_mode_for(lookahead_tokens: int) -> HashMode:
-    """The hash mode of an engine whose drafter needs `L` lookahead tokens."""
-    if lookahead_tokens < 0:
-        raise ValueError(f"lookahead must be >= 0, got {lookahead_tokens}")
-    if lookahead_tokens == 0:
-        return resolve_hash_mode(make_drafter_policy("none"))
-    if lookahead_tokens == 1:
-        return resolve_hash_mode(make_drafter_policy("eagle"))
-    return resolve_hash_mode(make_drafter_policy("mtp", mtp_modules=lookahead_tokens))
 
 
 @dataclass(frozen=True)
@@ -52,25 +42,23 @@ class SampleEngineConfig:
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         get_hash_algo(self.algo)
-        hash_mode_for(self.lookahead_tokens)
+        if self.lookahead_tokens < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead_tokens}")
 
 
 class SampleEngine:
     def __init__(self, config: SampleEngineConfig) -> None:
         self.config = config
-        algo = get_hash_algo(config.algo)
-        mode = hash_mode_for(config.lookahead_tokens)
         self.sink = KVEventSink() if config.events else None
         self.manager = KVCacheManager(
             [FullAttentionSpec(config.block_size)], num_blocks=config.num_blocks,
-            hash_mode=mode, event_sink=self.sink,
+            hash_mode=HashMode.for_lookahead(config.lookahead_tokens), event_sink=self.sink,
         )
-        self.hashing = BlockHashing(
-            algo, make_none_hash(algo, config.seed), config.block_size, [mode.lookahead_tokens]
-        )
+        self.hashing = self.manager.block_hashing(config.algo, config.seed)
         # drafts only make sense with a drafter; L = 0 here means "no drafter"
         num_spec = config.num_spec_tokens if config.lookahead_tokens else 0
-        self.sim = CacheSimulator(self.manager, num_spec_tokens=num_spec)
+        self.core = toy_core(self.manager, num_spec)
+        self.core.runner.num_accept = 2
         self.requests: list[Request] = []
 
     def request(
@@ -83,9 +71,11 @@ class SampleEngine:
 
     def run(self, request: Request, publish: Publish | None = None) -> None:
         """Step the request to completion, publishing each step's events."""
+        self.core.scheduler.add_request(request)
         while not request.is_finished:
-            if not self.sim.step(request, num_accept=2).scheduled:
-                raise RuntimeError("the sample cache is too small for this request")
+            for output in self.core.step():
+                if output.finish_reason is FinishReason.ERROR:
+                    raise RuntimeError("the sample cache is too small for this request")
             if publish is not None:
                 publish(self.manager.take_events())
 

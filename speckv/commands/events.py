@@ -1,20 +1,16 @@
-"""Command-line entry points of the events package, as `add_arguments` / `run` pairs.
-
-Owns the argument parsing and printing of three commands; the main CLI (`speckv.cli`) mounts
-them by name (`add_<name>_arguments` / `run_<name>`):
+"""`speckv events tail` and `speckv events publish-sample`: argument parsing and printing.
 
     speckv events tail            print decoded events live, one line per event
     speckv events publish-sample  publish a synthetic workload's events from the real cache
-    speckv route                  run the router index as a small HTTP service
 
-Each `run(args)` returns an exit status: 0 on success, 2 on a user error (one line on stderr,
-no traceback).
+`speckv.cli` mounts them by name (`add_<name>_arguments` / `run_<name>`) and prints user
+errors (`ValueError`; ZeroMQ's errors are turned into one) as one line, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -22,8 +18,6 @@ from typing import Any
 
 import zmq
 
-from speckv.events.endpoints import port_is_free
-from speckv.events.router import EngineHashConfig
 from speckv.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -37,33 +31,23 @@ from speckv.hashing.functions import HASH_ALGOS
 # ---- shared helpers ---------------------------------------------------------------------------
 
 
-class UserError(Exception):
-    """A mistake in the command line or environment: reported in one line, exit status 2."""
+def zmq_errors_as_user_errors(body: Callable[[argparse.Namespace], int]
+                              ) -> Callable[[argparse.Namespace], int]:
+    """A ZeroMQ failure (a bad or busy endpoint) is the user's to fix: say it in one line."""
 
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
-def _guarded(body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    @functools.wraps(body)
     def run(args: argparse.Namespace) -> int:
         try:
             return body(args)
-        except UserError as err:
-            return _fail(str(err))
         except zmq.ZMQError as err:
-            return _fail(f"ZeroMQ: {err}")
-        except KeyboardInterrupt:
-            return 0
+            raise ValueError(f"ZeroMQ: {err}") from None
 
-    run.__doc__ = body.__doc__
     return run
 
 
-def _check_endpoint(value: str, what: str) -> str:
+def check_endpoint(value: str, what: str) -> str:
     if "://" not in value:
-        raise UserError(f"{what} {value!r} is not a ZeroMQ endpoint (e.g. tcp://127.0.0.1:5557)")
+        raise ValueError(f"{what} {value!r} is not a ZeroMQ endpoint (e.g. tcp://127.0.0.1:5557)")
     return value
 
 
@@ -136,17 +120,17 @@ def add_tail_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@_guarded
+@zmq_errors_as_user_errors
 def run_tail(args: argparse.Namespace) -> int:
     """Print decoded events live."""
-    endpoint = _check_endpoint(args.endpoint, "--endpoint")
+    endpoint = check_endpoint(args.endpoint, "--endpoint")
     replay = args.replay_endpoint
     if replay is not None:
-        _check_endpoint(replay, "--replay-endpoint")
+        check_endpoint(replay, "--replay-endpoint")
     if args.count is not None and args.count <= 0:
-        raise UserError(f"--count must be > 0, got {args.count}")
+        raise ValueError(f"--count must be > 0, got {args.count}")
     if args.timeout is not None and args.timeout <= 0:
-        raise UserError(f"--timeout must be > 0, got {args.timeout}")
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     start_seq = None if args.from_seq < 0 or replay is None else args.from_seq
     config = SubscriberConfig(
         endpoint=endpoint, replay_endpoint=replay, topic=args.topic, start_seq=start_seq
@@ -204,24 +188,24 @@ def add_publish_sample_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int-hashes", action="store_true", help="send 64-bit int hashes")
 
 
-@_guarded
+@zmq_errors_as_user_errors
 def run_publish_sample(args: argparse.Namespace) -> int:
     """Publish a synthetic workload's events and keep the sockets up."""
     from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
-    from speckv.events.sample import (
+    from speckv.testing.event_sample import (
         SAMPLE_LORA,
         SampleEngine,
         SampleEngineConfig,
         run_sample_workload,
     )
 
-    _check_endpoint(args.endpoint, "--endpoint")
-    _check_endpoint(args.replay_endpoint, "--replay-endpoint")
+    check_endpoint(args.endpoint, "--endpoint")
+    check_endpoint(args.replay_endpoint, "--replay-endpoint")
     for name in ("linger", "delay"):
         if getattr(args, name) < 0:
-            raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.requests <= 0:
-        raise UserError(f"--requests must be > 0, got {args.requests}")
+        raise ValueError(f"--requests must be > 0, got {args.requests}")
     try:
         engine = SampleEngine(
             SampleEngineConfig(
@@ -230,7 +214,7 @@ def run_publish_sample(args: argparse.Namespace) -> int:
             )
         )
     except ValueError as err:
-        raise UserError(str(err)) from None
+        raise ValueError(str(err)) from None
     encoding = HashEncoding.INT if args.int_hashes else HashEncoding.BYTES
     config = PublisherConfig(
         endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, hash_encoding=encoding
@@ -246,7 +230,7 @@ def run_publish_sample(args: argparse.Namespace) -> int:
         try:
             summary = run_sample_workload(engine, publisher.publish, num_requests=args.requests)
         except RuntimeError as err:
-            raise UserError(f"{err}; raise --num-blocks") from None
+            raise ValueError(f"{err}; raise --num-blocks") from None
         publisher.wait_sent(5.0)
         stats = publisher.stats
         print(
@@ -256,100 +240,4 @@ def run_publish_sample(args: argparse.Namespace) -> int:
             flush=True,
         )
         time.sleep(args.linger)
-    return 0
-
-
-# ---- speckv route -------------------------------------------------------------------------------
-
-
-def add_route_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--engines", nargs="+", required=True, metavar="NAME=PUB[,REPLAY]",
-        help="engines to index, e.g. a=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558",
-    )
-    parser.add_argument("--block-size", type=int, required=True, help="the engines' block size")
-    parser.add_argument("--lookahead", type=int, default=0, help="the engines' L")
-    parser.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS))
-    parser.add_argument(
-        "--seed", default=None,
-        help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED)",
-    )
-    parser.add_argument(
-        "--lora", action="append", default=[], metavar="NAME=PATH",
-        help="a LoRA adapter's path, needed to reproduce its hashes (repeatable)",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--no-verify", action="store_true", help="skip recomputing hashes")
-
-
-def parse_engine_specs(specs: list[str]) -> dict[str, tuple[str, str | None]]:
-    """`name=pub[,replay]` strings as {name: (pub, replay)}; UserError when malformed."""
-    engines: dict[str, tuple[str, str | None]] = {}
-    for spec in specs:
-        name, sep, rest = spec.partition("=")
-        if not sep or not name or not rest:
-            raise UserError(f"--engines entry {spec!r} is not NAME=PUB[,REPLAY]")
-        if name in engines:
-            raise UserError(f"engine {name!r} is given twice")
-        endpoints = rest.split(",")
-        if len(endpoints) > 2:
-            raise UserError(f"--engines entry {spec!r} has more than two endpoints")
-        pub = _check_endpoint(endpoints[0], f"engine {name!r} endpoint")
-        replay = None
-        if len(endpoints) == 2:
-            replay = _check_endpoint(endpoints[1], f"engine {name!r} replay endpoint")
-        engines[name] = (pub, replay)
-    return engines
-
-
-def _parse_lora(entries: list[str]) -> dict[str, str]:
-    paths: dict[str, str] = {}
-    for entry in entries:
-        name, sep, path = entry.partition("=")
-        if not sep or not name or not path:
-            raise UserError(f"--lora entry {entry!r} is not NAME=PATH")
-        paths[name] = path
-    return paths
-
-
-def build_router_service(args: argparse.Namespace) -> Any:
-    """The (not yet started) `RouterService` the arguments describe; UserError if invalid."""
-    from speckv.events.service import RouterService, engine_endpoints
-
-    engines = parse_engine_specs(args.engines)
-    seed = args.seed if args.seed is not None else os.environ.get("PYTHONHASHSEED")
-    if seed is None:
-        raise UserError(
-            "no hash seed: pass --seed or set PYTHONHASHSEED to the engines' value "
-            "(engines with a random seed cannot be routed to)"
-        )
-    try:
-        hashing = EngineHashConfig(
-            algo=args.algo, seed=seed, block_size=args.block_size,
-            lookahead_tokens=args.lookahead, lora_paths=_parse_lora(args.lora),
-            verify=not args.no_verify,
-        )
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    return RouterService(engine_endpoints(engines, hashing))
-
-
-@_guarded
-def run_route(args: argparse.Namespace) -> int:
-    """Run the router: subscribe to every engine, serve POST /route and GET /stats."""
-    import uvicorn
-
-    from speckv.events.service import make_app
-
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port must be in 1..65535, got {args.port}")
-    service = build_router_service(args)
-    if not port_is_free(args.host, args.port):
-        raise UserError(f"cannot listen on {args.host}:{args.port} (in use or not local)")
-    service.start()
-    try:
-        uvicorn.run(make_app(service), host=args.host, port=args.port, log_level="warning")
-    finally:
-        service.stop()
     return 0

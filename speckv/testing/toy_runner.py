@@ -1,0 +1,219 @@
+"""ToyRunner: a model-free runner for the real scheduler, with a symbolic KV store.
+
+Owns a toy "target model" (`next_token`: a fixed function of the last tokens, so drafts can be
+accepted or rejected on purpose), the `SymbolicKV` stand-in for the paged KV tensors, and a
+runner that speaks the engine's typed messages exactly like `ModelRunner`: it keeps its own
+per-request token ids and block tables from the scheduler's deltas, writes KV for the
+scheduled positions, verifies drafts, cuts at the first stop and proposes the next drafts.
+
+Every prefix-cache hit it is handed is checked: each hit slot must hold the target KV and draft
+KV that a cold run of the hitting request would write (`HitMismatch` otherwise). The check runs
+after this step's writes by other requests (a hit may take blocks another request computes in
+the same step, as on the real engine, where every layer writes its KV before it attends) and
+before the hitting request rewrites anything itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.engine.core import EngineCore
+from speckv.engine.messages import (
+    EMPTY_RUNNER_OUTPUT,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from speckv.engine.request import Request
+from speckv.engine.scheduler import Scheduler
+from speckv.engine.stopping import first_stop
+
+
+def next_token(context: Sequence[int], vocab_size: int) -> int:
+    """The toy target model: a fixed function of the last three tokens and the length."""
+    a, b, c = (list(context[-3:]) + [0, 0, 0])[:3]
+    return (a * 1_000_003 + b * 10_007 + c * 101 + len(context) * 7) % vocab_size
+
+
+class HitMismatch(AssertionError):
+    """A prefix-cache hit served KV that a cold run would not have written."""
+
+
+class SymbolicKV:
+    """A stand-in for the paged KV tensors that records what each slot was computed from.
+
+    target[slot] = the token at that position; draft[slot] = the tokens after it that the
+    drafter's KV at that position was computed from (k of them for k-module MTP). A cache hit
+    is correct exactly when every hit slot holds what a cold run of the hitting request would
+    write: `expected_at(tokens, position)`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, draft_depth: int) -> None:
+        self.block_size = block_size
+        self.draft_depth = draft_depth
+        self.target: list[int | None] = [None] * (num_blocks * block_size)
+        self.draft: list[tuple[int, ...] | None] = [None] * (num_blocks * block_size)
+
+    def slot(self, block_ids: Sequence[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + (
+            position % self.block_size
+        )
+
+    def write(self, block_ids: Sequence[int], sequence: Sequence[int], start: int,
+              end: int, draft_start: int) -> None:
+        """Compute positions [start, end) over `sequence` (real tokens + drafts): target KV
+        there, draft KV at [draft_start, end) from the tokens after each position."""
+        for position in range(start, end):
+            self.target[self.slot(block_ids, position)] = sequence[position]
+        for position in range(draft_start, end):
+            self.draft[self.slot(block_ids, position)] = tuple(
+                sequence[position + 1 : position + 1 + self.draft_depth]
+            )
+
+    def expected_at(self, tokens: Sequence[int], position: int) -> tuple[int, tuple[int, ...]]:
+        return tokens[position], tuple(tokens[position + 1 : position + 1 + self.draft_depth])
+
+    def read(self, block_ids: Sequence[int], position: int) -> tuple[object, object]:
+        slot = self.slot(block_ids, position)
+        return self.target[slot], self.draft[slot]
+
+
+@dataclass
+class _ToyRequest:
+    data: NewRequestData
+    token_ids: list[int]  # real tokens: prompt + sampled
+    block_ids: list[int]  # group 0 block table
+
+
+class ToyRunner:
+    def __init__(self, num_spec_tokens: int, vocab_size: int = 32000,
+                 kv: SymbolicKV | None = None, check_draft_kv: bool = True) -> None:
+        self.num_spec_tokens = num_spec_tokens
+        self.vocab_size = vocab_size
+        self.kv = kv
+        # Legacy hashes + drop promise only the target KV (a chain stitched from two requests'
+        # blocks keeps the first copy's draft KV): such tests turn the draft check off.
+        self.check_draft_kv = check_draft_kv
+        self.num_accept = num_spec_tokens  # drafts accepted per request per step, at most
+        self.num_hits_checked = 0  # hit slots checked against a cold run
+        self.requests: dict[str, _ToyRequest] = {}
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.requests[request_id].block_ids
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for data in scheduler_output.new_requests:
+            self.requests[data.request_id] = _ToyRequest(data, list(data.prompt_token_ids), [])
+        for item in scheduler_output.scheduled:
+            state = self.requests[item.request_id]
+            if item.replaces_block_table:
+                state.block_ids = list(item.new_block_ids[0])
+            else:
+                state.block_ids.extend(item.new_block_ids[0])
+        if scheduler_output.is_empty:
+            return EMPTY_RUNNER_OUTPUT
+        items = [(item, self.requests[item.request_id]) for item in scheduler_output.scheduled]
+        if self.kv is not None:
+            # target pass over real tokens + drafts; the drafter's pass writes draft KV from
+            # whatever follows (drafts included: garbage where they get rejected)
+            for item, state in items:
+                sequence = [*state.token_ids, *item.draft_token_ids]
+                self.kv.write(state.block_ids, sequence, item.start, item.end, item.start)
+            for item, state in items:
+                if item.replaces_block_table and item.num_hit_tokens:
+                    self._check_hit(state, item.num_hit_tokens)
+        sampled_by_id: dict[str, list[int]] = {}
+        drafts_by_id: dict[str, list[int]] = {}
+        for item, state in items:
+            if not item.samples:
+                continue
+            sampled = self._verify(state.token_ids, item.draft_token_ids)
+            limits = state.data.stop_limits
+            num_kept, reason = first_stop(sampled, len(state.token_ids),
+                                          len(state.data.prompt_token_ids), limits)
+            sampled = sampled[:num_kept]
+            state.token_ids.extend(sampled)
+            sampled_by_id[item.request_id] = sampled
+            num_computed = item.end - (item.num_drafts - (len(sampled) - 1))
+            if self.kv is not None:
+                # the drafter rewrites its KV for the accepted positions from the real
+                # tokens; module j of a k-module MTP reaches back j positions
+                rewrite_from = max(0, item.start - self.kv.draft_depth)
+                self.kv.write(state.block_ids, state.token_ids, num_computed, num_computed,
+                              rewrite_from)
+            if reason is None:
+                num_output = len(state.token_ids) - len(state.data.prompt_token_ids)
+                room = min(self.num_spec_tokens, limits.max_tokens - num_output - 1,
+                           limits.max_model_len - len(state.token_ids) - 1)
+                drafts_by_id[item.request_id] = self._propose(state.token_ids)[: max(0, room)]
+        return ModelRunnerOutput(sampled_by_id, drafts_by_id)
+
+    def _verify(self, tokens: list[int], drafts: Sequence[int]) -> list[int]:
+        """Drafts matching the toy model, up to `num_accept`, then one bonus token."""
+        context = list(tokens)
+        sampled: list[int] = []
+        for draft in drafts:
+            if len(sampled) >= self.num_accept or draft != next_token(context, self.vocab_size):
+                break
+            sampled.append(draft)
+            context.append(draft)
+        sampled.append(next_token(context, self.vocab_size))
+        return sampled
+
+    def _propose(self, tokens: list[int]) -> list[int]:
+        """Drafts: the toy model's true continuation, with the last one wrong, so that tests
+        see both accepted and rejected drafts."""
+        context = list(tokens)
+        drafts = []
+        for index in range(self.num_spec_tokens):
+            token = next_token(context, self.vocab_size)
+            if index == self.num_spec_tokens - 1 and index > 0:
+                token = (token + 1) % self.vocab_size
+            drafts.append(token)
+            context.append(token)
+        return drafts
+
+    def _check_hit(self, state: _ToyRequest, num_hit_tokens: int) -> None:
+        assert self.kv is not None
+        for position in range(num_hit_tokens):
+            target, draft = self.kv.read(state.block_ids, position)
+            expected_target, expected_draft = self.kv.expected_at(state.token_ids, position)
+            if target != expected_target:
+                raise HitMismatch(f"request {state.data.request_id}: hit slot {position} "
+                                  f"holds target KV of {target}, a cold run {expected_target}")
+            if self.check_draft_kv and draft != expected_draft:
+                raise HitMismatch(f"request {state.data.request_id}: hit slot {position} "
+                                  f"holds draft KV of {draft}, a cold run {expected_draft}")
+        self.num_hits_checked += num_hit_tokens
+
+
+def toy_core(
+    manager: KVCacheManager,
+    num_spec_tokens: int = 0,
+    *,
+    vocab_size: int = 32000,
+    kv: SymbolicKV | None = None,
+    check_draft_kv: bool = True,
+    max_num_batched_tokens: int = 1 << 20,
+    max_num_seqs: int = 256,
+) -> EngineCore:
+    """The real scheduler over `manager`, run by a `ToyRunner` (`core.runner`)."""
+    scheduler = Scheduler(manager, max_num_batched_tokens, max_num_seqs, num_spec_tokens)
+    runner = ToyRunner(num_spec_tokens, vocab_size, kv, check_draft_kv)
+    return EngineCore(scheduler, runner)
+
+
+def run_to_completion(core: EngineCore, requests: Sequence[Request]) -> None:
+    """Add the requests and step until they are all finished; RuntimeError if the KV cache
+    cannot hold one of them."""
+    for request in requests:
+        core.scheduler.add_request(request)
+    while core.scheduler.has_unfinished_requests():
+        for output in core.step():
+            if output.finish_reason is FinishReason.ERROR:
+                raise RuntimeError(f"request {output.request_id}: {output.error}")

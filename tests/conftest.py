@@ -1,0 +1,88 @@
+"""Fixtures shared by every test directory: one thread count, one tiny model, the cache world,
+and loopback ZeroMQ endpoints and publishers. Helper modules are imported as
+`tests.<dir>.<module>` (the test tree is a package)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.block_pool import hit_check_for
+from speckv.cache.events import KVEventSink
+from speckv.engine.request import Request
+from speckv.events.endpoints import loopback_endpoint
+from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
+from speckv.hashing.functions import get_hash_algo
+from speckv.models.llama import LlamaForCausalLM
+from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.testing.tiny_model import tiny_model as build_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; on a shared 2-core CPU, two threads stall in
+    spin-waits (10-40x slower steps). Restored after each test."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LlamaForCausalLM:
+    """The shared tiny random Llama (`speckv.testing.tiny_model`); tests must not change it."""
+    return build_tiny_model()
+
+
+# ---- the cache world --------------------------------------------------------------------------
+_request_ids = itertools.count()
+
+
+class CacheWorld:
+    """One single-group manager plus the hashing its requests use."""
+
+    def __init__(self, block_size=4, num_blocks=64, drafter="eagle", num_modules=1,
+                 legacy=False, algo="sha256", events=False):
+        self.hash_mode = resolve_hash_mode(drafter_policy(drafter, num_modules),
+                                           disable_lookahead_block_hashes=legacy)
+        self.sink = KVEventSink() if events else None
+        self.manager = KVCacheManager(
+            [FullAttentionSpec(block_size)], num_blocks, self.hash_mode,
+            hit_check=hit_check_for(get_hash_algo(algo)), event_sink=self.sink,
+        )
+        self.hashing = self.manager.block_hashing(algo, "0")
+        self.block_size = block_size
+
+    def request(self, prompt, max_tokens=8, **kwargs) -> Request:
+        return Request(f"r{next(_request_ids)}", prompt, self.hashing, max_tokens=max_tokens,
+                       **kwargs)
+
+
+@pytest.fixture
+def world_factory() -> type[CacheWorld]:
+    return CacheWorld
+
+
+# ---- KV events over ZeroMQ --------------------------------------------------------------------
+@pytest.fixture
+def endpoints() -> tuple[str, str]:
+    """A (PUB, replay) pair of free loopback endpoints."""
+    return loopback_endpoint(), loopback_endpoint()
+
+
+@pytest.fixture
+def make_publisher() -> Iterator[Callable[..., ZmqEventPublisher]]:
+    made: list[ZmqEventPublisher] = []
+
+    def make(**kwargs) -> ZmqEventPublisher:
+        publisher = ZmqEventPublisher(PublisherConfig(**kwargs))
+        made.append(publisher)
+        return publisher
+
+    yield make
+    for publisher in made:
+        publisher.shutdown()
