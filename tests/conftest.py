@@ -17,7 +17,7 @@ from speckv.engine.request import Request
 from speckv.events.endpoints import loopback_endpoint
 from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
 from speckv.hashing.functions import get_hash_algo
-from speckv.models.llama import LlamaForCausalLM
+from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.spec.policy import drafter_policy, resolve_hash_mode
 from speckv.testing.tiny_model import tiny_model as build_tiny_model
 
@@ -30,6 +30,14 @@ def single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def run_prefill() -> Callable[..., ModelOutput]:
+    """One request's whole prompt through a model in one forward (tests/models helpers)."""
+    from tests.models.speckv_model_test_utils import prefill
+
+    return prefill
 
 
 @pytest.fixture(scope="session")

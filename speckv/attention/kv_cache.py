@@ -128,10 +128,6 @@ class PagedKVCache:
         return cls(num_layers, n, block_size, num_kv_heads, head_dim, dtype, device)
 
     @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
@@ -139,7 +135,3 @@ class PagedKVCache:
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer_idx {layer_idx} out of range [0, {self.num_layers})")
         return self._layers[layer_idx]
-
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write helper)."""
-        self.storage[:, :, dst] = self.storage[:, :, src]

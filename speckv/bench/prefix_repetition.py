@@ -241,8 +241,10 @@ def write_chart(results: list[ModeResult], path: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="builtin", help="'builtin', an HF dir or a .gguf")
-    parser.add_argument("--draft-model", default="builtin",
-                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (EAGLE head)")
+    parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
+                        default="builtin",
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (EAGLE head); "
+                        "--draft-model is a deprecated alias")
     parser.add_argument("--prefix-len", type=int, default=200)
     parser.add_argument("--suffix-len", type=int, default=40)
     parser.add_argument("--num-prefixes", type=int, default=4)
@@ -299,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
                  f"prompts, {args.output_len} output tokens")
     drafter = None
     if any(MODES[mode]["speculative"] for mode in modes):
-        drafter = load_drafter_model(args.draft_model, model)
+        drafter = load_drafter_model(args.speculative_model, model)
     results = run_benchmark(model, drafter, workload, options, modes)
     identical = outputs_identical(results)
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """`speckv bench spec-decode`: decode speed with speculation versus without, same run.
 
-The built-in model with its shipped EAGLE head (or `--draft-model DIR`), greedy, on held-out
+The built-in model with its shipped EAGLE head (or `--speculative-model DIR`), greedy, on held-out
 chat prompts, at batch 1 and batch 8: output tokens/s per mode, the ratio, the drafts'
 acceptance rate and mean acceptance length, and whether outputs are identical (they must be:
 greedy verification is lossless).
@@ -64,7 +64,10 @@ def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft-model", default="builtin")
+    parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
+                        default="builtin",
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (EAGLE head); "
+                        "--draft-model is a deprecated alias")
     parser.add_argument("--num-spec-tokens", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="1,8")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-sizes, --num-spec-tokens and --num-prompts must be >= 1")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("builtin", "float32", "cpu", progress=not args.json)
-    drafter = load_drafter_model(args.draft_model, model)
+    drafter = load_drafter_model(args.speculative_model, model)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}])
                for text in eval_prompts(args.num_prompts)]
     rows = []

@@ -31,7 +31,7 @@ def run_model_demo(console: Console, max_tokens: int = 32) -> None:
 
     try:
         llm = LLM("builtin", speculative_method="eagle", num_spec_tokens=3,
-                  draft_model="builtin")
+                  speculative_model="builtin")
     except BuiltinModelMissingError as error:
         console.print(f"[yellow]built-in model unavailable:[/] {error}")
         return

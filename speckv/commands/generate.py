@@ -24,12 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    parser.add_argument("--drafter", choices=("none", "ngram", "eagle", "eagle3", "mtp"),
-                        default=None,
+    parser.add_argument("--speculative-method", "--drafter", dest="speculative_method",
+                        choices=("none", "ngram", "eagle", "eagle3", "mtp"), default=None,
                         help="speculative decoding (default: eagle with the built-in head "
                         "for the built-in model, none otherwise)")
-    parser.add_argument("--draft-model", default=None,
-                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin'")
+    parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
+                        default=None,
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin'; --draft-model "
+                        "is a deprecated alias")
     parser.add_argument("--num-spec-tokens", type=int, default=3)
     parser.add_argument("--disable-lookahead-block-hashes", action="store_true",
                         help="legacy block hashes and the last-block drop")
@@ -46,17 +48,18 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    drafter = args.drafter
-    draft_model = args.draft_model
-    if drafter is None:
-        drafter = "eagle" if args.model == "builtin" or draft_model else "none"
-    if drafter in ("eagle", "eagle3", "mtp") and draft_model is None:
+    method = args.speculative_method
+    speculative_model = args.speculative_model
+    if method is None:
+        method = "eagle" if args.model == "builtin" or speculative_model else "none"
+    if method in ("eagle", "eagle3", "mtp") and speculative_model is None:
         if args.model != "builtin":
-            raise ValueError(f"--drafter {drafter} needs --draft-model DIR for this model")
-        draft_model = "builtin"
-    speculative = {} if drafter == "none" else {
-        "speculative_method": drafter, "num_spec_tokens": args.num_spec_tokens,
-        "draft_model": draft_model if drafter != "ngram" else None,
+            raise ValueError(
+                f"--speculative-method {method} needs --speculative-model DIR for this model")
+        speculative_model = "builtin"
+    speculative = {} if method == "none" else {
+        "speculative_method": method, "num_spec_tokens": args.num_spec_tokens,
+        "speculative_model": speculative_model if method != "ngram" else None,
     }
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               disable_lookahead_block_hashes=args.disable_lookahead_block_hashes, **speculative)

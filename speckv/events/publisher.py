@@ -63,16 +63,6 @@ class PublisherStats:
     next_seq: int
 
 
-class NullEventPublisher:
-    """Events off: the same interface, doing nothing."""
-
-    def publish(self, events: Sequence[records.KVCacheEvent] | KVEventBatch) -> int | None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
-
-
 class ZmqEventPublisher:
     """Reliable-ish PUB/ROUTER publisher with an in-memory replay buffer."""
 

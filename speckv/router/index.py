@@ -205,10 +205,6 @@ class RouterIndex:
         for event in batch.events:
             self._apply(engine, state, event)
 
-    def apply_event(self, engine: str, event: object) -> None:
-        """Apply one event of an engine's (outside any batch count). Mutates."""
-        self._apply(engine, self.state[engine], event)
-
     def _apply(self, engine: str, state: EngineState, event: object) -> None:
         if isinstance(event, BlockStored):
             self._stored(engine, state, event)

@@ -4,7 +4,8 @@ Owns `SampleEngine` (the real scheduler and a `KVCacheManager` with an event sin
 toy runner, hashing as an engine with `L` lookahead tokens would) and `run_sample_workload`, a
 few requests that share prefixes, one with a LoRA adapter, one salted, one with a multimodal
 item, on a cache small enough to evict, ending with a prefix-cache reset. Events are published
-once per step, as an engine does. Used by `speckv events publish-sample`, the tests and the benchmark.
+once per step, as an engine does. Used by `speckv events publish-sample`, the tests and the
+benchmark.
 """
 
 from __future__ import annotations

@@ -8,13 +8,11 @@ outputs have no long argmax ties.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from speckv.models import LlamaForCausalLM, ModelConfig
 
-TINY_MODEL_CONFIG = ModelConfig(
+_TINY_SHAPE: dict[str, object] = dict(
     vocab_size=96,
     hidden_size=64,
     intermediate_size=128,
@@ -23,11 +21,12 @@ TINY_MODEL_CONFIG = ModelConfig(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+TINY_MODEL_CONFIG = ModelConfig(**_TINY_SHAPE)
 
 
 def tiny_model_config(**overrides: object) -> ModelConfig:
-    """`TINY_MODEL_CONFIG` with some fields replaced (validated again)."""
-    return dataclasses.replace(TINY_MODEL_CONFIG, **overrides)
+    """The tiny shape with some fields replaced (derived fields follow, validated again)."""
+    return ModelConfig(**{**_TINY_SHAPE, **overrides})
 
 
 def tiny_model(seed: int = 1234, init_std: float = 0.2, **overrides: object) -> LlamaForCausalLM:

@@ -13,16 +13,12 @@ from speckv.bench.prefix_repetition import (
 )
 from speckv.bench.workload import PrefixRepetitionConfig, prefix_repetition
 from speckv.drafters.loaders import random_drafter
-from speckv.models import LlamaForCausalLM, ModelConfig
-
-CONFIG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+from speckv.testing.tiny_model import tiny_model
 
 
 @pytest.fixture(scope="module")
 def model_and_drafter():
-    torch.manual_seed(7)
-    model = LlamaForCausalLM.from_config(CONFIG, init_std=0.2)
+    model = tiny_model(seed=7)
     return model, random_drafter("eagle", model, init_std=0.2, seed=3)
 
 

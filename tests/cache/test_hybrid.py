@@ -69,9 +69,15 @@ def _run(manager, hashing, tokens, max_tokens=2, num_spec=0):
     return request
 
 
-def _cached_block_indices(manager, request, group_id):
+def _group_hashes(manager, request, group_id):
+    """A group's block hashes: every stride-th hash of the request's chain."""
     group = manager.managers[group_id]
-    hashes = manager._group_hashes(request, group)
+    stride = group.block_size // manager.hash_block_size
+    return request.get_block_hashes(group.group.lookahead_tokens)[stride - 1::stride]
+
+
+def _cached_block_indices(manager, request, group_id):
+    hashes = _group_hashes(manager, request, group_id)
     return [index for index in range(len(hashes))
             if manager.pool.get_cached_block(hashes[index], group_id) is not None]
 
@@ -178,7 +184,7 @@ def test_a_hole_in_the_window_moves_the_sliding_window_hit_down():
     second = Request("b", tokens, hashing)
     assert manager.get_computed_blocks(second).num_computed_tokens == 28
     # drop the sliding-window block [20, 24): hits at 28 and 24 lose their window
-    hashes = manager._group_hashes(second, manager.managers[1])
+    hashes = _group_hashes(manager, second, 1)
     from speckv.cache.block import make_cache_key
 
     assert manager.pool.evict_cached_blocks([make_cache_key(hashes[5], 1)]) == 1

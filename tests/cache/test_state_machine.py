@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, settings
+from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -114,11 +115,11 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
         for output in self.core.step():
             assert output.finish_reason in (None, FinishReason.LENGTH, FinishReason.ERROR)
             if output.num_preemptions:
-                event("a request was preempted")
+                note_event("a request was preempted")
             if output.num_accepted_tokens:
-                event("drafts accepted")
+                note_event("drafts accepted")
         if self.core.runner.num_hits_checked > hits_before:
-            event("a hit was taken and checked")
+            note_event("a hit was taken and checked")
         self._absorb_events()
 
     @precondition(lambda self: self.core.scheduler.has_unfinished_requests())

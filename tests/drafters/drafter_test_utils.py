@@ -8,8 +8,8 @@ import torch
 
 from speckv.attention import PagedKVCache
 from speckv.drafters import CatchUpRequest, Drafter, TargetStates, random_drafter
-from speckv.models.config import ModelConfig
 from speckv.models.llama import LlamaForCausalLM
+from speckv.testing.tiny_model import tiny_model
 
 # (method, kwargs) of every drafter flavour the tests cover; MTP in both checkpoint layouts.
 FLAVOURS: list[tuple[str, dict[str, object]]] = [
@@ -23,20 +23,12 @@ FLAVOUR_IDS = [f"{f}-{kw.get('layout', '')}-{kw.get('num_modules', 1)}" for f, k
 
 
 def tiny_target(vocab_size: int = 61, init_std: float = 0.3, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM.from_config(cfg, init_std=init_std)
+    return tiny_model(seed, init_std, vocab_size=vocab_size, hidden_size=32,
+                      intermediate_size=64, num_hidden_layers=5, max_position_embeddings=512)
 
 
-def make_drafter(fmt: str, kw: dict[str, object], target: LlamaForCausalLM, seed: int = 1) -> Drafter:
+def make_drafter(fmt: str, kw: dict[str, object], target: LlamaForCausalLM,
+                 seed: int = 1) -> Drafter:
     extra: dict[str, object] = dict(kw)
     if fmt == "eagle3":
         v = target.config.vocab_size

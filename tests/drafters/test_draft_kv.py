@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from speckv.drafters import CatchUpRequest, TargetStates
 from tests.drafters.drafter_test_utils import (
     FLAVOUR_IDS,
     FLAVOURS,
@@ -16,8 +18,6 @@ from tests.drafters.drafter_test_utils import (
     shuffled_table,
     tiny_target,
 )
-
-from speckv.drafters import CatchUpRequest, TargetStates
 
 BS = 4
 N = 23  # target rows (positions 0 .. N-1); tokens t[0 .. N]

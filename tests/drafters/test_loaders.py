@@ -6,6 +6,11 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from speckv.drafters import detect_format, load_drafter, save_drafter
+from speckv.drafters.eagle3 import Eagle3Drafter
 from tests.drafters.drafter_test_utils import (
     FLAVOUR_IDS,
     FLAVOURS,
@@ -15,11 +20,6 @@ from tests.drafters.drafter_test_utils import (
     read_kv,
     tiny_target,
 )
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from speckv.drafters import detect_format, load_drafter, save_drafter
-from speckv.drafters.eagle3 import Eagle3Drafter
 
 N = 11
 

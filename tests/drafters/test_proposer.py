@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.drafters.drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, shuffled_table, tiny_target
 
 from speckv.attention import AttentionMetadata
 from speckv.drafters.evaluate import speculative_generate
 from speckv.drafters.proposer import DrafterProposer
 from speckv.spec.proposer import ProposerInput
+from tests.drafters.drafter_test_utils import (
+    FLAVOUR_IDS,
+    FLAVOURS,
+    make_drafter,
+    shuffled_table,
+    tiny_target,
+)
 
 
 @pytest.fixture(scope="module")

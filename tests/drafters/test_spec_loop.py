@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.drafters.drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, tiny_target
 
 from speckv.drafters.evaluate import speculative_generate
 from speckv.models.generate import greedy_generate
+from tests.drafters.drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")

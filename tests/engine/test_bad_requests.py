@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tests.engine.engine_test_utils import shared_prefix_prompts
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm import LLM
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.generate import greedy_generate
+from tests.engine.engine_test_utils import shared_prefix_prompts
 
 
 def test_bad_requests_are_rejected_while_others_finish(tiny_model):

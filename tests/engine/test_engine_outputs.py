@@ -4,12 +4,12 @@ prefix caching on/off under eviction pressure, chunked prefill, preemption, n-gr
 from __future__ import annotations
 
 import pytest
-from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.generate import greedy_generate
+from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
 
 GREEDY = SamplingParams(max_tokens=12)
 

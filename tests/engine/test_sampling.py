@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampler import make_generator, target_probs, verify_random
 from speckv.engine.sampling_params import SamplingParams
+from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
 
 
 @pytest.mark.parametrize(

@@ -4,25 +4,20 @@ every published hash is reproducible, and the router routes a repeat to the engi
 from __future__ import annotations
 
 import pytest
-import torch
-from tests.events.events_helpers import collect
 
 from speckv.drafters.loaders import random_drafter
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.router.index import EngineHashConfig, RouterIndex
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
-from speckv.models import LlamaForCausalLM, ModelConfig
-
-CONFIG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+from speckv.router.index import EngineHashConfig, RouterIndex
+from speckv.testing.tiny_model import tiny_model
+from tests.events.events_helpers import collect
 
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_engine_events_reproduce_hashes_and_route(endpoints, make_publisher, legacy):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM.from_config(CONFIG, init_std=0.2)
+    model = tiny_model(seed=0)
     drafter = random_drafter("eagle", model, seed=1)
     pub_ep, replay_ep = endpoints
     publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.events.events_helpers import collect
 
-from speckv.router.index import recompute_block_hashes
-from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
 from speckv.events.schema import BlockStored, decode_batch, encode_batch, to_wire_batch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.hashing.extra_keys import HashInputs, LoRARef, MultiModalItem
 from speckv.hashing.functions import get_hash_algo, make_none_hash
+from speckv.router.index import recompute_block_hashes
+from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
+from tests.events.events_helpers import collect
 
 B = 8
 LORA = LoRARef("adapter-a", "/srv/adapters/a")

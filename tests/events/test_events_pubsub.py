@@ -7,12 +7,12 @@ import time
 
 import pytest
 import zmq
-from tests.events.events_helpers import collect, wait_subscribed
 
 from speckv.cache import events as records
 from speckv.events.publisher import END_SEQ, PublisherConfig, ZmqEventPublisher
 from speckv.events.schema import encode_batch, to_wire_batch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
+from tests.events.events_helpers import collect, wait_subscribed
 
 
 def removed(i: int) -> list[records.KVCacheEvent]:

@@ -7,7 +7,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from tests.events.events_helpers import collect, wait_subscribed
 
 from speckv.cache import events as records
 from speckv.events.schema import (
@@ -25,6 +24,7 @@ from speckv.events.schema import (
     to_wire_event,
 )
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
+from tests.events.events_helpers import collect, wait_subscribed
 
 H = [bytes([i]) * 32 for i in range(1, 5)]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from tests.hashing.hashing_reference import plain_chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ from speckv.hashing.formats import (
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.pickle_fast import PieceEncoder, chain_hash
 from speckv.hashing.request_hasher import RequestBlockHasher
+from tests.hashing.hashing_reference import plain_chain
 
 FORMATS = [LegacyFormat(), LookaheadFormat(1), LookaheadFormat(2), LookaheadFormat(4),
            NestedFormat(), ExpandedWindowFormat()]

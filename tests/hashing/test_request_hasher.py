@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tests.hashing.hashing_reference import plain_chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +11,7 @@ from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs, LoRARef, Multi
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import HASH_ALGOS, get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import RequestBlockHasher, hash_prompt, num_hashable_blocks
+from tests.hashing.hashing_reference import plain_chain
 
 ALGO_NAMES = sorted(HASH_ALGOS)
 

@@ -6,16 +6,14 @@ import torch
 
 from speckv.attention import AttentionMetadata
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.testing.tiny_model import tiny_model_config
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+# The shared tiny shape (speckv.testing.tiny_model) with a larger vocabulary and 3 layers, as
+# keyword arguments both our ModelConfig and the transformers configs take.
+_SHAPE = tiny_model_config(vocab_size=128, intermediate_size=96, num_hidden_layers=3)
+TINY = {name: getattr(_SHAPE, name) for name in (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
 
 
 def prefill(

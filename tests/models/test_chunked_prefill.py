@@ -6,11 +6,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from tests.models.speckv_model_test_utils import TINY, widen_init
 
 from speckv.attention import AttentionMetadata
 from speckv.models.config import ModelConfig
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from tests.models.speckv_model_test_utils import TINY, widen_init
 
 BLOCK_SIZE = 4
 

@@ -11,7 +11,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tests.models.speckv_model_test_utils import widen_init
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -19,6 +18,7 @@ from speckv.models.config import ModelConfig
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.models.loader import load_gguf
 from speckv.models.tokenizer import Tokenizer
+from tests.models.speckv_model_test_utils import widen_init
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (

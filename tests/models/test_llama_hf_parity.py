@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from tests.models.speckv_model_test_utils import TINY, widen_init
 
 from speckv.models.llama import ModelOutput
 from speckv.models.loader import load_hf_dir
+from tests.models.speckv_model_test_utils import TINY, widen_init
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,11 +11,11 @@ import pytest
 import uvicorn
 
 from speckv.events.endpoints import free_port, loopback_endpoint
-from speckv.router.index import EngineHashConfig, RouterIndex
-from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
 from speckv.events.schema import HashEncoding, decode_batch, encode_batch, to_wire_batch
-from speckv.router.service import EngineEndpoint, RouterService, make_app
 from speckv.hashing.extra_keys import HashInputs, LoRARef
+from speckv.router.index import EngineHashConfig, RouterIndex
+from speckv.router.service import EngineEndpoint, RouterService, make_app
+from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
 
 B = 8
 LORA = LoRARef("ad", "/srv/ad")
