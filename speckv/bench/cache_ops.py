@@ -20,20 +20,17 @@ from rich.table import Table
 
 from speckv.cache import KVCacheManager
 from speckv.cache.specs import parse_group_specs
-from speckv.engine.request import BlockHashing, Request
-from speckv.hashing.functions import get_hash_algo, make_none_hash
-from speckv.spec.policy import make_drafter_policy, resolve_hash_mode
+from speckv.engine.request import Request
+from speckv.spec.policy import drafter_policy, resolve_hash_mode
 
 
 def measure(prompt_len: int, groups: str, num_rounds: int) -> dict:
-    hash_mode = resolve_hash_mode(make_drafter_policy("eagle"))
-    algo = get_hash_algo("sha256")
+    hash_mode = resolve_hash_mode(drafter_policy("eagle"))
     specs = parse_group_specs(groups)
     block_size = min(spec.block_size for spec in specs)
     num_blocks = len(specs) * (2 * prompt_len // block_size + 16)
     manager = KVCacheManager(specs, num_blocks, hash_mode)
-    hashing = BlockHashing(algo, make_none_hash(algo, "0"), manager.hash_block_size,
-                           manager.lookahead_values)
+    hashing = manager.block_hashing("sha256", "0")
     rng = random.Random(0)
     prompt = [rng.randrange(32000) for _ in range(prompt_len)]
     first = Request("warm", prompt, hashing, max_tokens=4)

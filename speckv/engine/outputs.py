@@ -2,8 +2,8 @@
 
 Owns the typed result: token ids and text (whole output so far plus this step's delta),
 cached prompt tokens, time to first token and the finish reason ("stop", "length", "abort",
-"error" for a prompt `LLM` could not add, or None while running; `error` is set with "error",
-and with "length" when a request no longer fits the KV cache), and `acceptance_stats`, the
+"error" for a prompt `LLM` could not add or a request that no longer fits the KV cache, or None
+while running; `error` says why with "error"), and `acceptance_stats`, the
 drafts' acceptance over a set of outputs.
 """
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.engine.request import BlockHashing, Request, RequestStatus
+from speckv.cache import FullAttentionSpec, KVCacheManager, MambaSpec
+from speckv.cache.hash_mode import HashMode
+from speckv.engine.request import Request, RequestStatus
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
 
 ALGO = get_hash_algo("sha256")
 NONE_HASH = make_none_hash(ALGO, "0")
-HASHING = BlockHashing(ALGO, NONE_HASH, 2, [0, 1])
+# a hybrid manager: attention groups hash with L = 1, the Mamba group with L = 0
+HASHING = KVCacheManager([FullAttentionSpec(2), MambaSpec(2)], 16, HashMode.for_lookahead(1)
+                         ).block_hashing("sha256", "0")
 
 
 def test_bad_prompts_are_rejected_clearly():
