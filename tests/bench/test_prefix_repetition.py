@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from speckv.bench.prefix_repetition import (
     RunOptions,
@@ -23,20 +22,15 @@ def model_and_drafter():
 
 
 def test_three_modes_hit_rates_and_identical_outputs(model_and_drafter, tmp_path):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, drafter = model_and_drafter
-        # prefix 10 is not block aligned: lookahead keeps block [4, 8) (its successor token 8
-        # is still in the shared prefix); the legacy drop recomputes it
-        workload = prefix_repetition(
-            PrefixRepetitionConfig(prefix_len=10, suffix_len=5, num_prefixes=2, output_len=6,
-                                   num_prompts=6, seed=1), vocab_size=96)
-        options = RunOptions(block_size=4, num_blocks=64, num_spec_tokens=2,
-                             max_concurrency=1, progress=False)
-        no_spec, legacy, lookahead = run_benchmark(model, drafter, workload, options)
-    finally:
-        torch.set_num_threads(previous)
+    model, drafter = model_and_drafter
+    # prefix 10 is not block aligned: lookahead keeps block [4, 8) (its successor token 8
+    # is still in the shared prefix); the legacy drop recomputes it
+    workload = prefix_repetition(
+        PrefixRepetitionConfig(prefix_len=10, suffix_len=5, num_prefixes=2, output_len=6,
+                               num_prompts=6, seed=1), vocab_size=96)
+    options = RunOptions(block_size=4, num_blocks=64, num_spec_tokens=2,
+                         max_concurrency=1, progress=False)
+    no_spec, legacy, lookahead = run_benchmark(model, drafter, workload, options)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     # per prefix: the first prompt misses, the two others hit 8 tokens (legacy: 4)
     assert no_spec.hit_rate == pytest.approx(4 * 8 / prompt_tokens)

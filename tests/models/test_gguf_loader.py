@@ -14,10 +14,10 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from speckv.models.config import ModelConfig
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.models.loader import load_gguf
 from speckv.models.tokenizer import Tokenizer
+from speckv.testing.tiny_model import tiny_model_config
 from tests.models.speckv_model_test_utils import widen_init
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -132,14 +132,10 @@ def _write_gguf(
 
 
 def _tiny(arch: str, vocab_size: int, **kw: Any) -> LlamaForCausalLM:
-    cfg = ModelConfig(
+    cfg = tiny_model_config(
         architecture=arch,
         vocab_size=vocab_size,
-        hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         max_position_embeddings=128,
