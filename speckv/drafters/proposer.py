@@ -11,13 +11,14 @@ the new start already has all modules' draft KV).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
 from speckv.spec.policy import DrafterPolicy
-from speckv.spec.proposer import ProposerInput
+from speckv.spec.proposer import ProposerInput, ProposeTiming
 
 
 class DrafterProposer:
@@ -38,12 +39,15 @@ class DrafterProposer:
         self.aux_layers: tuple[int, ...] = drafter.target_aux_layers
         self.kv_cache = drafter.make_kv_cache(num_blocks, block_size)
         self._carries: dict[str, DraftCarry] = {}
+        self.last_timing = ProposeTiming()
 
     def free(self, request_id: str) -> None:
         """Forget a finished request's carry (the engine should call this when it frees one)."""
         self._carries.pop(request_id, None)
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
+        start = time.perf_counter()
+        self.last_timing = ProposeTiming()
         items = [x for x in inputs if x.end > x.start]
         if not items:
             return {}
@@ -66,6 +70,8 @@ class DrafterProposer:
         state = self.drafter.write_draft_kv(states, reqs, self.kv_cache)
         for x, c in zip(items, state.carries):
             self._carries[x.request_id] = c
+        caught_up = time.perf_counter()
+        self.last_timing = ProposeTiming(caught_up - start, 0.0)
         # Draft only for requests whose catch-up reached their last real token.
         want = [
             i
@@ -77,4 +83,5 @@ class DrafterProposer:
         # Greedy drafts are a prefix of longer runs: draft no more than any request may take.
         num = min(self.num_spec_tokens, max(items[i].max_drafts for i in want))
         drafts = self.drafter.propose(state.subset(want), num, self.kv_cache).tolist()
+        self.last_timing = ProposeTiming(caught_up - start, time.perf_counter() - caught_up)
         return {items[i].request_id: d[: items[i].max_drafts] for i, d in zip(want, drafts)}

@@ -19,6 +19,9 @@ SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle", "eagle3", "mtp")
 DRAFTER_METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # need a speculative_model
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
+# Draft j is accepted only after drafts 1..j-1 were, so acceptance falls geometrically with j:
+# past a handful, more drafts only cost (verification rows, draft forwards, lookahead slots).
+MAX_NUM_SPEC_TOKENS = 16
 
 
 def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -48,6 +51,9 @@ class EngineConfig:
     # shipped EAGLE head)
     speculative_model: str | None = None
     disable_lookahead_block_hashes: bool = False  # legacy hashes + the last-block drop
+    # draft fewer tokens, or none, when measurement says drafting does not pay (batch size,
+    # acceptance); False: always num_spec_tokens (speckv/spec/adaptive.py)
+    adaptive_speculation: bool = True
     prompt_lookup_min: int = 1  # n-gram proposer: shortest suffix matched, tokens
     prompt_lookup_max: int = 3  # n-gram proposer: longest suffix matched, tokens
     draft_model: str | None = None  # deprecated alias of speculative_model (one release)
@@ -104,6 +110,12 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.num_spec_tokens must be an int >= 0, got {self.num_spec_tokens!r}"
             )
+        if self.num_spec_tokens > MAX_NUM_SPEC_TOKENS:
+            raise ValueError(
+                f"EngineConfig.num_spec_tokens must be <= {MAX_NUM_SPEC_TOKENS}, got "
+                f"{self.num_spec_tokens} (acceptance falls with every draft position: beyond a "
+                "few drafts each step only costs more)"
+            )
         if self.speculative_method is not None and self.num_spec_tokens == 0:
             raise ValueError("EngineConfig.num_spec_tokens must be >= 1 with a speculative_method")
         if self.speculative_method is None and self.num_spec_tokens:
@@ -114,6 +126,8 @@ class EngineConfig:
                 f"EngineConfig.speculative_model needs speculative_method in {DRAFTER_METHODS}, "
                 f"got {self.speculative_method!r}"
             )
+        if not isinstance(self.adaptive_speculation, bool):
+            raise ValueError("EngineConfig.adaptive_speculation must be a bool")
         if not isinstance(self.disable_lookahead_block_hashes, bool):
             raise ValueError("EngineConfig.disable_lookahead_block_hashes must be a bool")
         _check_positive_int("prompt_lookup_min", self.prompt_lookup_min)

@@ -38,6 +38,7 @@ from speckv.engine.speculative import Drafter, make_proposer
 from speckv.hashing.functions import get_hash_algo
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
+from speckv.spec.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation, SpecDecodeStats
 from speckv.spec.policy import NO_DRAFTER, DrafterPolicy, resolve_hash_mode
 from speckv.spec.proposer import Proposer
 
@@ -94,7 +95,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.manager, config.max_num_batched_tokens, config.max_num_seqs, self.num_spec_tokens
         )
-        self.runner = ModelRunner(model, self.num_blocks, block_size, proposer)
+        # how many drafts each step verifies (adaptive unless config says otherwise)
+        self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
+            self.num_spec_tokens, adaptive=config.adaptive_speculation))
+        self.runner = ModelRunner(model, self.num_blocks, block_size, proposer, self.spec_policy)
         self.core = EngineCore(self.scheduler, self.runner)
         self.output_processor = OutputProcessor(tokenizer, detokenize)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
@@ -182,6 +186,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculation so far: per-position acceptance, draft lengths chosen (None: off)."""
+        return self.spec_policy.stats() if self.spec_policy is not None else None
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -4,7 +4,7 @@ Owns the shapes of one step's traffic:
 
     Scheduler ──SchedulerOutput──► runner (ModelRunner, or speckv.testing.ToyRunner)
         ▲                              │ keeps its own per-request state: token ids, block
-        │                              │ table (from the deltas below), sampling generator
+        │                              │ table (from the deltas below), sampling seed
         └───────ModelRunnerOutput──────┘ sampled tokens (verified, cut at a stop) + next drafts
     Scheduler.update_from_output ──EngineCoreOutput──► OutputProcessor ──► RequestOutput
 
@@ -49,7 +49,7 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    sampling_seed: int | None  # the generator's seed (None: greedy, no generator)
+    sampling_seed: int | None  # seeds each position's generator (None: greedy)
     stop_limits: StopLimits
 
 

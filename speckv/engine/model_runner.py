@@ -3,7 +3,7 @@
 Owns the model, its `PagedKVCache`, the proposer (with the drafter's own KV cache) and, per
 request, what it needs across steps: real token ids (it appends what it samples), its block
 table (kept from the scheduler's deltas; the runner never reads the cache manager) and its
-sampling generator. One step:
+sampling seed. One step:
 
     forward     every scheduled request's new tokens (real, then drafts) at positions
                 [start, end), flattened on one token axis, no padding; logits only at the
@@ -15,6 +15,7 @@ sampling generator. One step:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +28,10 @@ from speckv.engine.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from speckv.engine.sampler import make_generator, verify_greedy, verify_random
+from speckv.engine.sampler import verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.spec.adaptive import AdaptiveSpeculation, StepCost, Verification
 from speckv.spec.proposer import Proposer, ProposerInput
 
 
@@ -40,7 +42,6 @@ class _RunnerRequest:
     data: NewRequestData
     token_ids: list[int]  # real tokens: prompt + sampled
     block_ids: list[int]  # group 0 block table
-    generator: torch.Generator | None
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         proposer: Proposer | None = None,
+        spec_policy: AdaptiveSpeculation | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -70,6 +72,8 @@ class ModelRunner:
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
         self.requests: dict[str, _RunnerRequest] = {}
+        # the draft length per step (speckv/spec/adaptive.py); None: always num_spec_tokens
+        self.spec_policy = spec_policy
 
     def block_table(self, request_id: str) -> list[int]:
         """The runner's block table of a request it holds (group 0)."""
@@ -81,9 +85,11 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return EMPTY_RUNNER_OUTPUT
+        start = time.perf_counter()
         forward = self._forward(scheduler_output.scheduled)
         sampled, stopped = self._sample(scheduler_output.scheduled, forward)
-        drafts = self._propose(scheduler_output.scheduled, forward, sampled, stopped)
+        target_s = time.perf_counter() - start
+        drafts = self._propose(scheduler_output.scheduled, forward, sampled, stopped, target_s)
         return ModelRunnerOutput(sampled, drafts)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -92,11 +98,8 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.free(request_id)
         for data in scheduler_output.new_requests:
-            generator = None
-            if data.sampling_seed is not None:
-                generator = make_generator(data.sampling_seed, self.device)
             self.requests[data.request_id] = _RunnerRequest(
-                data, list(data.prompt_token_ids), [], generator
+                data, list(data.prompt_token_ids), []
             )
         for item in scheduler_output.scheduled:
             state = self.requests[item.request_id]
@@ -144,20 +147,24 @@ class ModelRunner:
         logits = forward.logits  # [num_sample_rows, vocab]
         states = [self.requests[item.request_id] for item in scheduled]
         argmax: list[int] = []
-        if any(item.samples and state.generator is None
+        if any(item.samples and state.data.sampling_seed is None
                for item, state in zip(scheduled, states)):
             argmax = logits.argmax(-1).tolist()
         sampled_by_id: dict[str, list[int]] = {}
         stopped: set[str] = set()
+        verifications: list[Verification] = []
         for index, (item, state) in enumerate(zip(scheduled, states)):
             if not item.samples:
                 continue
             lo, hi = forward.logit_offsets[index]
-            if state.generator is None:
+            seed = state.data.sampling_seed
+            if seed is None:
                 sampled = verify_greedy(argmax[lo:hi], item.draft_token_ids)
             else:
                 sampled = verify_random(logits[lo:hi], item.draft_token_ids,
-                                        state.data.sampling_params, state.generator)
+                                        state.data.sampling_params, seed, len(state.token_ids))
+            if item.num_drafts:
+                verifications.append(Verification(item.num_drafts, len(sampled) - 1))
             num_kept, reason = first_stop(sampled, len(state.token_ids),
                                           len(state.data.prompt_token_ids),
                                           state.data.stop_limits)
@@ -166,14 +173,21 @@ class ModelRunner:
             sampled_by_id[item.request_id] = sampled
             if reason is not None:
                 stopped.add(item.request_id)
+        if self.spec_policy is not None and verifications:
+            self.spec_policy.observe_verifications(verifications)
         return sampled_by_id, stopped
 
     def _propose(self, scheduled: list[ScheduledRequest], forward: _Forward,
-                 sampled_by_id: dict[str, list[int]], stopped: set[str]
+                 sampled_by_id: dict[str, list[int]], stopped: set[str], target_s: float
                  ) -> dict[str, list[int]]:
         if self.proposer is None:
             return {}
         output = forward.output
+        num_decode = sum(1 for item in scheduled if item.request_id in sampled_by_id
+                         and item.request_id not in stopped)
+        num_spec = self.num_spec_tokens
+        if self.spec_policy is not None:
+            num_spec = self.spec_policy.decide(num_decode)
         inputs: list[ProposerInput] = []
         for index, item in enumerate(scheduled):
             state = self.requests[item.request_id]
@@ -185,7 +199,7 @@ class ModelRunner:
             rows = slice(row0, row0 + end - item.start)
             limits = state.data.stop_limits
             num_output = len(state.token_ids) - len(state.data.prompt_token_ids)
-            room = min(self.num_spec_tokens, limits.max_tokens - num_output - 1,
+            room = min(num_spec, limits.max_tokens - num_output - 1,
                        limits.max_model_len - len(state.token_ids) - 1)
             inputs.append(ProposerInput(
                 request_id=item.request_id,
@@ -201,6 +215,12 @@ class ModelRunner:
                 max_drafts=max(0, room),
             ))
         drafts = self.proposer.propose(inputs)
+        if self.spec_policy is not None:
+            timing = self.proposer.last_timing
+            proposed = max((len(d) for d in drafts.values()), default=0)  # k actually drafted
+            self.spec_policy.observe_step(StepCost(
+                sum(item.num_new_tokens for item in scheduled), target_s, num_decode, proposed,
+                timing.catch_up_s, timing.draft_s))
         return {
             item.request_id: [int(token) for token in drafts[item.request_id][: item.max_drafts]]
             for item in inputs

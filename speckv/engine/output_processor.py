@@ -34,6 +34,8 @@ class _OutputState:
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    drafts_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
 
@@ -78,9 +80,11 @@ class OutputProcessor:
             state.output_token_ids.extend(tokens)
             state.num_cached_tokens = core_output.num_cached_tokens
             state.num_preemptions = core_output.num_preemptions
+            num_accepted = min(core_output.num_accepted_tokens, max(0, len(tokens) - 1))
             state.num_draft_tokens += core_output.num_draft_tokens
-            state.num_accepted_tokens += min(core_output.num_accepted_tokens,
-                                             max(0, len(tokens) - 1))
+            state.num_accepted_tokens += num_accepted
+            _count_positions(state.drafts_by_position, core_output.num_draft_tokens)
+            _count_positions(state.accepted_by_position, num_accepted)
             state.finish_reason = reason
             state.error = core_output.error
             if self.detokenize and tokens:
@@ -151,4 +155,15 @@ class OutputProcessor:
             num_draft_tokens=state.num_draft_tokens,
             num_accepted_tokens=state.num_accepted_tokens,
             error=state.error,
+            num_drafts_by_position=tuple(state.drafts_by_position),
+            num_accepted_by_position=tuple(state.accepted_by_position) + (0,) * (
+                len(state.drafts_by_position) - len(state.accepted_by_position)),
         )
+
+
+def _count_positions(counts: list[int], num_positions: int) -> None:
+    """Add one to positions 1..num_positions (index j - 1), growing the list. Mutates."""
+    if len(counts) < num_positions:
+        counts.extend([0] * (num_positions - len(counts)))
+    for j in range(num_positions):
+        counts[j] += 1

@@ -28,6 +28,16 @@ class RequestOutput:
     num_draft_tokens: int = 0  # drafts scheduled for verification, tokens
     num_accepted_tokens: int = 0  # drafts accepted, tokens
     error: str | None = None
+    # per draft position j (index j - 1): steps that verified a draft there, and of them the
+    # steps that accepted it (a draft after a rejected one counts as rejected)
+    num_drafts_by_position: tuple[int, ...] = ()
+    num_accepted_by_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        """Share of the drafts at each position that were accepted."""
+        return tuple(a / d if d else 0.0
+                     for a, d in zip(self.num_accepted_by_position, self.num_drafts_by_position))
 
     @property
     def finished(self) -> bool:

@@ -1,14 +1,17 @@
 """Sampler: next tokens from logits, and verification of draft tokens.
 
-Owns greedy / temperature / top-k / top-p sampling with a per-request `torch.Generator`, and
-draft verification:
+Owns greedy / temperature / top-k / top-p sampling, and draft verification:
 
 - greedy: accept drafts while each equals the target's argmax, then one bonus token (the
   argmax at the first mismatch, or after the last draft);
-- temperature > 0: standard speculative rejection sampling, which keeps the target
-  distribution exactly. With a draft distribution q: accept draft x with prob
-  min(1, p(x) / q(x)), else sample from norm(max(p - q, 0)) and stop. Proposers here are
-  deterministic (q one-hot), so: accept with prob p(x), else sample from p with x removed.
+- temperature > 0: speculative rejection sampling, which keeps the target distribution
+  exactly. With a draft distribution q: accept draft x with prob min(1, p(x) / q(x)), else
+  sample from norm(max(p - q, 0)) and stop. Proposers here are deterministic (q one-hot):
+  accept with prob p(x), else sample from p with x removed. We draw y ~ p and accept x iff
+  y == x (else y is the correction): the same law, and y depends only on p and the
+  position's own generator (`position_generator(seed, position)`), so a seeded request
+  samples the same tokens whatever drafts were verified, including none (speculation off,
+  or the adaptive draft length choosing fewer).
 
 Logits in: `[1 + num_drafts, vocab]` fp32 rows of one request (row i predicts the token after
 draft i - 1). Out: accepted drafts + one bonus/resampled token, as Python ints.
@@ -22,11 +25,26 @@ import torch
 
 from speckv.engine.sampling_params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A well-mixed 63-bit seed of (request seed, token position) (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator of one output position: its draws depend only on (seed, position)."""
+    return make_generator(position_seed(seed, position), device)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -63,23 +81,19 @@ def verify_random(
     logits: torch.Tensor,  # [1 + num_drafts, vocab]
     drafts: Sequence[int],
     params: SamplingParams,
-    generator: torch.Generator,
+    seed: int,
+    first_position: int,  # token position that row 0 samples
 ) -> list[int]:
-    """Rejection sampling for one-hot (deterministic) drafts; keeps the target distribution."""
+    """Rejection sampling for one-hot (deterministic) drafts; keeps the target distribution.
+    Row i draws y_i ~ p_i from the generator of position first_position + i; draft i is
+    accepted iff y_i equals it, else y_i ends the step (p_i without the draft, renormalised:
+    the residual distribution)."""
     probs = target_probs(logits, params)  # [1 + num_drafts, vocab]
-    device = probs.device
     sampled: list[int] = []
-    for index, draft in enumerate(drafts):
-        row = probs[index]
-        u = torch.rand((), generator=generator, device=device)
-        if bool(u < row[draft]):
-            sampled.append(int(draft))
-            continue
-        residual = row.clone()
-        residual[draft] = 0.0
-        sampled.append(int(torch.multinomial(residual, 1, generator=generator).item()))
-        return sampled
-    sampled.append(
-        int(torch.multinomial(probs[len(drafts)], 1, generator=generator).item())
-    )
+    for index in range(len(drafts) + 1):
+        generator = position_generator(seed, first_position + index, probs.device)
+        token = int(torch.multinomial(probs[index], 1, generator=generator).item())
+        sampled.append(token)
+        if index == len(drafts) or token != drafts[index]:
+            break
     return sampled

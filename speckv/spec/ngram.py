@@ -6,10 +6,11 @@ block hashes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from speckv.spec.policy import DrafterPolicy, drafter_policy
-from speckv.spec.proposer import ProposerInput
+from speckv.spec.proposer import ProposerInput, ProposeTiming
 
 
 class NgramProposer:
@@ -21,6 +22,7 @@ class NgramProposer:
     policy: DrafterPolicy = drafter_policy("ngram")
 
     def __init__(self, num_spec_tokens: int, min_n: int = 1, max_n: int = 3) -> None:
+        self.last_timing = ProposeTiming()
         if num_spec_tokens < 1 or min_n < 1 or max_n < min_n:
             raise ValueError("NgramProposer needs num_spec_tokens >= 1 and 1 <= min_n <= max_n")
         self.num_spec_tokens = num_spec_tokens
@@ -31,11 +33,14 @@ class NgramProposer:
         """Keeps nothing per request."""
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
-        return {
+        start = time.perf_counter()
+        drafts = {
             item.request_id: self.lookup(item.token_ids, min(item.max_drafts, self.num_spec_tokens))
             for item in inputs
             if item.wants_drafts and item.max_drafts > 0
         }
+        self.last_timing = ProposeTiming(0.0, time.perf_counter() - start)
+        return drafts
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the most recent earlier occurrence of the longest

@@ -42,11 +42,20 @@ class ProposerInput:
     max_drafts: int  # drafts allowed for this request next step (<= num_spec_tokens)
 
 
+@dataclass(frozen=True)
+class ProposeTiming:
+    """What the latest `propose` call spent (seconds), for the adaptive draft length."""
+
+    catch_up_s: float = 0.0  # writing the draft KV of the positions made final
+    draft_s: float = 0.0  # proposing the drafts
+
+
 class Proposer(Protocol):
     num_spec_tokens: int
     policy: DrafterPolicy  # decides lookahead hashes vs the legacy drop
     # Target layers whose outputs the drafter reads (EAGLE3); () for none.
     aux_layers: tuple[int, ...]
+    last_timing: ProposeTiming  # of the latest `propose` call
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
         """Write draft KV for the final positions; return drafts (<= max_drafts) per request

@@ -70,6 +70,8 @@ def test_max_model_len_stops_generation(tiny_model):
         ({"hash_algo": "md5"}, "hash_algo"),
         ({"speculative_method": "medusa", "num_spec_tokens": 1}, "speculative_method"),
         ({"speculative_method": "ngram"}, "num_spec_tokens"),
+        ({"speculative_method": "ngram", "num_spec_tokens": 1000}, "num_spec_tokens must be <="),
+        ({"adaptive_speculation": "yes"}, "adaptive_speculation"),
     ],
 )
 def test_bad_engine_config_names_the_field(kwargs, field):

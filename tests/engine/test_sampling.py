@@ -8,7 +8,7 @@ import torch
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
-from speckv.engine.sampler import make_generator, target_probs, verify_random
+from speckv.engine.sampler import position_seed, target_probs, verify_random
 from speckv.engine.sampling_params import SamplingParams
 from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
 
@@ -47,7 +47,6 @@ def test_rejection_sampling_keeps_the_target_distribution():
     logits = torch.randn(3, vocab) * 1.5  # rows for: draft 0, draft 1, bonus
     params = SamplingParams(temperature=0.8)
     p = target_probs(logits, params)
-    generator = make_generator(123, torch.device("cpu"))
     num_samples = 20_000
 
     def chi_square(counts, probs):
@@ -62,8 +61,8 @@ def test_rejection_sampling_keeps_the_target_distribution():
         drafts = [first_draft, int(p[1].argmax())]
         first = torch.zeros(vocab)
         second_given_draft = torch.zeros(vocab)
-        for _ in range(num_samples):
-            sampled = verify_random(logits, drafts, params, generator)
+        for seed in range(num_samples):
+            sampled = verify_random(logits, drafts, params, seed, 7)
             first[sampled[0]] += 1
             if sampled[0] == drafts[0]:
                 second_given_draft[sampled[1]] += 1
@@ -94,3 +93,11 @@ def test_same_seed_same_output_and_engine_seed_default(tiny_model):
     unseeded = SamplingParams(max_tokens=16, temperature=1.0)
     assert run(unseeded) == run(unseeded)  # derived from EngineConfig.seed
     assert run(seeded, "ngram") == run(seeded, "ngram")
+    # each position samples from its own (seed, position) generator: the drafts verified, or
+    # none at all, do not change a seeded request's tokens
+    assert run(seeded, "ngram") == run(seeded)
+
+
+def test_position_seeds_differ_by_seed_and_position():
+    seeds = {position_seed(seed, position) for seed in range(50) for position in range(50)}
+    assert len(seeds) == 2500 and all(0 <= s < 2**63 for s in seeds)

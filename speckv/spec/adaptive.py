@@ -1,0 +1,275 @@
+"""Adaptive speculation: how many drafts the next step verifies, from what the engine measured.
+
+Owns the decision "does drafting pay at this batch size, and how many tokens?" and the
+acceptance statistics behind it. The model runner feeds it typed measurements every step and
+asks it for the next step's draft length; it never touches tensors, the scheduler or the cache.
+Greedy output does not depend on its choices (verification is lossless); only speed does.
+
+Per step the runner reports
+    `StepCost`      the target forward's token count and seconds, the drafter's catch-up
+                    seconds (paid whatever the draft length: the draft KV of every position
+                    made final must be written) and the proposal seconds for `k` drafts;
+    `Verification`  per request, drafts offered and accepted (before any stop cut).
+
+The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens:
+
+    goodput(k) = B * E[k] / (T(B * (1 + k)) + k * g(B) + F(B))
+    E[k]       = 1 + a1 + a1 a2 + ... + a1 .. ak        expected tokens per request per step
+    a_j        = P(draft j accepted | drafts 1..j-1 accepted), decayed counts with a prior
+    T(n)       = target step seconds for n tokens: a decayed mean per n measured, linear
+                 interpolation between measured n, extrapolation along the nearest segment
+    g(B)       = seconds per draft token position for B requests (proposal forward)
+    F(B)       = the rest of the step (catch-up, scheduling), paid for every k
+
+It starts at the configured maximum, tries k = 0 once early so both ends of T are measured,
+then keeps the best k; every `probe_interval` steps it tries the runner-up for one step (less
+often when the runner-up is predicted to lose clearly), so a change in batch size or
+acceptance is noticed. A switch needs a `switch_margin` gain (timings are noisy).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AdaptiveSpecConfig:
+    max_spec_tokens: int  # the engine's num_spec_tokens: the most drafts per request per step
+    probe_interval: int = 16  # steps between tries of the runner-up draft length
+    cost_decay: float = 0.7  # weight of the old mean when a cost is measured again
+    acceptance_decay: float = 0.98  # per step, on the acceptance counts
+    prior_acceptance: float = 0.6  # a_j before any verification ...
+    prior_weight: float = 4.0  # ... worth this many verified drafts
+    switch_margin: float = 0.03  # a new k must promise this much more goodput
+    adaptive: bool = True  # False: always max_spec_tokens (statistics are still kept)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_spec_tokens, int) or self.max_spec_tokens < 1:
+            raise ValueError(f"max_spec_tokens must be an int >= 1, got {self.max_spec_tokens!r}")
+        if self.probe_interval < 2:
+            raise ValueError(f"probe_interval must be >= 2, got {self.probe_interval}")
+        for name in ("cost_decay", "acceptance_decay", "prior_acceptance"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if self.prior_weight <= 0 or self.switch_margin < 0:
+            raise ValueError("prior_weight must be > 0 and switch_margin >= 0")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's measured costs (seconds are wall time on the runner's clock)."""
+
+    num_target_tokens: int  # positions the target computed in the step, all requests
+    target_s: float  # target forward + sampling / verification
+    num_decode_requests: int  # requests that were asked for drafts after the step (B)
+    num_spec_tokens: int  # drafts per request asked for (k, 0: none)
+    catch_up_s: float  # the drafter's draft-KV catch-up (paid for every k)
+    propose_s: float  # the k proposal forwards (0 when k = 0)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One request's verification in one step."""
+
+    num_drafts: int  # drafts verified
+    num_accepted: int  # of them accepted (a prefix)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_accepted <= self.num_drafts:
+            raise ValueError(f"accepted {self.num_accepted} of {self.num_drafts} drafts")
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """What speculation did so far (engine-wide), and what the policy believes now."""
+
+    max_spec_tokens: int
+    num_drafts_by_position: tuple[int, ...]  # steps that verified a draft at position j
+    num_accepted_by_position: tuple[int, ...]  # of them, steps that accepted it (index j-1)
+    steps_by_num_spec_tokens: tuple[int, ...]  # decode steps that asked for k drafts (index k)
+    acceptance_estimate: tuple[float, ...]  # current a_j (conditional, decayed, with prior)
+    last_num_spec_tokens: int  # the latest choice
+
+    @property
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        """Share of the drafts at position j that were accepted (lifetime; a draft after a
+        rejected one counts as rejected, as in vLLM's per-position acceptance rate)."""
+        return tuple(a / d if d else 0.0
+                     for a, d in zip(self.num_accepted_by_position, self.num_drafts_by_position))
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per request per verification step with drafts (accepted + 1 bonus)."""
+        steps = self.num_drafts_by_position[0] if self.num_drafts_by_position else 0
+        if not steps:
+            return None
+        return 1.0 + sum(self.num_accepted_by_position) / steps
+
+
+class _DecayedMeans:
+    """A decayed mean per integer key, and piecewise-linear prediction between keys."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.means: dict[int, float] = {}
+        self._keys: list[int] = []
+
+    def add(self, key: int, value: float) -> None:
+        old = self.means.get(key)
+        if old is None:
+            bisect.insort(self._keys, key)
+            self.means[key] = value
+        else:
+            self.means[key] = self.decay * old + (1.0 - self.decay) * value
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.means
+
+    def predict(self, key: int) -> float | None:
+        """The mean at `key`, interpolated / extrapolated along the nearest measured segment
+        (never below 0); with a single key, proportional to the key. None: nothing measured."""
+        keys = self._keys
+        if not keys:
+            return None
+        if key in self.means:
+            return self.means[key]
+        if len(keys) == 1:
+            return self.means[keys[0]] * key / keys[0]
+        i = bisect.bisect_left(keys, key)
+        lo, hi = (keys[0], keys[1]) if i == 0 else (
+            (keys[-2], keys[-1]) if i == len(keys) else (keys[i - 1], keys[i]))
+        y0, y1 = self.means[lo], self.means[hi]
+        slope = max(0.0, (y1 - y0) / (hi - lo))  # costs do not fall as work grows
+        return max(0.0, y0 + slope * (key - lo))
+
+
+@dataclass
+class _Counts:
+    tested: list[float] = field(default_factory=list)  # decayed drafts verified at j
+    accepted: list[float] = field(default_factory=list)
+
+
+class AdaptiveSpeculation:
+    """The draft-length policy of one engine (see the module docstring). Not thread-safe."""
+
+    def __init__(self, config: AdaptiveSpecConfig) -> None:
+        self.config = config
+        s = config.max_spec_tokens
+        self._target = _DecayedMeans(config.cost_decay)  # n tokens -> seconds
+        self._draft = _DecayedMeans(config.cost_decay)  # B -> seconds per draft position
+        self._fixed = _DecayedMeans(config.cost_decay)  # B -> catch-up + rest, seconds
+        self._decayed = _Counts([0.0] * s, [0.0] * s)
+        self._drafts = [0] * s  # lifetime
+        self._accepted = [0] * s
+        self._steps_by_k = [0] * (s + 1)
+        self._current = s
+        self._steps_since_probe = 0
+        self._tried_zero = False
+
+    # ---- measurements -------------------------------------------------------------------------
+    def observe_verifications(self, verifications: Sequence[Verification]) -> None:
+        """Per-position acceptance from one step's verified requests."""
+        c = self._decayed
+        decay = self.config.acceptance_decay
+        c.tested = [x * decay for x in c.tested]
+        c.accepted = [x * decay for x in c.accepted]
+        s = self.config.max_spec_tokens
+        for v in verifications:
+            for j in range(min(v.num_drafts, s)):
+                self._drafts[j] += 1
+            for j in range(min(v.num_accepted, s)):
+                self._accepted[j] += 1
+            # conditional: position j counts only when drafts 1..j-1 were accepted
+            for j in range(min(v.num_drafts, v.num_accepted + 1, s)):
+                c.tested[j] += 1.0
+                if j < v.num_accepted:
+                    c.accepted[j] += 1.0
+
+    def observe_step(self, cost: StepCost) -> None:
+        if cost.num_target_tokens > 0:
+            self._target.add(cost.num_target_tokens, cost.target_s)
+        b = cost.num_decode_requests
+        if b > 0:
+            self._fixed.add(b, cost.catch_up_s)
+            if cost.num_spec_tokens > 0:
+                self._draft.add(b, cost.propose_s / cost.num_spec_tokens)
+
+    # ---- the decision -------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """a_j for j = 1..max_spec_tokens (conditional on drafts before j accepted)."""
+        cfg = self.config
+        prior = cfg.prior_acceptance * cfg.prior_weight
+        return [(a + prior) / (t + cfg.prior_weight)
+                for a, t in zip(self._decayed.accepted, self._decayed.tested)]
+
+    def expected_tokens(self, k: int) -> float:
+        """E[k]: expected tokens per request per step with k drafts."""
+        total, run = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            run *= a
+            total += run
+        return total
+
+    def predicted_goodput(self, num_requests: int, k: int) -> float | None:
+        """Tokens per second with k drafts for `num_requests` decoding requests (None: the
+        costs are not measured yet)."""
+        b = num_requests
+        target = self._target.predict(b * (1 + k))
+        if target is None:
+            return None
+        draft = 0.0
+        if k:
+            per_position = self._draft.predict(b)
+            if per_position is None:
+                return None
+            draft = k * per_position
+        fixed = self._fixed.predict(b) or 0.0
+        return b * self.expected_tokens(k) / max(1e-9, target + draft + fixed)
+
+    def decide(self, num_requests: int) -> int:
+        """The number of drafts per request for the next step (0: do not draft)."""
+        k = self._decide(num_requests)
+        self._steps_by_k[k] += 1
+        return k
+
+    def _decide(self, num_requests: int) -> int:
+        s = self.config.max_spec_tokens
+        if not self.config.adaptive:
+            return s
+        if num_requests < 1:
+            return self._current
+        goodput = {k: self.predicted_goodput(num_requests, k) for k in range(s + 1)}
+        if goodput[s] is None or self._draft.predict(num_requests) is None:
+            return s  # measure the full draft length first
+        if not self._tried_zero:  # then no drafting once, so both ends of T are measured
+            self._tried_zero = True
+            return 0
+        known = {k: g for k, g in goodput.items() if g is not None}
+        best = max(known, key=lambda k: known[k])
+        current = known.get(self._current)
+        if current is None or known[best] > current * (1.0 + self.config.switch_margin):
+            self._current = best
+        self._steps_since_probe += 1
+        ranked = sorted((k for k in known if k != self._current), key=lambda k: -known[k])
+        if ranked:
+            runner_up = ranked[0]
+            close = known[runner_up] >= 0.9 * known[self._current]
+            interval = self.config.probe_interval * (1 if close else 4)
+            if self._steps_since_probe >= interval:
+                self._steps_since_probe = 0
+                return runner_up
+        return self._current
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            max_spec_tokens=self.config.max_spec_tokens,
+            num_drafts_by_position=tuple(self._drafts),
+            num_accepted_by_position=tuple(self._accepted),
+            steps_by_num_spec_tokens=tuple(self._steps_by_k),
+            acceptance_estimate=tuple(self.acceptance()),
+            last_num_spec_tokens=self._current,
+        )

@@ -1,0 +1,121 @@
+"""The adaptive draft length: it drafts where drafting pays and stops where it does not, from
+measured costs and acceptance only (simulated here: no wall time involved)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from speckv.spec.adaptive import (
+    AdaptiveSpecConfig,
+    AdaptiveSpeculation,
+    StepCost,
+    Verification,
+)
+
+
+def simulate(policy, batch_size, target_s, draft_s, acceptance, steps=200, seed=0):
+    """Run `steps` decode steps of `batch_size` requests; returns the draft length chosen per
+    step. target_s(n): seconds of a target step over n tokens; draft_s(b): seconds per draft
+    position for b requests; acceptance[j]: P(draft j accepted | drafts before it were)."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        k = policy.decide(batch_size)
+        chosen.append(k)
+        verifications = []
+        for _ in range(batch_size):
+            accepted = 0
+            while accepted < k and rng.random() < acceptance[accepted]:
+                accepted += 1
+            verifications.append(Verification(k, accepted))
+        if k:
+            policy.observe_verifications(verifications)
+        policy.observe_step(StepCost(batch_size * (1 + k), target_s(batch_size * (1 + k)),
+                                     batch_size, k, 0.002 * batch_size, k * draft_s(batch_size)))
+    return chosen
+
+
+def memory_bound(n):  # a small model on a CPU: extra query rows are nearly free
+    return 0.060 + 0.004 * n
+
+
+def compute_bound(n):  # every token costs the same
+    return 0.012 * n
+
+
+def test_drafts_fully_when_verifying_is_nearly_free_and_drafts_are_good():
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    chosen = simulate(policy, 1, memory_bound, lambda b: 0.003, [0.8, 0.75, 0.7])
+    assert chosen[:2] == [3, 0]  # the full length, then no drafts once: both ends measured
+    assert chosen[-100:].count(3) >= 90
+
+
+def test_stops_drafting_when_every_verified_token_costs_a_full_token():
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    chosen = simulate(policy, 32, compute_bound, lambda b: 0.0005 * b, [0.6, 0.5, 0.5])
+    late = chosen[-150:]
+    assert late.count(0) >= 140  # the rest are rare probes of the runner-up
+    assert 0 < sum(1 for k in late if k) <= 10
+
+
+def test_the_same_costs_favour_drafting_at_batch_1_and_not_at_batch_32():
+    def batch_aware(n):  # memory bound up to ~8 rows, then compute bound
+        return 0.060 + 0.010 * max(0, n - 8) + 0.002 * min(n, 8)
+
+    rates = [0.7, 0.6, 0.6]
+    at_1 = simulate(AdaptiveSpeculation(AdaptiveSpecConfig(3)), 1, batch_aware,
+                    lambda b: 0.003, rates)
+    at_32 = simulate(AdaptiveSpeculation(AdaptiveSpecConfig(3)), 32, batch_aware,
+                     lambda b: 0.001 * b, rates)
+    assert sum(at_1[-100:]) / 100 > 2.5
+    assert at_32[-100:].count(0) >= 90
+
+
+def test_follows_a_drop_in_acceptance():
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    simulate(policy, 4, memory_bound, lambda b: 0.003, [0.9, 0.9, 0.9], steps=100)
+    assert policy.decide(4) == 3
+    later = simulate(policy, 4, memory_bound, lambda b: 0.003, [0.02, 0.02, 0.02], steps=400)
+    assert later[-100:].count(0) >= 90
+
+
+def test_not_adaptive_always_drafts_the_maximum_and_still_counts():
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3, adaptive=False))
+    chosen = simulate(policy, 32, compute_bound, lambda b: 0.01 * b, [0.1, 0.1, 0.1], steps=30)
+    assert chosen == [3] * 30
+    stats = policy.stats()
+    assert stats.steps_by_num_spec_tokens == (0, 0, 0, 30)
+    assert stats.num_drafts_by_position == (30 * 32,) * 3
+
+
+def test_per_position_counts():
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    policy.observe_verifications([Verification(3, 0), Verification(3, 2), Verification(2, 2),
+                                  Verification(3, 3), Verification(1, 1)])
+    stats = policy.stats()
+    assert stats.num_drafts_by_position == (5, 4, 3)
+    assert stats.num_accepted_by_position == (4, 3, 1)
+    assert stats.acceptance_by_position == (4 / 5, 3 / 4, 1 / 3)
+    assert stats.mean_acceptance_length == 1 + 8 / 5
+    # conditional estimates start from the prior (0.6 worth 4 drafts): position 2 was reached
+    # by 3 requests (the one accepting 0 never reached it), all accepted
+    a1, a2, a3 = policy.acceptance()
+    assert a1 == pytest.approx((4 + 2.4) / (5 + 4))
+    assert a2 == pytest.approx((3 + 2.4) / (3 + 4))
+    assert a3 == pytest.approx((1 + 2.4) / (2 + 4))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_spec_tokens": 0}, {"max_spec_tokens": 3, "probe_interval": 1},
+    {"max_spec_tokens": 3, "cost_decay": 1.0}, {"max_spec_tokens": 3, "prior_weight": 0},
+])
+def test_config_is_validated(kwargs):
+    with pytest.raises(ValueError):
+        AdaptiveSpecConfig(**kwargs)
+
+
+def test_verification_is_validated():
+    with pytest.raises(ValueError):
+        Verification(2, 3)
