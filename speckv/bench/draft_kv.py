@@ -124,12 +124,16 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int
 
 
 def make_drafter(policy: DrafterPolicy, model):
-    """The built-in EAGLE head where it exists, else a random drafter of `policy`."""
-    from speckv.drafters.builtin import builtin_eagle_available, load_builtin_eagle
+    """The built-in EAGLE3 head where it exists, else a random drafter of `policy`."""
+    from speckv.drafters.builtin import (
+        BUILTIN_DRAFTER_METHOD,
+        builtin_drafter_available,
+        load_builtin_drafter,
+    )
     from speckv.drafters.loaders import random_drafter
 
-    if policy.name == "eagle" and builtin_eagle_available():
-        return load_builtin_eagle(model)
+    if policy.name == BUILTIN_DRAFTER_METHOD and builtin_drafter_available():
+        return load_builtin_drafter(model)
     if policy.name == "mtp":
         return random_drafter("mtp", model, seed=0, num_modules=policy.num_modules)
     return random_drafter(policy.name, model, seed=0)

@@ -14,7 +14,7 @@ from speckv.drafters.base import (
     DraftState,
     TargetStates,
 )
-from speckv.drafters.builtin import load_builtin_eagle
+from speckv.drafters.builtin import load_builtin_drafter
 from speckv.drafters.eagle import EagleDrafter
 from speckv.drafters.eagle3 import Eagle3Drafter
 from speckv.drafters.loaders import (
@@ -42,7 +42,7 @@ __all__ = [
     "TargetStates",
     "build_drafter",
     "detect_format",
-    "load_builtin_eagle",
+    "load_builtin_drafter",
     "load_drafter",
     "random_drafter",
     "save_drafter",

@@ -1,17 +1,32 @@
-"""`speckv train-draft`: train an EAGLE head for the built-in SmolLM2-135M-Instruct on CPU.
+"""`speckv train-draft`: train the built-in EAGLE3 head (reduced draft vocabulary) on CPU.
 
-Owns the whole recipe, within a wall-clock budget (`--minutes`, default 14):
-1. self-distillation data: the target answers varied chat prompts (greedy, a third with light
-   sampling), batched over the paged cache; its post-norm hidden state at every position is
-   recorded as it decodes (no second pass);
-2. training fc + the decoder layer with the EAGLE losses: smooth-L1 between the drafter's output
-   at p and the target feature at p + 1, plus cross-entropy against the target's token
-   distribution at p + 1 (softmax of its LM head), restricted to the vocabulary seen in the data
-   (cheap on CPU; the LM head stays the target's, shared and frozen);
-3. evaluation: mean acceptance length with `--spec-tokens` drafts on held-out prompts, greedy
-   verification (`evaluate.speculative_generate`);
-4. output: HF-format dir (config.json + model.safetensors, public EAGLE names, no embedding or
-   LM head stored), a loss curve PNG, and optionally the shipped asset (`--install-asset`).
+Owns the whole recipe, each stage with its own wall-clock budget:
+
+1. data (`--data-minutes`): the target answers a broad generated prompt set (chat, code,
+   lists, maths, rewriting, facts; `prompts.py`), mostly greedy, a fifth with light sampling,
+   then answers follow-up turns to a share of its own greedy answers (multi-turn). The engine
+   generates with continuous batching in bfloat16 (speculation and prefix caching off) while
+   a recording runner keeps the features the head reads (`distill.py`). The held-out prompts'
+   greedy answers are generated too: they are the evaluation set and never train.
+2. draft vocabulary (`--draft-vocab`): the K most frequent answer tokens of the training data
+   (EAGLE3 `d2t`); `auto` picks the smallest K in `VOCAB_CHOICES` covering
+   `--vocab-coverage` of the held-out answers (coverage caps acceptance, each extra 1,000
+   rows costs the drafter's LM head time).
+3. training (`--train-minutes`): EAGLE3 with training-time test. Step 1 reads the target's
+   fused features; steps 2..`--ttt-steps` read the head's OWN previous output (as drafts 2..S
+   do at inference) and attend to the real positions' draft KV plus their own earlier steps'
+   keys. Loss: cross-entropy against the target's distribution over the draft vocabulary,
+   steps weighted 1, 0.8, 0.64, ...; AdamW in bfloat16 autocast. The head starts as the
+   target's last decoder layer over the high aux layer (so it first predicts what the target
+   predicts one position earlier), its LM head as the target's rows of the draft vocabulary.
+   Every `--eval-every` steps: held-out loss and per-step top-1 accuracy, from which the
+   expected acceptance length 1 + p1 + p1 p2 + ... (the curve PNG).
+4. evaluation: the real mean acceptance length with `--spec-tokens` drafts on the held-out
+   prompts (greedy verification against the fp32 target, `evaluate.py`).
+5. output: an EAGLE3 directory in the public layout (config.json with draft_vocab_size and
+   eagle_aux_hidden_state_layer_ids, model.safetensors with d2t / t2d; no embeddings), the
+   loss / acceptance curve PNG, train_summary.json and train_log.txt; `--install-asset`
+   copies them to the package (`speckv/assets/smollm2-eagle3`).
 """
 
 from __future__ import annotations
@@ -22,363 +37,493 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from speckv.attention import AttentionMetadata
-from speckv.drafters.builtin import BUILTIN_EAGLE_DIR
-from speckv.drafters.eagle import EagleDrafter
+from speckv.drafters.builtin import BUILTIN_DRAFTER_DIR
+from speckv.drafters.distill import (
+    AUX_LAYERS,
+    DistillSequence,
+    answer_token_counts,
+    chat_ids,
+    coverage,
+    draft_vocabulary,
+    generate_sequences,
+    load_sequences,
+    save_sequences,
+)
+from speckv.drafters.eagle3 import Eagle3Drafter
 from speckv.drafters.evaluate import mean_acceptance_length, speculative_generate
-from speckv.drafters.loaders import build_drafter, save_drafter
-from speckv.drafters.prompts import eval_prompts, train_prompts
+from speckv.drafters.loaders import build_drafter, load_drafter, save_drafter
+from speckv.drafters.prompts import FOLLOW_UPS, eval_prompts, train_prompts
+from speckv.engine.sampling_params import SamplingParams
 from speckv.models.llama import LlamaForCausalLM
+from speckv.models.rope import apply_rope
 
 if TYPE_CHECKING:
     from speckv.models.tokenizer import Tokenizer
 
+VOCAB_CHOICES: tuple[int, ...] = (2048, 4096, 8192, 16384)
+Log = Callable[[str], None]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="eagle-smollm2", help="output dir (HF format)")
-    parser.add_argument("--minutes", type=float, default=14.0, help="total wall-clock budget")
-    parser.add_argument("--max-steps", type=int, default=0, help="stop training after N steps")
-    parser.add_argument(
-        "--gen-fraction",
-        type=float,
-        default=0.3,
-        help="share of the budget spent generating training data",
-    )
+    parser.add_argument("--out", default="eagle3-smollm2", help="output directory")
+    parser.add_argument("--data-cache", default="",
+                        help="safetensors file to reuse generated data from (written when "
+                        "missing; its held-out part goes next to it as *.heldout.safetensors)")
+    parser.add_argument("--data-minutes", type=float, default=25.0,
+                        help="wall-clock budget of data generation")
+    parser.add_argument("--train-minutes", type=float, default=30.0,
+                        help="wall-clock budget of training")
+    parser.add_argument("--max-prompts", type=int, default=0,
+                        help="use at most this many training prompts (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=160, help="tokens per answer")
-    parser.add_argument("--gen-batch", type=int, default=64, help="requests decoded together")
-    parser.add_argument("--batch-tokens", type=int, default=1536, help="tokens per train step")
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token loss")
-    parser.add_argument(
-        "--noise",
-        type=float,
-        default=0.0,
-        help="uniform noise U(-a, a) on input features (EAGLE: robustness to its own errors)",
-    )
-    parser.add_argument(
-        "--unroll",
-        type=int,
-        default=1,
-        help="drafting steps simulated in training (2+: later steps read the head's own "
-        "predicted features, as drafts 2..S do; each costs one more forward)",
-    )
+    parser.add_argument("--gen-batch", type=int, default=96, help="requests decoded together")
+    parser.add_argument("--multi-turn", type=float, default=0.15,
+                        help="share of greedy answers that get a follow-up turn")
+    parser.add_argument("--draft-vocab", default="auto",
+                        help=f"draft vocabulary size, or 'auto' (smallest of {VOCAB_CHOICES} "
+                        "covering --vocab-coverage of the held-out answers)")
+    parser.add_argument("--vocab-coverage", type=float, default=0.985)
+    parser.add_argument("--ttt-steps", type=int, default=3,
+                        help="drafting steps simulated in training (training-time test)")
+    parser.add_argument("--batch-tokens", type=int, default=2048,
+                        help="padded tokens per training step")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: time)")
+    parser.add_argument("--eval-every", type=int, default=50, help="held-out eval period, steps")
     parser.add_argument("--spec-tokens", type=int, default=3, help="drafts per step in eval")
-    parser.add_argument("--eval-prompts", type=int, default=8)
-    parser.add_argument("--eval-new-tokens", type=int, default=96)
+    parser.add_argument("--eval-prompts", type=int, default=24)
+    parser.add_argument("--eval-new-tokens", type=int, default=128)
     parser.add_argument("--save-dtype", default="float16", choices=("float16", "bfloat16"))
-    parser.add_argument(
-        "--install-asset",
-        action="store_true",
-        help=f"also copy the head to {BUILTIN_EAGLE_DIR} (package asset)",
-    )
-    parser.add_argument(
-        "--data-cache",
-        default="",
-        help="file to reuse generated data from (written if missing; safetensors, no pickle)",
-    )
+    parser.add_argument("--install-asset", action="store_true",
+                        help=f"also copy the head to {BUILTIN_DRAFTER_DIR} (package asset)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (0: torch default; 1 is fastest on a shared CPU)",
-    )
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is fastest on a shared CPU)")
 
 
 # ---- 1. data ------------------------------------------------------------------------------------
 
 
-def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as one user turn of the chat template (training and evaluation)."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return tokenizer.encode(prompt, add_special_tokens=False)
-
-
-@torch.inference_mode()
-def generate_batch(
-    model: LlamaForCausalLM,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float,
-    stop_ids: tuple[int, ...],
-    gen: torch.Generator,
-    block_size: int = 16,
-) -> list[tuple[list[int], torch.Tensor]]:
-    """Decode all prompts together; per request (tokens, features [len(tokens) - 1, hidden]).
-
-    features[p] is the target's post-norm hidden state at position p (computed when token p was
-    fed), so the last token has none.
-    """
-    n = len(prompts)
-    lens = [len(p) + max_new_tokens for p in prompts]
-    blocks = [-(-x // block_size) for x in lens]
-    tables, nxt = [], 1
-    for b in blocks:
-        tables.append(list(range(nxt, nxt + b)))
-        nxt += b
-    kv = model.make_kv_cache(nxt, block_size)
-    toks = [list(p) for p in prompts]
-    feats: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    live = list(range(n))
-    fed = [0] * n
-    while live:
-        q = [len(toks[i]) - fed[i] for i in live]
-        s = [len(toks[i]) for i in live]
-        md = AttentionMetadata.build(q, s, [tables[i] for i in live], block_size, model.device)
-        ids = torch.tensor([t for i in live for t in toks[i][fed[i] :]], dtype=torch.int64)
-        hidden = model(ids, md.positions(), kv, md).hidden_states  # [num_tokens, hidden]
-        ends = torch.tensor(q).cumsum(0) - 1
-        logits = model.compute_logits(hidden[ends])  # [num_live, vocab]
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, -1)
-            picks = torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()
-        else:
-            picks = logits.argmax(-1).tolist()
-        o = 0
-        still = []
-        for i, qi, tok in zip(live, q, picks):
-            feats[i].append(hidden[o : o + qi].clone())
-            o += qi
-            fed[i] = len(toks[i])
-            toks[i].append(int(tok))
-            if tok not in stop_ids and len(toks[i]) < lens[i]:
-                still.append(i)
-        live = still
-    return [(toks[i], torch.cat(feats[i])) for i in range(n)]
-
-
 def collect_data(
-    model, tokenizer, args, deadline: float, log
-) -> list[tuple[list[int], torch.Tensor]]:
+    model: LlamaForCausalLM, tokenizer: Tokenizer, args: argparse.Namespace, log: Log
+) -> tuple[list[DistillSequence], list[DistillSequence]]:
+    """(training sequences, held-out sequences) generated by the target itself."""
     from tqdm.auto import tqdm
 
+    start = time.monotonic()
+    budget = args.data_minutes * 60.0
     rng = random.Random(args.seed)
-    texts = train_prompts()
-    rng.shuffle(texts)
-    gen = torch.Generator().manual_seed(args.seed)
-    stop = tuple(model.config.eos_token_ids)
-    data: list[tuple[list[int], torch.Tensor]] = []
-    bar = tqdm(total=len(texts), desc="generating data", unit="prompt")
-    for b0 in range(0, len(texts), args.gen_batch):
-        if time.monotonic() > deadline:
-            break
-        chunk = texts[b0 : b0 + args.gen_batch]
-        ids = [chat_ids(tokenizer, t) for t in chunk]
-        temperature = 0.6 if (b0 // args.gen_batch) % 3 == 2 else 0.0
-        data += generate_batch(model, ids, args.max_new_tokens, temperature, stop, gen)
-        bar.update(len(chunk))
-        bar.set_postfix(tokens=sum(len(t) for t, _ in data))
+    bar = tqdm(desc="generating data", unit="answer")
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    heldout_texts = eval_prompts(args.eval_prompts)
+    greedy = SamplingParams(max_tokens=args.eval_new_tokens)
+    heldout = generate_sequences(
+        model, tokenizer, [chat_ids(tokenizer, t) for t in heldout_texts],
+        [greedy] * len(heldout_texts), max_num_seqs=args.gen_batch, progress=progress)
+    log(f"held-out: {len(heldout)} greedy answers, {sum(len(s.answer) for s in heldout)} tokens")
+
+    texts = train_prompts(args.seed)
+    if args.max_prompts:
+        texts = texts[: args.max_prompts]
+    params = [
+        SamplingParams(max_tokens=args.max_new_tokens, temperature=0.7, top_p=0.95,
+                       seed=args.seed * 100_003 + i)
+        if i % 5 == 4 else SamplingParams(max_tokens=args.max_new_tokens)
+        for i in range(len(texts))
+    ]
+    first_deadline = start + budget * (1.0 - args.multi_turn)
+    single = generate_sequences(
+        model, tokenizer, [chat_ids(tokenizer, t) for t in texts], params,
+        max_num_seqs=args.gen_batch, deadline=first_deadline, progress=progress)
+    log(f"single turn: {len(single)} answers, {sum(len(s.tokens) for s in single)} tokens "
+        f"({time.monotonic() - start:.0f} s)")
+
+    # follow-up turns on the model's own greedy answers that ended with EOS
+    eos = set(model.config.eos_token_ids)
+    finished = [(text, seq) for text, seq, p in zip(texts, single, params)
+                if p.greedy and seq.tokens[-1] in eos]
+    rng.shuffle(finished)
+    conversations = []
+    for text, seq in finished[: int(len(single) * args.multi_turn)]:
+        answer = tokenizer.decode(seq.answer[:-1], skip_special_tokens=True)
+        conversations.append([
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": rng.choice(FOLLOW_UPS)},
+        ])
+    multi = generate_sequences(
+        model, tokenizer, [chat_ids(tokenizer, c) for c in conversations],
+        [SamplingParams(max_tokens=args.max_new_tokens)] * len(conversations),
+        max_num_seqs=args.gen_batch, deadline=start + budget, progress=progress)
     bar.close()
-    log(f"data: {len(data)} sequences, {sum(len(t) for t, _ in data)} tokens")
-    return data
+    data = single + multi
+    log(f"data: {len(single)} single-turn + {len(multi)} multi-turn sequences, "
+        f"{sum(len(s.tokens) for s in data)} tokens ({sum(len(s.answer) for s in data)} "
+        f"answer tokens) in {time.monotonic() - start:.0f} s")
+    return data, heldout
 
 
-def save_data(data: list[tuple[list[int], torch.Tensor]], path: Path) -> None:
-    """Sequences as safetensors: tokens_i (int64) and feats_i (fp32) per sequence."""
-    from safetensors.torch import save_file
-
-    state: dict[str, torch.Tensor] = {}
-    for i, (toks, feats) in enumerate(data):
-        state[f"tokens_{i}"] = torch.tensor(toks, dtype=torch.int64)
-        state[f"feats_{i}"] = feats.contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path))
-
-
-def load_data(path: Path) -> list[tuple[list[int], torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    state = load_file(str(path))
-    n = sum(1 for k in state if k.startswith("tokens_"))
-    return [(state[f"tokens_{i}"].tolist(), state[f"feats_{i}"]) for i in range(n)]
+def load_or_collect(model, tokenizer, args, log: Log
+                    ) -> tuple[list[DistillSequence], list[DistillSequence]]:
+    cache = Path(args.data_cache) if args.data_cache else None
+    heldout_path = cache.with_suffix(".heldout.safetensors") if cache is not None else None
+    if cache is not None and cache.is_file() and heldout_path is not None \
+            and heldout_path.is_file():
+        data, heldout = load_sequences(cache), load_sequences(heldout_path)
+        log(f"data: {len(data)} sequences ({sum(len(s.tokens) for s in data)} tokens) and "
+            f"{len(heldout)} held-out from {cache}")
+        return data, heldout
+    data, heldout = collect_data(model, tokenizer, args, log)
+    if cache is not None and heldout_path is not None:
+        save_sequences(data, cache)
+        save_sequences(heldout, heldout_path)
+        log(f"data saved to {cache}")
+    return data, heldout
 
 
-# ---- 2. training --------------------------------------------------------------------------------
+# ---- 2. draft vocabulary ------------------------------------------------------------------------
 
 
-def init_from_target(drafter: EagleDrafter, model: LlamaForCausalLM) -> None:
-    """Start as the identity map h[p] -> h[p] (a cheap first guess of the next feature).
+def choose_vocab(data, heldout, args, eos_ids: Sequence[int], log: Log) -> list[int]:
+    counts = answer_token_counts(data)
+    log(f"answer tokens: {sum(counts.values())}, distinct {len(counts)}")
+    table = {k: coverage(draft_vocabulary(counts, k, eos_ids), heldout) for k in VOCAB_CHOICES}
+    log("held-out answer coverage by draft vocabulary size: "
+        + ", ".join(f"{k}: {c:.4f}" for k, c in table.items()))
+    if args.draft_vocab == "auto":
+        size = next((k for k, c in table.items() if c >= args.vocab_coverage), VOCAB_CHOICES[-1])
+    else:
+        size = int(args.draft_vocab)
+    log(f"draft vocabulary: {size} tokens")
+    return draft_vocabulary(counts, size, eos_ids)
 
-    fc = [~0 | I] passes the target feature through; the decoder layer starts from the target's
-    last layer (a useful basis) with its two output projections zeroed, so its residual branches
-    add nothing until trained (a copied, live layer applied to post-norm features started at
-    feature loss ~38 in our runs; the identity starts at ~0.73, the distance between
-    consecutive target features).
+
+# ---- 3. training --------------------------------------------------------------------------------
+
+
+def init_from_target(drafter: Eagle3Drafter, model: LlamaForCausalLM, vocab: list[int]) -> None:
+    """The head starts as the target's last decoder layer reading the high aux layer (the last
+    layer's input), so its first guess is the target's own next token one position early.
+
+    fc = [0 | 0 | I] passes the high aux feature through; q/k/v read it through hidden_norm
+    (= the last layer's input norm) with the embedding half zero; o_proj, MLP, norms and the
+    LM head rows are the target's. Training then teaches the layer to use the next token.
     """
     m = drafter.module
     src = model.layers[-1]
+    h = model.config.hidden_size
+    if drafter.aux_layers[-1] != model.config.num_hidden_layers - 2:
+        raise ValueError("init_from_target needs the high aux layer to be the last layer's input")
     with torch.no_grad():
-        m.layer.self_attn.load_state_dict(src.self_attn.state_dict())
-        m.layer.mlp.load_state_dict(src.mlp.state_dict())
-        m.layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
-        m.layer.self_attn.o_proj.weight.zero_()
-        m.layer.mlp.down_proj.weight.zero_()
-        h = model.config.hidden_size
-        m.fc.weight[:, h:] = torch.eye(h)
-        m.fc.weight[:, :h].normal_(0.0, 0.01)
-        if m.fc.bias is not None:
-            m.fc.bias.zero_()
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, 2 * h :] = torch.eye(h)
+        attn, src_attn = m.midlayer.self_attn, src.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            ours, theirs = getattr(attn, name), getattr(src_attn, name)
+            ours.weight.zero_()
+            ours.weight[:, h:] = theirs.weight
+            if ours.bias is not None and theirs.bias is not None:
+                ours.bias.copy_(theirs.bias)
+        attn.o_proj.load_state_dict(src_attn.o_proj.state_dict())
+        m.midlayer.mlp.load_state_dict(src.mlp.state_dict())
+        m.midlayer.post_attention_layernorm.load_state_dict(
+            src.post_attention_layernorm.state_dict())
+        m.midlayer.input_layernorm.weight.fill_(1.0)
+        m.midlayer.hidden_norm.weight.copy_(src.input_layernorm.weight)
+        m.norm.weight.copy_(model.norm.weight)
+        ids = torch.tensor(vocab, dtype=torch.int64)
+        m.lm_head.weight.copy_(model.lm_head.weight[ids])
+        m.d2t.copy_(ids - torch.arange(len(vocab)))
+        m.t2d.zero_()
+        m.t2d[ids] = True
 
 
-def make_batches(data, batch_tokens: int, rng: random.Random) -> list[list[int]]:
-    order = sorted(range(len(data)), key=lambda i: len(data[i][0]))
-    batches, cur, cur_max = [], [], 0
+class Batch:
+    """Sequences padded at the end: tokens [b, T + 1], features [b, T, 4, hidden], answer
+    start per row, valid length per row (T = longest sequence - 1)."""
+
+    def __init__(self, seqs: Sequence[DistillSequence]) -> None:
+        T = max(len(s.tokens) for s in seqs) - 1
+        b = len(seqs)
+        hidden = seqs[0].features.shape[-1]
+        self.tokens = torch.zeros(b, T + 1, dtype=torch.int64)
+        self.features = torch.zeros(b, T, seqs[0].features.shape[1], hidden,
+                                    dtype=torch.bfloat16)
+        self.lengths = torch.tensor([len(s.tokens) - 1 for s in seqs])  # feature rows
+        self.answer_start = torch.tensor([s.num_prompt_tokens for s in seqs])
+        for i, s in enumerate(seqs):
+            self.tokens[i, : len(s.tokens)] = torch.tensor(s.tokens)
+            self.features[i, : len(s.tokens) - 1] = s.features
+
+
+def make_batches(data: Sequence[DistillSequence], batch_tokens: int, rng: random.Random
+                 ) -> list[list[int]]:
+    """Index lists of similar lengths, at most `batch_tokens` padded tokens each, shuffled."""
+    order = sorted(range(len(data)), key=lambda i: len(data[i].tokens))
+    batches: list[list[int]] = []
+    cur: list[int] = []
     for i in order:
-        L = len(data[i][0])
-        if cur and max(cur_max, L) * (len(cur) + 1) > batch_tokens:
+        if cur and len(data[i].tokens) * (len(cur) + 1) > batch_tokens:
             batches.append(cur)
-            cur, cur_max = [], 0
+            cur = []
         cur.append(i)
-        cur_max = max(cur_max, L)
     if cur:
         batches.append(cur)
     rng.shuffle(batches)
     return batches
 
 
-def batch_tensors(data, idx: list[int]):
-    """Padded (ids t[p+1], feats f[p], target f[p+1], mask) for p in 0 .. len - 3."""
-    T = max(len(data[i][0]) for i in idx) - 2
-    h = data[idx[0]][1].shape[1]
-    ids = torch.zeros(len(idx), T, dtype=torch.int64)
-    x = torch.zeros(len(idx), T, h)
-    y = torch.zeros(len(idx), T, h)
-    mask = torch.zeros(len(idx), T, dtype=torch.bool)
-    for b, i in enumerate(idx):
-        toks, f = data[i]
-        n = len(toks) - 2  # positions p with f[p + 1] known (f has len(toks) - 1 rows)
-        ids[b, :n] = torch.tensor(toks[1 : n + 1])
-        x[b, :n] = f[:n]
-        y[b, :n] = f[1 : n + 1]
-        mask[b, :n] = True
-    return ids, x, y, mask
+def _ttt_attention(attn, x: torch.Tensor, positions: torch.Tensor, rotary,
+                   prev_k: list[torch.Tensor], prev_v: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of drafting step u = len(prev_k) + 1 at every anchor i.
+
+    x [b, T, 2H] is step u's input at anchors 0..T-1 (position i + u - 1). Anchor i sees the
+    step-1 keys of positions 0..i (the real positions' draft KV) and its own keys from steps
+    2..u (the draft positions before it), exactly as drafts at inference do. Returns
+    (out [b, T, H], k, v [b, kv_heads, T, d]).
+    """
+    b, T, _ = x.shape
+    d, nh, nkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    q = attn.q_proj(x).view(b, T, nh, d)
+    k = attn.k_proj(x).view(b, T, nkv, d)
+    v = attn.v_proj(x).view(b, T, nkv, d)
+    cos, sin = rotary.cos_sin(positions, q.dtype)  # each [T, 1, d]
+    q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+    v = v.transpose(1, 2)
+    keys = torch.cat([*prev_k, k], dim=2)  # [b, nkv, u * T, d]
+    values = torch.cat([*prev_v, v], dim=2)
+    u = len(prev_k) + 1
+    i = torch.arange(T)
+    mask = torch.zeros(T, u * T, dtype=torch.bool)
+    mask[:, :T] = i[None, :] <= i[:, None]  # step 1: causal over real positions
+    for s in range(1, u):
+        mask[i, s * T + i] = True  # steps 2..u: the anchor's own draft positions
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scale,
+                                       enable_gqa=nh != nkv)  # [b, nh, T, d]
+    return attn.o_proj(o.transpose(1, 2).reshape(b, T, nh * d)), k, v
 
 
-def train(drafter: EagleDrafter, model, data, args, deadline: float, log):
+def ttt_forward(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor,
+                num_steps: int, step_weights: Sequence[float]
+                ) -> tuple[torch.Tensor, list[tuple[int, int]], list[float]]:
+    """(weighted loss, per step (top-1 hits, counted answer positions), per-step losses).
+
+    Step u at anchor i reads token t[i + u] and predicts t[i + u + 1], whose target
+    distribution is softmax(target_head @ final[i + u]) over the draft vocabulary.
+    """
+    m = drafter.module
+    layer = m.midlayer
+    feats = batch.features  # [b, T, 4, H]
+    T = feats.shape[1]
+    aux = feats[:, :, :3].flatten(2).float()  # [b, T, 3H]
+    final = feats[:, :, 3].float()  # [b, T, H] post-norm, predicts the next token
+    hidden = drafter.fc(aux)  # [b, T, H]: h_0
+    pos = torch.arange(T)
+    prev_k: list[torch.Tensor] = []
+    prev_v: list[torch.Tensor] = []
+    loss = hidden.new_zeros(())
+    hits: list[tuple[int, int]] = []
+    step_losses: list[float] = []
+    d2t = m.d2t
+    for u in range(1, num_steps + 1):
+        n_valid = T - u  # anchors i with a target at i + u (feature rows i + u < T)
+        if n_valid <= 0:
+            break
+        tok_in = batch.tokens[:, u : u + T]  # t[i + u], [b, T] (zero past the end)
+        if tok_in.shape[1] < T:
+            tok_in = F.pad(tok_in, (0, T - tok_in.shape[1]))
+        emb = layer.input_layernorm(m.target.embed(tok_in).to(hidden.dtype))
+        x = torch.cat((emb, layer.hidden_norm(hidden)), dim=-1)  # [b, T, 2H]
+        a, k, v = _ttt_attention(layer.self_attn, x, pos + (u - 1), layer._rotary, prev_k,
+                                 prev_v)
+        prev_k.append(k)
+        prev_v.append(v)
+        r = hidden + a
+        hidden = r + layer.mlp(layer.post_attention_layernorm(r))  # [b, T, H] pre-norm
+        anchors = hidden[:, :n_valid]
+        valid = torch.arange(n_valid)[None, :] + u < batch.lengths[:, None]  # [b, n_valid]
+        logits = m.lm_head(m.norm(anchors[valid]))  # [m, K]
+        with torch.no_grad():
+            target_p = F.linear(final[:, u : u + n_valid][valid], target_head).float().softmax(-1)
+        step_loss = F.cross_entropy(logits.float(), target_p)
+        loss = loss + step_weights[u - 1] * step_loss
+        step_losses.append(float(step_loss.detach()))
+        with torch.no_grad():
+            # acceptance proxy: answer positions where the greedy data's next token is known
+            predicted_pos = torch.arange(n_valid)[None, :] + u + 1  # position of t[i+u+1]
+            in_answer = (predicted_pos >= batch.answer_start[:, None])[valid]  # [m]
+            truth = batch.tokens[:, u + 1 : u + 1 + n_valid][valid]  # [m]
+            guess = logits.argmax(-1)
+            guess = guess + d2t[guess]
+            hits.append((int(((guess == truth) & in_answer).sum()), int(in_answer.sum())))
+    return loss, hits, step_losses
+
+
+def expected_acceptance_length(accuracies: Sequence[float]) -> float:
+    """1 + p1 + p1 p2 + ...: tokens per verification if step u is right with prob p_u given
+    steps before it were (what the TTT accuracies estimate)."""
+    total, run = 1.0, 1.0
+    for p in accuracies:
+        run *= p
+        total += run
+    return total
+
+
+@torch.no_grad()
+def heldout_metrics(drafter, batches: list[Batch], target_head, num_steps: int
+                    ) -> tuple[float, list[float]]:
+    """(mean step-1..S loss, per-step top-1 accuracy on answer positions) on held-out data."""
+    hits = [[0, 0] for _ in range(num_steps)]
+    losses = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for batch in batches:
+            _, h, step_losses = ttt_forward(drafter, batch, target_head, num_steps,
+                                            [1.0] * num_steps)
+            losses.append(sum(step_losses) / len(step_losses))
+            for u, (a, n) in enumerate(h):
+                hits[u][0] += a
+                hits[u][1] += n
+    return sum(losses) / len(losses), [a / max(1, n) for a, n in hits]
+
+
+def train(drafter: Eagle3Drafter, model: LlamaForCausalLM, data, heldout, vocab, args,
+          log: Log) -> dict:
     from tqdm.auto import tqdm
 
     rng = random.Random(args.seed)
-    vocab = sorted({t for toks, _ in data for t in toks})
-    w_sub = model.lm_head.weight[vocab].detach().float()  # [|V'|, hidden]
-    log(f"train vocabulary: {len(vocab)} tokens")
-    m = drafter.module
-    m.requires_grad_(True)
-    params = list(m.parameters())  # the target's embedding / LM head are not m's parameters
+    target_head = model.lm_head.weight[torch.tensor(vocab)].detach().float()  # [K, H]
+    weights = [0.8**u for u in range(args.ttt_steps)]
+    params = [p for p in drafter.parameters()]
+    for p in params:
+        p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    steps_hint = args.max_steps or 10**9
+    heldout_batches = [Batch([heldout[i] for i in idx])
+                       for idx in make_batches(heldout, args.batch_tokens, rng)]
+    history: dict[str, list] = {"step": [], "loss": [], "eval_step": [], "eval_loss": [],
+                                "eval_acc": [], "eval_expected_al": []}
+
+    def evaluate_now(step: int) -> None:
+        drafter.eval()
+        loss, acc = heldout_metrics(drafter, heldout_batches, target_head, args.ttt_steps)
+        drafter.train()
+        al = expected_acceptance_length(acc)
+        history["eval_step"].append(step)
+        history["eval_loss"].append(loss)
+        history["eval_acc"].append(acc)
+        history["eval_expected_al"].append(al)
+        log(f"step {step}: held-out loss {loss:.3f}, top-1 by step "
+            + " ".join(f"{a:.3f}" for a in acc) + f", expected acceptance length {al:.3f}")
+
+    evaluate_now(0)
     start = time.monotonic()
-    losses: list[tuple[int, float, float, float]] = []  # step, total, feature, token
+    deadline = start + args.train_minutes * 60.0
     batches: list[list[int]] = []
-    bar = tqdm(desc="training EAGLE head", unit="step", total=args.max_steps or None)
     step = 0
-    while step < steps_hint and time.monotonic() < deadline:
+    bar = tqdm(desc="training EAGLE3 head", unit="step", total=args.max_steps or None)
+    drafter.train()
+    while time.monotonic() < deadline and (not args.max_steps or step < args.max_steps):
         if not batches:
             batches = make_batches(data, args.batch_tokens, rng)
-        idx = batches.pop()
-        ids, x, y, mask = batch_tensors(data, idx)
-        pos = torch.arange(ids.shape[1])
-        # LR: short warmup, then cosine by elapsed share of the budget.
-        frac = min(1.0, (time.monotonic() - start) / max(1.0, deadline - start))
+        batch = Batch([data[i] for i in batches.pop()])
+        frac = (time.monotonic() - start) / (deadline - start)
         if args.max_steps:
             frac = max(frac, step / args.max_steps)
-        lr = (
-            args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        )
+        lr = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
+            math.pi * min(1.0, frac))))
         for g in opt.param_groups:
             g["lr"] = lr
-        if args.noise > 0:  # the drafter later reads its own, imperfect features
-            x = x + (torch.rand_like(x) * 2 - 1) * args.noise
-        loss = x.new_zeros(())
-        feat_loss = tok_loss = x.new_zeros(())
-        out = x
-        for u in range(args.unroll):
-            if u > 0:  # step u reads the previous step's prediction of its feature
-                x, ids, y, mask = out[:, :-1], ids[:, 1:], y[:, 1:], mask[:, 1:]
-                pos = pos[1:]
-            out, _, _ = m.dense_forward(ids, x, pos)  # [b, T - u, hidden]
-            o, tgt = out[mask], y[mask]  # [m, hidden]
-            fl = F.smooth_l1_loss(o, tgt)
-            with torch.no_grad():
-                p_t = torch.softmax(tgt @ w_sub.T, -1)  # target distribution over V'
-            tl = -(p_t * torch.log_softmax(o @ w_sub.T, -1)).sum(-1).mean()
-            loss = loss + (0.5**u) * (fl + args.ce_weight * tl)
-            if u == 0:
-                feat_loss, tok_loss = fl, tl
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _, _ = ttt_forward(drafter, batch, target_head, args.ttt_steps, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        losses.append((step, float(loss), float(feat_loss), float(tok_loss)))
+        history["step"].append(step)
+        history["loss"].append(float(loss))
         bar.update(1)
-        bar.set_postfix(
-            loss=f"{float(loss):.3f}", feat=f"{float(feat_loss):.3f}", tok=f"{float(tok_loss):.3f}"
-        )
+        bar.set_postfix(loss=f"{float(loss):.3f}", lr=f"{lr:.1e}")
+        if step % args.eval_every == 0:
+            evaluate_now(step)
     bar.close()
-    m.requires_grad_(False)
-    log(f"trained {step} steps in {time.monotonic() - start:.0f} s")
-    return losses
+    if not history["eval_step"] or history["eval_step"][-1] != step:
+        evaluate_now(step)
+    for p in params:
+        p.requires_grad_(False)
+    drafter.eval()
+    history["train_seconds"] = time.monotonic() - start
+    history["train_steps"] = step
+    log(f"trained {step} steps in {history['train_seconds']:.0f} s")
+    return history
 
 
-def save_loss_curve(losses, path: Path) -> None:
+def save_curves(history: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not losses:
-        return
-    steps = [s for s, *_ in losses]
-
-    def smooth(v: list[float], k: int = 10) -> list[float]:
-        return [
-            sum(v[max(0, i - k + 1) : i + 1]) / len(v[max(0, i - k + 1) : i + 1])
-            for i in range(len(v))
-        ]
-
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    ax[0].plot(steps, smooth([f for _, _, f, _ in losses]))
-    ax[0].set_title("feature loss (smooth L1)")
-    ax[1].plot(steps, smooth([t for *_, t in losses]))
-    ax[1].set_title("token loss (CE vs target distribution)")
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    loss = history["loss"]
+    k = 20
+    smooth = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1])
+              for i in range(len(loss))]
+    ax[0].plot(history["step"], smooth, label="train (weighted TTT loss, smoothed)")
+    ax[0].plot(history["eval_step"], history["eval_loss"], "o-", label="held-out (mean step loss)")
+    ax[0].set_title("cross-entropy vs the target's distribution")
+    ax[0].set_xlabel("step")
+    ax[0].legend()
+    for u in range(len(history["eval_acc"][0]) if history["eval_acc"] else 0):
+        ax[1].plot(history["eval_step"], [a[u] for a in history["eval_acc"]], "o-",
+                   label=f"top-1, draft {u + 1}")
+    ax[1].set_title("held-out: per-draft top-1 accuracy")
+    ax[1].set_xlabel("step")
+    twin = ax[1].twinx()
+    twin.plot(history["eval_step"], history["eval_expected_al"], "k--",
+              label="expected acceptance length")
+    twin.set_ylabel("expected acceptance length")
+    ax[1].legend(loc="lower left")
+    twin.legend(loc="lower right")
     for a in ax:
-        a.set_xlabel("step")
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-# ---- 3. evaluation ------------------------------------------------------------------------------
+# ---- 4. evaluation ------------------------------------------------------------------------------
 
 
-def evaluate(model, tokenizer, drafter, args, log) -> float:
+def evaluate(model, tokenizer, drafter, args, log: Log) -> tuple[float, list[float]]:
+    """(mean acceptance length, per-position acceptance rate) with greedy verification."""
     from tqdm.auto import tqdm
 
     results = []
     for text in tqdm(eval_prompts(args.eval_prompts), desc="evaluating", unit="prompt"):
-        results.append(
-            speculative_generate(
-                model,
-                drafter,
-                chat_ids(tokenizer, text),
-                args.eval_new_tokens,
-                args.spec_tokens,
-                stop_token_ids=model.config.eos_token_ids,
-            )
-        )
+        results.append(speculative_generate(
+            model, drafter, chat_ids(tokenizer, text), args.eval_new_tokens,
+            args.spec_tokens, stop_token_ids=model.config.eos_token_ids))
     al = mean_acceptance_length(results)
-    log(
-        f"mean acceptance length ({args.spec_tokens} spec tokens, greedy, "
-        f"{len(results)} held-out prompts): {al:.3f}"
-    )
-    return al
+    steps = [a for r in results for a in r.accepted_per_step]
+    per_position = [sum(a >= j for a in steps) / max(1, len(steps))
+                    for j in range(1, args.spec_tokens + 1)]
+    log(f"mean acceptance length ({args.spec_tokens} drafts, greedy, {len(results)} held-out "
+        f"prompts, {args.eval_new_tokens} tokens): {al:.3f}; draft j accepted in "
+        + ", ".join(f"{p:.1%}" for p in per_position) + " of steps")
+    return al, per_position
 
 
 # ---- entry --------------------------------------------------------------------------------------
@@ -387,58 +532,70 @@ def evaluate(model, tokenizer, drafter, args, log) -> float:
 def run(args: argparse.Namespace) -> int:
     from speckv.models.builtin import load_builtin_model
 
+    if args.ttt_steps < 1 or args.spec_tokens < 1 or args.batch_tokens < 16:
+        raise ValueError("--ttt-steps and --spec-tokens must be >= 1, --batch-tokens >= 16")
     t0 = time.monotonic()
-    budget = args.minutes * 60.0
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_lines: list[str] = []
 
     def log(msg: str) -> None:
-        line = f"[{time.monotonic() - t0:6.1f}s] {msg}"
+        line = f"[{time.monotonic() - t0:7.1f}s] {msg}"
         print(line, flush=True)
         log_lines.append(line)
 
-    model, tokenizer, _ = load_builtin_model(torch.float32, "cpu")
-    cache = Path(args.data_cache) if args.data_cache else None
-    if cache is not None and cache.is_file():
-        data = load_data(cache)
-        log(f"data: {len(data)} sequences from {cache}")
-    else:
-        data = collect_data(model, tokenizer, args, t0 + budget * args.gen_fraction, log)
-        if cache is not None:
-            save_data(data, cache)
-    drafter = build_drafter("eagle", model)  # EAGLE-1 layout: no input layernorm, fc bias
-    assert isinstance(drafter, EagleDrafter)
-    init_from_target(drafter, model)
-    # Leave time for evaluation (~ 10 % of the budget, at least 60 s).
-    eval_reserve = max(60.0, 0.1 * budget)
-    losses = train(drafter, model, data, args, t0 + budget - eval_reserve, log)
-    drafter.eval()
+    # data in bfloat16 (about 2x faster batched decoding here); evaluation on the fp32 model
+    model16, tokenizer, _ = load_builtin_model(torch.bfloat16, "cpu", progress=False)
+    t_data = time.monotonic()
+    data, heldout = load_or_collect(model16, tokenizer, args, log)
+    data_seconds = time.monotonic() - t_data
+    del model16
+    model, tokenizer, _ = load_builtin_model(torch.float32, "cpu", progress=False)
+    vocab = choose_vocab(data, heldout, args, model.config.eos_token_ids, log)
+    drafter = build_drafter("eagle3", model, draft_vocab_size=len(vocab), aux_layers=AUX_LAYERS)
+    assert isinstance(drafter, Eagle3Drafter)
+    init_from_target(drafter, model, vocab)
+    history = train(drafter, model, data, heldout, vocab, args, log)
     save_drafter(drafter, out, dtype=args.save_dtype)
-    save_loss_curve(losses, out / "loss_curve.png")
-    al = evaluate(model, tokenizer, drafter, args, log)
+    save_curves(history, out / "loss_curve.png")
+    # evaluate what was saved (fp16 weights back in the target's dtype)
+    saved = load_drafter(out, model)
+    al, per_position = evaluate(model, tokenizer, saved, args, log)
     size = (out / "model.safetensors").stat().st_size
     log(f"saved {out} ({size / 1e6:.2f} MB safetensors), total {time.monotonic() - t0:.0f} s")
     summary = {
+        "method": "eagle3",
+        "draft_vocab_size": len(vocab),
+        "aux_layers_vllm": [i + 1 for i in AUX_LAYERS],
+        "ttt_steps": args.ttt_steps,
         "acceptance_length": al,
+        "acceptance_per_position": per_position,
         "spec_tokens": args.spec_tokens,
-        "train_steps": len(losses),
-        "final_loss": losses[-1][1] if losses else None,
-        "data_tokens": sum(len(t) for t, _ in data),
+        "heldout_prompts": args.eval_prompts,
+        "heldout_new_tokens": args.eval_new_tokens,
+        "expected_acceptance_length_ttt": history["eval_expected_al"][-1],
+        "train_steps": history["train_steps"],
+        "train_seconds": round(history["train_seconds"]),
+        "data_seconds": round(data_seconds),
+        "data_sequences": len(data),
+        "data_tokens": sum(len(s.tokens) for s in data),
         "safetensors_bytes": size,
-        "wall_seconds": time.monotonic() - t0,
+        "wall_seconds": round(time.monotonic() - t0),
+        "command": "speckv train-draft " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
+            if k in ("data_minutes", "train_minutes", "draft_vocab", "ttt_steps", "lr",
+                     "batch_tokens", "seed")),
     }
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
     (out / "train_log.txt").write_text("\n".join(log_lines) + "\n")
     if args.install_asset:
-        BUILTIN_EAGLE_DIR.mkdir(parents=True, exist_ok=True)
-        for f in ("config.json", "model.safetensors", "train_summary.json", "loss_curve.png"):
-            if (out / f).exists():
-                shutil.copy2(out / f, BUILTIN_EAGLE_DIR / f)
-        log(f"installed the head as {BUILTIN_EAGLE_DIR}")
+        BUILTIN_DRAFTER_DIR.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors", "train_summary.json", "loss_curve.png",
+                     "train_log.txt"):
+            shutil.copy2(out / name, BUILTIN_DRAFTER_DIR / name)
+        log(f"installed the head as {BUILTIN_DRAFTER_DIR}")
     return 0
 
 

@@ -44,7 +44,7 @@ def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
     if method in DRAFTER_METHODS:
         raise ValueError(
             f"speculative_method {method!r} needs a drafter: set speculative_model (a drafter "
-            "directory, or 'builtin' for the built-in model's EAGLE head)"
+            "directory, or 'builtin' for the built-in model's EAGLE3 head)"
         )
     return None
 
@@ -53,15 +53,24 @@ def load_configured_drafter(config: EngineConfig, model: LlamaForCausalLM) -> Dr
     """Load `config.speculative_model` on `model` (None: no drafter)."""
     if config.speculative_model is None:
         return None
-    return load_drafter_model(config.speculative_model, model)
+    return load_drafter_model(config.speculative_model, model, config.speculative_method)
 
 
-def load_drafter_model(speculative_model: str, model: LlamaForCausalLM) -> Drafter:
-    """A drafter dir (layout detected) or "builtin" (the shipped SmolLM2 EAGLE head)."""
+def load_drafter_model(speculative_model: str, model: LlamaForCausalLM,
+                       method: str | None = None) -> Drafter:
+    """A drafter dir (layout detected) or "builtin" (the built-in SmolLM2's shipped EAGLE3
+    head); `method`, when given, must be the drafter's."""
     if speculative_model == "builtin":
-        from speckv.drafters.builtin import load_builtin_eagle
+        from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, load_builtin_drafter
 
-        return load_builtin_eagle(model)
+        if method is not None and method != BUILTIN_DRAFTER_METHOD:
+            raise ValueError(
+                f"the built-in model ships an {BUILTIN_DRAFTER_METHOD.upper()} head only, no "
+                f"built-in {method.upper()} drafter: use speculative method "
+                f"{BUILTIN_DRAFTER_METHOD!r}, or give a {method} drafter directory as the "
+                "speculative model (--speculative-model DIR)"
+            )
+        return load_builtin_drafter(model)
     from speckv.drafters.loaders import load_drafter
 
     return load_drafter(speculative_model, model)
