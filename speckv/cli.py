@@ -1,8 +1,9 @@
 """The `speckv` command: parses arguments, calls the package, prints. Nothing else lives here.
 
 Subcommands are mounted from the modules that own them (each exposes `add_arguments(parser)`
-and `run(args) -> int`), imported lazily so `speckv --help` stays fast. User errors
-(`ValueError`, `FileNotFoundError`) print one line to stderr and exit 2, without a traceback.
+and `run(args) -> int`), imported lazily so `speckv --help` stays fast. `--help` shows every
+option's default. User errors (`ValueError`, `FileNotFoundError`) print one line to stderr and
+exit 2, without a traceback, naming the command's flags rather than internal fields.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "speckv.commands.demo",
-     "the main job: hit lengths, hashing cost, the built-in model with EAGLE, and a short "
+     "the main job: hit lengths, hashing cost, the built-in model (EAGLE3 where it pays), a short "
      "prefix_repetition run"),
     (("generate",), "speckv.commands.generate",
      "stream one completion from the built-in model (or --model DIR)"),
@@ -24,7 +25,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "hit-length"), "speckv.bench.hit_length",
      "cached tokens of a repeated prompt, per drafter and hash mode"),
     (("bench", "retention"), "speckv.bench.retention",
-     "sliding-window retention under the legacy drop (seed 003's scenario)"),
+     "sliding-window retention under the legacy drop (a Gemma-style window + full attention)"),
     (("bench", "hash"), "speckv.bench.hash_cost", "CPU cost of the block-hash formats"),
     (("bench", "throughput"), "speckv.bench.throughput",
      "engine vs transformers on the built-in model: prefill, decode, cached TTFT"),
@@ -33,9 +34,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "draft-kv"), "speckv.bench.draft_kv",
      "a hit's target and draft KV vs a cold run, with a stale-successor negative control"),
     (("bench", "spec-decode"), "speckv.bench.spec_decode",
-     "decode tokens/s with speculation vs without, batch 1 and 8"),
+     "decode tokens/s with speculation (EAGLE3, n-gram) vs without, batch 1, 8 and 32"),
     (("train-draft",), "speckv.drafters.train",
-     "train an EAGLE head for the built-in model on its own generations"),
+     "train the built-in model's EAGLE3 head on its own generations"),
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
@@ -76,8 +77,22 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         if list(path) == wanted[: len(path)]:
             add, run = _load(target)
             add(sub)
-            sub.set_defaults(_run=run)
+            _show_defaults(sub)
+            sub.set_defaults(_run=run, _flags=frozenset(
+                option for action in sub._actions for option in action.option_strings))
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to every option's help that has a default worth showing."""
+    for action in parser._actions:
+        default = action.default
+        if (not action.option_strings or default is None or default is False
+                or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction)
+                or "%(default)" in (action.help or "") or action.help == argparse.SUPPRESS):
+            continue
+        action.help = f"{action.help} (default: %(default)s)" if action.help \
+            else "default: %(default)s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(run(args) or 0)
     except (ValueError, FileNotFoundError, OSError) as error:
-        print(f"speckv: error: {error}", file=sys.stderr)
+        from speckv.commands.cli_words import in_cli_words
+
+        print(f"speckv: error: {in_cli_words(str(error), args._flags)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -40,7 +40,7 @@ class HitLengthResult:
 
 
 def expected_hit_tokens(prompt_len: int, unit_tokens: int, hash_mode: HashMode) -> int:
-    """SPEC §4's table for an alignment unit U (dense retention). Pure."""
+    """The expected hit lengths for an alignment unit U (dense retention). Pure."""
     num_needed_after = max(hash_mode.lookahead_tokens, 1)
     hit = max(0, (prompt_len - num_needed_after) // unit_tokens * unit_tokens)
     if hash_mode.drops_last_unit:
@@ -96,7 +96,7 @@ HYBRID_ROWS = ("full:16,mamba:544", "full:16,swa:128:16", "full:16,swa:64:16,mam
 
 
 def hybrid_table() -> list[HitLengthResult]:
-    """The user documents' hybrid example (U = 544) and mixes with sliding windows."""
+    """A hybrid attention + Mamba model (U = 544) and mixes with sliding windows."""
     results = []
     for groups_text in HYBRID_ROWS:
         specs = parse_group_specs(groups_text)
@@ -117,8 +117,8 @@ def print_table(results: list[HitLengthResult], console: Console) -> None:
             _print_one_table(rows, console, f"groups {groups_text}, U={rows[0].block_size}")
     else:
         _print_one_table(results, console, f"B={results[0].block_size}")
-    console.print("Cells equal SPEC §4 (floor((N - max(L, 1)) / U) * U, one unit less with the "
-                  "legacy drop); a cell that does not shows (!=expected).")
+    console.print("Each cell is the expected floor((N - max(L, 1)) / U) * U cached tokens (one "
+                  "unit less with the legacy drop); a cell that is not shows (!=expected).")
 
 
 def _print_one_table(results: list[HitLengthResult], console: Console, label: str) -> None:

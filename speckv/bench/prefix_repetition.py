@@ -1,4 +1,4 @@
-"""`speckv bench prefix-repetition`: the user documents' end-to-end table on our engine.
+"""`speckv bench prefix-repetition`: vLLM's prefix_repetition workload end to end on the engine.
 
 Runs one `prefix_repetition` workload (or a JSONL file) through the real engine once per mode:
 
@@ -243,8 +243,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="builtin", help="'builtin', an HF dir or a .gguf")
     parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
                         default="builtin",
-                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (EAGLE head); "
-                        "--draft-model is a deprecated alias")
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (the built-in "
+                        "model's EAGLE3 head); --draft-model is a deprecated alias")
     parser.add_argument("--prefix-len", type=int, default=200)
     parser.add_argument("--suffix-len", type=int, default=40)
     parser.add_argument("--num-prefixes", type=int, default=4)
@@ -280,21 +280,26 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise ValueError("--threads must be >= 1")
     torch.set_num_threads(args.threads)
+    # every argument is checked before the model loads (seconds)
     options = RunOptions(block_size=args.block_size,
                          kv_cache_memory_bytes=args.kv_cache_mb * 1024**2,
                          num_spec_tokens=args.num_spec_tokens, request_rate=args.request_rate,
                          max_concurrency=args.max_concurrency, seed=args.seed,
                          progress=not args.json)
+    config = None
+    if args.jsonl is None:
+        config = PrefixRepetitionConfig(args.prefix_len, args.suffix_len, args.num_prefixes,
+                                        args.output_len, args.num_prompts, args.seed,
+                                        not args.no_shuffle)
+    elif not args.jsonl.is_file():
+        raise FileNotFoundError(f"--jsonl {args.jsonl}: no such file")
     model, tokenizer = load_model(args.model, args.dtype, "cpu", progress=not args.json)
-    if args.jsonl is not None:
+    if config is None:
         if tokenizer is None:
             raise ValueError("--jsonl with text prompts needs a model with a tokenizer")
         workload = load_jsonl(args.jsonl, tokenizer, args.output_len)
         shape = f"{len(workload)} prompts from {args.jsonl}"
     else:
-        config = PrefixRepetitionConfig(args.prefix_len, args.suffix_len, args.num_prefixes,
-                                        args.output_len, args.num_prompts, args.seed,
-                                        not args.no_shuffle)
         workload = prefix_repetition(config, model.config.vocab_size, tokenizer)
         shape = (f"prefix {args.prefix_len} + suffix {args.suffix_len} tokens, "
                  f"{args.num_prefixes} prefixes x {args.num_prompts // args.num_prefixes} "

@@ -1,9 +1,17 @@
-"""`speckv bench spec-decode`: decode speed with speculation versus without, same run.
+"""`speckv bench spec-decode`: decode speed with speculation versus without, same prompts.
 
-The built-in model with its shipped EAGLE head (or `--speculative-model DIR`), greedy, on held-out
-chat prompts, at batch 1 and batch 8: output tokens/s per mode, the ratio, the drafts'
-acceptance rate and mean acceptance length, and whether outputs are identical (they must be:
-greedy verification is lossless).
+The built-in model (fp32, CPU, `--threads` torch threads), greedy, on held-out chat prompts
+(never in the drafter's training data), at each batch size: output tokens/s without
+speculation, with the built-in EAGLE3 head (adaptive draft length: the engine drafts fewer
+tokens or none when that is faster) and with n-gram prompt lookup as a peer; the ratios; the
+drafts' mean acceptance length and per-position acceptance; which draft lengths the engine
+chose; and whether every output equals the plain run's (it must: greedy verification is
+lossless).
+
+The modes run interleaved, wave by wave (a wave = `batch` prompts decoded together; batch 1
+runs one prompt at a time), so slow drift in a shared machine's load hits every mode alike.
+`--record` stores the EAGLE3 figures next to the shipped head (`benchmark.json`), where
+`speckv generate` and the demo read them to decide whether speculation is on by default.
 """
 
 from __future__ import annotations
@@ -11,33 +19,68 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-
-@dataclass(frozen=True)
-class SpecRow:
-    batch_size: int
-    plain_tokens_per_s: float
-    spec_tokens_per_s: float
-    speedup: float
-    acceptance_rate: float
-    mean_acceptance_length: float
-    identical_outputs: bool
+MODES = ("none", "eagle3", "eagle3-fixed", "ngram")
+LABELS = {"none": "no spec", "eagle3": "EAGLE3 (adaptive)", "eagle3-fixed": "EAGLE3 (fixed k)",
+          "ngram": "n-gram (adaptive)"}
 
 
-def _generate(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec):
+@dataclass
+class ModeResult:
+    mode: str
+    num_tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    num_drafts_by_position: list[int] = field(default_factory=list)
+    num_accepted_by_position: list[int] = field(default_factory=list)
+    steps_by_num_spec_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        steps = self.num_drafts_by_position[0] if self.num_drafts_by_position else 0
+        return 1 + sum(self.num_accepted_by_position) / steps if steps else None
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0
+                for a, d in zip(self.num_accepted_by_position, self.num_drafts_by_position)]
+
+
+def _add(into: list[int], values) -> None:
+    values = list(values)
+    into.extend([0] * (len(values) - len(into)))
+    for i, v in enumerate(values):
+        into[i] += v
+
+
+def _engine(model, tokenizer, drafter, mode: str, batch_size: int, num_spec: int):
     from speckv.engine.config import EngineConfig
     from speckv.engine.llm_engine import LLMEngine
-    from speckv.engine.sampling_params import SamplingParams
-    from speckv.engine.speculative import speculative_args
 
-    config = EngineConfig(max_num_seqs=batch_size, num_blocks=512, dtype=str(model.dtype),
-                          **speculative_args(drafter, num_spec))
-    engine = LLMEngine(model, config, tokenizer, drafter=drafter)
+    speculative: dict = {}
+    if mode.startswith("eagle3"):
+        speculative = {"speculative_method": drafter.policy.name, "num_spec_tokens": num_spec,
+                       "adaptive_speculation": mode == "eagle3"}
+    elif mode == "ngram":
+        speculative = {"speculative_method": "ngram", "num_spec_tokens": num_spec}
+    config = EngineConfig(max_num_seqs=batch_size, num_blocks=max(256, 16 * batch_size),
+                          dtype=str(model.dtype).removeprefix("torch."), **speculative)
+    return LLMEngine(model, config, tokenizer,
+                     drafter=drafter if mode.startswith("eagle3") else None)
+
+
+def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
+    from speckv.engine.sampling_params import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     done = {}
@@ -46,34 +89,81 @@ def _generate(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_sp
         for output in engine.step():
             if output.finished:
                 done[output.request_id] = output
-    elapsed = time.perf_counter() - start
-    outputs = [done[i] for i in ids]
-    return outputs, sum(len(o.token_ids) for o in outputs) / elapsed
+    result.seconds += time.perf_counter() - start
+    for request_id in ids:
+        output = done[request_id]
+        result.num_tokens += len(output.token_ids)
+        result.outputs.append(output.token_ids)
+        _add(result.num_drafts_by_position, output.num_drafts_by_position)
+        _add(result.num_accepted_by_position, output.num_accepted_by_position)
 
 
-def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec) -> SpecRow:
-    plain, plain_rate = _generate(model, tokenizer, None, prompts, batch_size, max_tokens,
-                                  num_spec)
-    spec, spec_rate = _generate(model, tokenizer, drafter, prompts, batch_size, max_tokens,
-                                num_spec)
-    from speckv.engine.outputs import acceptance_stats
-
-    rate, length = acceptance_stats(spec, num_spec) or (0.0, 1.0)
-    return SpecRow(batch_size, plain_rate, spec_rate, spec_rate / plain_rate, rate, length,
-                   [o.token_ids for o in plain] == [o.token_ids for o in spec])
+def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec, modes
+            ) -> dict[str, ModeResult]:
+    """Every mode over all `prompts`, `batch_size` at a time, the modes interleaved per wave."""
+    engines = {mode: _engine(model, tokenizer, drafter, mode, batch_size, num_spec)
+               for mode in modes}
+    results = {mode: ModeResult(mode) for mode in modes}
+    for wave_start in range(0, len(prompts), batch_size):
+        wave = prompts[wave_start : wave_start + batch_size]
+        order = list(modes) if (wave_start // batch_size) % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            _run_wave(engines[mode], wave, max_tokens, results[mode])
+    for mode, engine in engines.items():
+        stats = engine.spec_decode_stats()
+        if stats is not None:
+            results[mode].steps_by_num_spec_tokens = list(stats.steps_by_num_spec_tokens)
+    return results
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from speckv.engine.config import MAX_NUM_SPEC_TOKENS
+
     parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
                         default="builtin",
-                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (EAGLE head); "
+                        help="EAGLE3 drafter dir, or 'builtin' (the shipped head); "
                         "--draft-model is a deprecated alias")
-    parser.add_argument("--num-spec-tokens", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--num-spec-tokens", type=int, default=3,
+                        help=f"most drafts per step, 1..{MAX_NUM_SPEC_TOKENS}")
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    parser.add_argument("--num-prompts", type=int, default=24,
+                        help="held-out chat prompts (at least the largest batch is decoded: "
+                        "prompts repeat to fill it)")
+    parser.add_argument("--modes", default="none,eagle3,ngram",
+                        help=f"comma-separated subset of {', '.join(MODES)}; 'none' is the "
+                        "reference and always runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--record", action="store_true",
+                        help="store the EAGLE3 figures with the shipped head (benchmark.json)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _check(args: argparse.Namespace) -> tuple[list[int], tuple[str, ...]]:
+    from speckv.drafters.prompts import eval_prompts
+    from speckv.engine.config import MAX_NUM_SPEC_TOKENS
+
+    try:
+        batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes: not a comma-separated list of ints: "
+                         f"{args.batch_sizes!r}") from None
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError("--batch-sizes must all be >= 1")
+    if not 1 <= args.num_spec_tokens <= MAX_NUM_SPEC_TOKENS:
+        raise ValueError(f"--num-spec-tokens must be between 1 and {MAX_NUM_SPEC_TOKENS}")
+    available = len(eval_prompts(None))
+    if not 1 <= args.num_prompts <= available:
+        raise ValueError(f"--num-prompts must be between 1 and {available} (held-out prompts)")
+    if args.max_tokens < 1 or args.threads < 1:
+        raise ValueError("--max-tokens and --threads must be >= 1")
+    modes = tuple(dict.fromkeys(["none", *(m.strip() for m in args.modes.split(","))]))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    if args.record and (args.speculative_model != "builtin" or "eagle3" not in modes):
+        raise ValueError("--record needs the built-in head and the eagle3 mode")
+    return batch_sizes, modes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,32 +171,81 @@ def run(args: argparse.Namespace) -> int:
     from speckv.engine.llm import load_model
     from speckv.engine.speculative import load_drafter_model
 
-    batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
-    if min(batch_sizes) < 1 or args.num_spec_tokens < 1 or args.num_prompts < 1:
-        raise ValueError("--batch-sizes, --num-spec-tokens and --num-prompts must be >= 1")
+    batch_sizes, modes = _check(args)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("builtin", "float32", "cpu", progress=not args.json)
-    drafter = load_drafter_model(args.speculative_model, model)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}])
-               for text in eval_prompts(args.num_prompts)]
-    rows = []
+    drafter = None
+    if any(mode.startswith("eagle3") for mode in modes):
+        drafter = load_drafter_model(args.speculative_model, model, "eagle3")
+    texts = eval_prompts(args.num_prompts)
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    table_rows = []
     for batch_size in batch_sizes:
-        # batch 1 runs fewer prompts: the per-token speed is what matters
-        subset = prompts[: max(2, min(len(prompts), batch_size))]
-        rows.append(measure(model, tokenizer, drafter, subset, batch_size, args.max_tokens,
-                            args.num_spec_tokens))
+        count = max(len(chats), batch_size)
+        prompts = [chats[i % len(chats)] for i in range(count)]
+        results = measure(model, tokenizer, drafter, prompts, batch_size, args.max_tokens,
+                          args.num_spec_tokens, modes)
+        table_rows.append((batch_size, len(prompts), results))
+    payload = []
+    for batch_size, num_prompts, results in table_rows:
+        plain = results["none"]
+        for mode, result in results.items():
+            payload.append({
+                "batch_size": batch_size, "num_prompts": num_prompts, "mode": mode,
+                "tokens_per_s": result.tokens_per_s,
+                "speedup": result.tokens_per_s / plain.tokens_per_s,
+                "mean_acceptance_length": result.mean_acceptance_length,
+                "acceptance_by_position": result.acceptance_by_position,
+                "steps_by_num_spec_tokens": result.steps_by_num_spec_tokens,
+                "identical_to_no_spec": result.outputs == plain.outputs,
+                **{k: v for k, v in asdict(result).items()
+                   if k in ("num_tokens", "seconds")},
+            })
+    if args.record:
+        _record(payload, args)
     if args.json:
-        print(json.dumps([asdict(row) for row in rows]))
+        print(json.dumps(payload))
         return 0
-    table = Table(title=f"greedy decode on the built-in model, {args.num_spec_tokens} spec "
-                        f"tokens, {args.max_tokens} output tokens per prompt")
-    for column in ("batch", "no spec tok/s", "EAGLE tok/s", "speedup", "accept rate",
-                   "mean accept len", "same output"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(str(row.batch_size), f"{row.plain_tokens_per_s:.1f}",
-                      f"{row.spec_tokens_per_s:.1f}", f"{row.speedup:.2f}x",
-                      f"{row.acceptance_rate:.2f}", f"{row.mean_acceptance_length:.2f}",
-                      str(row.identical_outputs))
-    Console().print(table)
+    _print(payload, args, len(texts))
     return 0
+
+
+def _record(payload: list[dict], args: argparse.Namespace) -> None:
+    from speckv.drafters.builtin import BENCHMARK_FILE, BUILTIN_DRAFTER_DIR
+
+    rows = [r for r in payload if r["mode"] == "eagle3"]
+    lengths = [r["mean_acceptance_length"] for r in rows if r["batch_size"] == min(
+        x["batch_size"] for x in rows) and r["mean_acceptance_length"] is not None]
+    record = {
+        "speedup_by_batch": {str(r["batch_size"]): round(r["speedup"], 3) for r in rows},
+        "mean_acceptance_length": round(lengths[0], 3) if lengths else 1.0,
+        "num_spec_tokens": args.num_spec_tokens,
+        "command": (f"speckv bench spec-decode --batch-sizes {args.batch_sizes} "
+                    f"--num-prompts {args.num_prompts} --max-tokens {args.max_tokens} "
+                    f"--threads {args.threads}"),
+        "rows": payload,
+    }
+    (BUILTIN_DRAFTER_DIR / BENCHMARK_FILE).write_text(json.dumps(record, indent=1))
+
+
+def _print(payload: list[dict], args: argparse.Namespace, num_texts: int) -> None:
+    table = Table(title=f"greedy decode, built-in model (fp32, {args.threads} thread), "
+                        f"{num_texts} held-out chat prompts, {args.max_tokens} output tokens, "
+                        f"up to {args.num_spec_tokens} drafts", title_justify="left")
+    for column in ("batch", "mode", "tok/s", "vs no spec", "accept len", "accepted by pos",
+                   "steps by k", "same output"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for row in payload:
+        length = row["mean_acceptance_length"]
+        table.add_row(
+            str(row["batch_size"]), LABELS[row["mode"]], f"{row['tokens_per_s']:.1f}",
+            f"{row['speedup']:.2f}x", f"{length:.2f}" if length is not None else "-",
+            " ".join(f"{a:.0%}" for a in row["acceptance_by_position"]) or "-",
+            "/".join(str(n) for n in row["steps_by_num_spec_tokens"]) or "-",
+            "yes" if row["identical_to_no_spec"] else "NO",
+        )
+    console = Console()
+    console.print(table)
+    console.print("[dim]accept len: tokens per verification step with drafts (accepted + 1); "
+                  "accepted by pos: share of steps whose draft j was accepted; steps by k: "
+                  "decode steps that drafted k = 0, 1, ... tokens[/dim]")

@@ -1,8 +1,8 @@
 """`speckv demo`: the main job, about a minute on a 2-core CPU.
 
 Shows what lookahead block hashes buy (hit lengths with and without them, on the real cache
-manager), what they cost (block-hash CPU time per format), the built-in model with EAGLE
-speculation, and a short end-to-end prefix_repetition run in three modes.
+manager), what they cost (block-hash CPU time per format), the built-in model (EAGLE3
+speculation where it pays), and a short end-to-end prefix_repetition run in three modes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,38 @@ from speckv.bench.hit_length import measure_hit_length, print_table
 from speckv.cache.specs import parse_group_specs
 
 
+def _hashing_cost(console: Console) -> None:
+    """The hashing-cost mini table, folded to fit 80 columns: one row per format, one column
+    per block size (text prompt of 32K+1 tokens)."""
+    from rich.table import Table
+
+    from speckv.bench.hash_cost import ALGO_NAME, DEMO, METHODS, NAIVE, measure
+
+    rows = measure(DEMO)
+    names = {"legacy": "legacy", "nested": "nested", "expanded": "expanded window",
+             "adopted": "adopted (lookahead L=1)", NAIVE: "naive adopted (x = naive/adopted)"}
+    table = Table(title=f"hashing a {rows[0].case.prompt_label}-token prompt once, {ALGO_NAME}, "
+                        "ms (% vs legacy)", title_justify="left")
+    table.add_column("format")
+    for row in rows:
+        table.add_column(f"B={row.case.block_size}", justify="right")
+    for method in METHODS:
+        cells = []
+        for row in rows:
+            ms = row.ms[method]
+            if method == "legacy":
+                cells.append(f"{ms:.3f}")
+            elif method == NAIVE:
+                cells.append(f"{ms:.3f} ({row.naive_speedup:.1f}x)")
+            else:
+                cells.append(f"{ms:.3f} ({row.pct_vs_legacy(method):+.1f}%)")
+        table.add_row(names[method], *cells)
+    console.print(table)
+    console.print(f"[dim]{DEMO.description}; full table: speckv bench hash[/dim]")
+
+
 def _prefix_repetition(console: Console) -> None:
-    """A short end-to-end run: the user documents' prefix_repetition workload, three modes."""
+    """A short end-to-end run of vLLM's prefix_repetition workload, three modes."""
     import torch
 
     from speckv.bench.prefix_repetition import RunOptions, render_compact, run_benchmark
@@ -43,7 +73,7 @@ def _prefix_repetition(console: Console) -> None:
     shared = config.prefix_len // block_size * block_size
     console.print(
         f"Each prompt shares a {config.prefix_len}-token prefix with others. Without "
-        f"speculation the cache serves {shared} of them; with an EAGLE drafter and legacy "
+        f"speculation the cache serves {shared} of them; with an EAGLE3 drafter and legacy "
         f"hashes the engine recomputes the last matched block ({shared - block_size}); "
         f"lookahead hashes keep it ({shared}) and still read exactly the draft KV a cold run "
         "writes. (Random-token prompts: the drafter rarely guesses right, so speculation "
@@ -62,10 +92,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.rule("[bold]speckv: prefix caching that keeps its hits under speculative decoding")
     console.print(
-        "A 1,367-token prompt sent twice, cache unit 544 tokens (the user documents' hybrid "
-        "model). An EAGLE/MTP drafter writes a block's last draft KV from the token after the "
-        "block; legacy hashes cannot prove it, so engines drop the last unit. Lookahead hashes "
-        "put that token in the hash and keep the unit.\n"
+        "A 1,367-token prompt sent twice to a hybrid model (attention blocks of 16 tokens and "
+        "Mamba state every 544, so the cache unit is 544 tokens). An EAGLE/MTP drafter writes "
+        "a block's last draft KV from the token after the block; legacy hashes cannot prove "
+        "it, so engines drop the last unit. Lookahead hashes put that token in the hash and "
+        "keep the unit.\n"
     )
     hybrid = parse_group_specs("full:16,mamba:544")  # attention + Mamba, U = 544
     example = [
@@ -81,9 +112,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     print_table(results, console)
     if not args.skip_hash_bench:
-        from speckv.bench.hash_cost import quick_table
-
-        quick_table(console)
+        _hashing_cost(console)
     if not args.skip_model:
         from speckv.commands.demo_model import run_model_demo
 

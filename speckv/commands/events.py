@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from speckv.commands.hash_seed import add_seed_argument, resolve_seed
 from speckv.events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -177,7 +178,7 @@ def add_publish_sample_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--requests", type=int, default=8, help="requests in the workload")
     parser.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS))
-    parser.add_argument("--seed", default="0", help="PYTHONHASHSEED string for NONE_HASH")
+    add_seed_argument(parser)
     parser.add_argument(
         "--linger", type=float, default=10.0, help="seconds to keep the sockets up afterwards"
     )
@@ -206,11 +207,12 @@ def run_publish_sample(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.requests <= 0:
         raise ValueError(f"--requests must be > 0, got {args.requests}")
+    seed = resolve_seed(args.seed)
     try:
         engine = SampleEngine(
             SampleEngineConfig(
                 block_size=args.block_size, lookahead_tokens=args.lookahead,
-                num_blocks=args.num_blocks, algo=args.algo, seed=args.seed,
+                num_blocks=args.num_blocks, algo=args.algo, seed=seed,
             )
         )
     except ValueError as err:
@@ -222,7 +224,7 @@ def run_publish_sample(args: argparse.Namespace) -> int:
     with ZmqEventPublisher(config) as publisher:
         print(
             f"publishing on {args.endpoint} (replay {args.replay_endpoint}): algo={args.algo} "
-            f"seed={args.seed!r} block_size={args.block_size} L={args.lookahead} "
+            f"seed={seed!r} block_size={args.block_size} L={args.lookahead} "
             f"lora {SAMPLE_LORA.name}={SAMPLE_LORA.path}",
             flush=True,
         )

@@ -1,8 +1,11 @@
 """`speckv generate "prompt"`: stream one completion to the terminal.
 
 Owns the command's arguments and printing. The chat template is applied for chat models
-(unless `--no-chat`); tokens are printed as they are sampled; a summary line (tokens, TTFT,
-tokens/s) goes to stderr.
+(unless `--no-chat`); tokens are printed as they are sampled. Speculation follows the
+measurement: on the built-in model the shipped EAGLE3 head is on by default only when its
+recorded benchmark (`speckv bench spec-decode --record`) shows it faster at batch 1, and the
+first stderr line says which drafter runs and what it measured; a summary line (tokens, TTFT,
+tokens/s, acceptance per draft position) goes to stderr at the end.
 """
 
 from __future__ import annotations
@@ -11,36 +14,103 @@ import argparse
 import sys
 import time
 
+METHODS = ("none", "ngram", "eagle", "eagle3", "mtp")
+DRAFTER_METHODS = ("eagle", "eagle3", "mtp")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from speckv.engine.config import MAX_NUM_SPEC_TOKENS
+
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default="builtin",
                         help="'builtin' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens, at most")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + output tokens, at most (default: the model's context)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--top-k", type=int, default=0, help="0: off")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed (default: a fixed engine seed)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--speculative-method", "--drafter", dest="speculative_method",
-                        choices=("none", "ngram", "eagle", "eagle3", "mtp"), default=None,
-                        help="speculative decoding (default: eagle with the built-in head "
-                        "for the built-in model, none otherwise)")
+                        choices=METHODS, default=None,
+                        help="speculative decoding (default: eagle3 with the built-in head on "
+                        "the built-in model where its recorded benchmark is faster, else none)")
     parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
                         default=None,
-                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin'; --draft-model "
-                        "is a deprecated alias")
-    parser.add_argument("--num-spec-tokens", type=int, default=3)
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (the built-in "
+                        "model's EAGLE3 head); --draft-model is a deprecated alias")
+    parser.add_argument("--num-spec-tokens", type=int, default=3,
+                        help=f"drafts per step, 1..{MAX_NUM_SPEC_TOKENS} (the engine drafts "
+                        "fewer or none when that is faster)")
+    parser.add_argument("--no-adaptive-speculation", action="store_true",
+                        help="always draft --num-spec-tokens tokens")
     parser.add_argument("--disable-lookahead-block-hashes", action="store_true",
                         help="legacy block hashes and the last-block drop")
+
+
+def speculation_choice(args: argparse.Namespace) -> tuple[str, str | None, str]:
+    """(method, speculative model, one line saying what runs and why) for the arguments;
+    ValueError in flag words before anything is loaded."""
+    from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, measured_speedup
+    from speckv.engine.config import MAX_NUM_SPEC_TOKENS
+
+    if not 1 <= args.num_spec_tokens <= MAX_NUM_SPEC_TOKENS:
+        raise ValueError(f"--num-spec-tokens must be between 1 and {MAX_NUM_SPEC_TOKENS}, got "
+                         f"{args.num_spec_tokens}")
+    builtin = args.model == "builtin"
+    method, model = args.speculative_method, args.speculative_model
+    measured = measured_speedup() if builtin else None
+    if method is None:
+        if model is not None and model != "builtin":
+            from speckv.drafters.loaders import detect_format
+
+            method = detect_format(model)[0]
+        elif builtin and (model == "builtin" or (measured is not None and
+                                                 (measured.at(1) or 0.0) > 1.0)):
+            method = BUILTIN_DRAFTER_METHOD
+        else:
+            method = "none"
+    if method in ("none", "ngram"):
+        if model is not None:
+            raise ValueError(f"--speculative-model needs --speculative-method "
+                             f"{'/'.join(DRAFTER_METHODS)}, got {method}")
+        line = ("speculation off" if method == "none"
+                else f"speculation: n-gram prompt lookup, {args.num_spec_tokens} drafts")
+        if method == "none" and builtin and measured is not None:
+            line += (f" (the built-in EAGLE3 head measured {measured.at(1) or 0:.2f}x at batch "
+                     "1; --speculative-method eagle3 turns it on)")
+        return method, None, line
+    if model is None or model == "builtin":
+        if not builtin:
+            raise ValueError(f"--speculative-method {method} needs --speculative-model DIR (a "
+                             f"{method} drafter for {args.model})")
+        if method != BUILTIN_DRAFTER_METHOD:
+            raise ValueError(
+                f"the built-in model has no built-in {method.upper()} drafter (it ships an "
+                f"{BUILTIN_DRAFTER_METHOD.upper()} head): use --speculative-method "
+                f"{BUILTIN_DRAFTER_METHOD}, or --speculative-model DIR with a {method} drafter")
+        line = f"speculation: the built-in EAGLE3 head, up to {args.num_spec_tokens} drafts"
+        if measured is not None:
+            line += (f"; measured {measured.at(1) or 0:.2f}x decode tokens/s at batch 1, "
+                     f"mean acceptance length {measured.mean_acceptance_length:.2f} "
+                     f"({measured.command})")
+        return method, "builtin", line
+    return method, model, (f"speculation: {method} drafter {model}, up to "
+                           f"{args.num_spec_tokens} drafts")
 
 
 def run(args: argparse.Namespace) -> int:
     from speckv.engine.llm import LLM
     from speckv.engine.sampling_params import SamplingParams
 
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -48,20 +118,15 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    method = args.speculative_method
-    speculative_model = args.speculative_model
-    if method is None:
-        method = "eagle" if args.model == "builtin" or speculative_model else "none"
-    if method in ("eagle", "eagle3", "mtp") and speculative_model is None:
-        if args.model != "builtin":
-            raise ValueError(
-                f"--speculative-method {method} needs --speculative-model DIR for this model")
-        speculative_model = "builtin"
+    method, speculative_model, line = speculation_choice(args)
     speculative = {} if method == "none" else {
         "speculative_method": method, "num_spec_tokens": args.num_spec_tokens,
-        "speculative_model": speculative_model if method != "ngram" else None,
+        "speculative_model": speculative_model,
+        "adaptive_speculation": not args.no_adaptive_speculation,
     }
+    print(f"[{line}]", file=sys.stderr, flush=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len,
               disable_lookahead_block_hashes=args.disable_lookahead_block_hashes, **speculative)
     prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
     start = time.perf_counter()
@@ -77,9 +142,12 @@ def run(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
         ttft = f"{last.ttft_s * 1e3:.0f} ms" if last.ttft_s is not None else "-"
         accepted = ""
-        if last.num_draft_tokens:
-            accepted = (f", drafts accepted {last.num_accepted_tokens}/"
-                        f"{last.num_draft_tokens} ({llm.engine.hash_mode.label})")
+        if last.num_drafts_by_position:
+            steps = last.num_drafts_by_position[0]
+            accepted = (f", mean acceptance length {1 + last.num_accepted_tokens / steps:.2f}, "
+                        "draft j accepted " + " / ".join(
+                            f"{rate:.0%}" for rate in last.acceptance_by_position)
+                        + f" ({llm.engine.hash_mode.label})")
         print(
             f"[{len(last.token_ids)} tokens, finish={last.finish_reason}, TTFT {ttft}, "
             f"{len(last.token_ids) / elapsed:.1f} tokens/s{accepted}]",

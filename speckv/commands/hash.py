@@ -1,16 +1,17 @@
 """`speckv hash`: print a token list's block hashes, block 0 first, one hex digest per line.
 
-A debugging tool for router authors: the seed comes from PYTHONHASHSEED exactly as the engine's
-(unset: a random seed, and the output says so on stderr).
+A debugging tool for router authors. The seed follows the rule of every hashing command
+(`hash_seed.py`: `--seed`, else PYTHONHASHSEED, else an error). A block is printed once it is
+full and its `L` lookahead tokens are known; with fewer tokens the command says how many a
+block needs.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
+from speckv.commands.hash_seed import add_seed_argument, resolve_seed
 from speckv.hashing.extra_keys import HashInputs, LoRARef
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import HASH_ALGOS, get_hash_algo, make_none_hash
@@ -32,12 +33,15 @@ def parse_token_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-size", type=int, required=True)
-    parser.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS))
-    parser.add_argument("--lookahead", type=int, default=0, help="L: 0 = legacy hashes")
-    parser.add_argument("--cache-salt")
-    parser.add_argument("--lora-name")
-    parser.add_argument("--lora-path")
+    parser.add_argument("--block-size", type=int, required=True, help="tokens per block")
+    parser.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS),
+                        help="the engine's block-hash algorithm")
+    parser.add_argument("--lookahead", type=int, default=0,
+                        help="L successor tokens hashed into each block (0: legacy hashes)")
+    add_seed_argument(parser)
+    parser.add_argument("--cache-salt", help="the request's cache_salt")
+    parser.add_argument("--lora-name", help="the request's LoRA adapter name")
+    parser.add_argument("--lora-path", help="the request's LoRA adapter path")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--tokens", help="comma-separated token ids")
     source.add_argument("--tokens-file", type=Path, help="token ids separated by , or spaces")
@@ -46,16 +50,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.block_size <= 0:
         raise ValueError(f"--block-size must be > 0, got {args.block_size}")
+    if args.lookahead < 0:
+        raise ValueError(f"--lookahead must be >= 0, got {args.lookahead}")
     if (args.lora_name is None) != (args.lora_path is None):
         raise ValueError("--lora-name and --lora-path go together")
     text = args.tokens if args.tokens is not None else args.tokens_file.read_text()
     tokens = parse_token_list(text)
+    needed = args.block_size + args.lookahead
+    if len(tokens) < needed:
+        raise ValueError(
+            f"no block is full: {len(tokens)} token(s) given, the first block needs {needed} "
+            f"(--block-size {args.block_size}"
+            + (f" + --lookahead {args.lookahead} successor tokens)" if args.lookahead else ")")
+        )
     algo = get_hash_algo(args.algo)
-    if "PYTHONHASHSEED" not in os.environ:
-        print("speckv: PYTHONHASHSEED is unset: hashes use a random seed", file=sys.stderr)
+    seed = resolve_seed(args.seed)
     lora = LoRARef(args.lora_name, args.lora_path) if args.lora_name is not None else None
     inputs = HashInputs(lora=lora, cache_salt=args.cache_salt)
-    for block_hash in hash_prompt(algo, make_none_hash(algo), args.block_size,
+    for block_hash in hash_prompt(algo, make_none_hash(algo, seed), args.block_size,
                                   format_for(args.lookahead), tokens, inputs):
         print(block_hash.hex())
     return 0

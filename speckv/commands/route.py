@@ -8,10 +8,10 @@ User errors are `ValueError`s, printed by `speckv.cli` as one line, exit status 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from speckv.commands.events import check_endpoint, zmq_errors_as_user_errors
+from speckv.commands.hash_seed import add_seed_argument, resolve_seed
 from speckv.events.endpoints import port_is_free
 from speckv.hashing.functions import HASH_ALGOS
 from speckv.router.index import EngineHashConfig
@@ -25,10 +25,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, required=True, help="the engines' block size")
     parser.add_argument("--lookahead", type=int, default=0, help="the engines' L")
     parser.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS))
-    parser.add_argument(
-        "--seed", default=None,
-        help="the engines' PYTHONHASHSEED (default: this process's PYTHONHASHSEED)",
-    )
+    add_seed_argument(parser)
     parser.add_argument(
         "--lora", action="append", default=[], metavar="NAME=PATH",
         help="a LoRA adapter's path, needed to reproduce its hashes (repeatable)",
@@ -73,12 +70,7 @@ def build_router_service(args: argparse.Namespace) -> Any:
     from speckv.router.service import RouterService, engine_endpoints
 
     engines = parse_engine_specs(args.engines)
-    seed = args.seed if args.seed is not None else os.environ.get("PYTHONHASHSEED")
-    if seed is None:
-        raise ValueError(
-            "no hash seed: pass --seed or set PYTHONHASHSEED to the engines' value "
-            "(engines with a random seed cannot be routed to)"
-        )
+    seed = resolve_seed(args.seed)
     try:
         hashing = EngineHashConfig(
             algo=args.algo, seed=seed, block_size=args.block_size,

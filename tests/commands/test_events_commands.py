@@ -25,7 +25,7 @@ def test_publish_sample_then_tail(capsys):
     pub, replay = loopback_endpoint(), loopback_endpoint()
     publish_args = parse(events.add_publish_sample_arguments, [
         "--endpoint", pub, "--replay-endpoint", replay, "--block-size", "8", "--num-blocks", "24",
-        "--requests", "6", "--lookahead", "3", "--linger", "3", "--delay", "0",
+        "--requests", "6", "--lookahead", "3", "--linger", "3", "--delay", "0", "--seed", "0",
     ])
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(events.run_publish_sample(publish_args)))
@@ -50,12 +50,12 @@ def test_publish_sample_then_tail(capsys):
     (["events", "tail", "--endpoint", "localhost:1"], "not a ZeroMQ"),
     (["events", "tail", "--count", "0"], "--count"),
     (["events", "publish-sample", "--lookahead", "-1", "--endpoint", "tcp://127.0.0.1:1",
-      "--replay-endpoint", "tcp://127.0.0.1:2"], "lookahead"),
+      "--replay-endpoint", "tcp://127.0.0.1:2", "--seed", "0"], "lookahead"),
     (["events", "publish-sample", "--endpoint", "tcp://256.1.1.1:1", "--replay-endpoint",
-      "tcp://127.0.0.1:2"], "ZeroMQ"),
+      "tcp://127.0.0.1:2", "--seed", "0"], "ZeroMQ"),
     (["route", "--engines", "a", "--block-size", "16", "--seed", "0"], "NAME=PUB"),
     (["route", "--engines", "a=tcp://127.0.0.1:1", "--block-size", "0", "--seed", "0"],
-     "block_size"),
+     "--block-size"),
     (["route", "--engines", "a=tcp://127.0.0.1:1", "--block-size", "16", "--seed", "0",
       "--lora", "x"], "NAME=PATH"),
 ])
@@ -65,10 +65,17 @@ def test_user_errors_exit_2_with_one_line(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("speckv: error:") and message in err[0]
 
 
-def test_route_without_seed(monkeypatch, capsys):
+@pytest.mark.parametrize("argv", [
+    ["route", "--engines", "a=tcp://127.0.0.1:1", "--block-size", "16"],
+    ["events", "publish-sample", "--endpoint", "tcp://127.0.0.1:1",
+     "--replay-endpoint", "tcp://127.0.0.1:2"],
+    ["hash", "--block-size", "2", "--tokens", "1,2,3"],
+])
+def test_one_seed_rule_no_seed_is_an_error(argv, monkeypatch, capsys):
+    """Every hashing command: --seed, else PYTHONHASHSEED, else an error."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    assert cli.main(["route", "--engines", "a=tcp://127.0.0.1:1", "--block-size", "16"]) == 2
-    assert "seed" in capsys.readouterr().err
+    assert cli.main(argv) == 2
+    assert "no hash seed: pass --seed or set PYTHONHASHSEED" in capsys.readouterr().err
 
 
 def test_bench_json_small(capsys):
