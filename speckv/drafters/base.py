@@ -160,6 +160,11 @@ class DraftModule(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, target_vocab] fp32 logits over the TARGET vocabulary."""
 
+    def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n] int64 greedy draft (target ids); a module with a reduced draft
+        vocabulary overrides this to skip the target-vocabulary logits."""
+        return self.compute_logits(hidden).argmax(-1)
+
 
 class FuseThenLayerModule(DraftModule):
     """A module whose inputs are fused into one vector (`fuse`) that a plain Llama decoder
@@ -391,7 +396,7 @@ class Drafter(nn.Module, ABC):
             )
         device = self.device
         h_last = torch.stack(state._last_h1)  # [nreq, hidden]: module 1's output at n - 2
-        drafts = [self.modules_chain[0].compute_logits(h_last).argmax(-1)]  # each [nreq]
+        drafts = [self.modules_chain[0].draft_token_ids(h_last)]  # each [nreq]
         last_real = [x - 2 for x in n]  # modules 2..k draft from their output here
         tok_starts = [x - 1 for x in n]  # the drafts are t[n], t[n+1], ...
         prev_out: list[torch.Tensor | None] = [None] * nreq  # module d-1's provisional outputs
@@ -415,7 +420,7 @@ class Drafter(nn.Module, ABC):
             prev_out = outs
             prev_start = [a.start for a in avail]
             h_last = torch.stack([o[-1] for o in outs if o is not None])
-            drafts.append(self.modules_chain[d - 1].compute_logits(h_last).argmax(-1))
+            drafts.append(self.modules_chain[d - 1].draft_token_ids(h_last))
         # Beyond k modules: module k autoregressively, one position further per draft, fed the
         # previous draft straight from the device (no host round trip).
         mk = self.modules_chain[k - 1]
@@ -429,7 +434,7 @@ class Drafter(nn.Module, ABC):
                 device,
             )
             h_last = mk(drafts[-1], h_last, torch.tensor(pos, device=device), kv_cache, md)
-            drafts.append(mk.compute_logits(h_last).argmax(-1))
+            drafts.append(mk.draft_token_ids(h_last))
         return torch.stack(drafts, dim=1)  # [num_reqs, num_spec_tokens]
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from speckv.drafters.base import Drafter, FuseThenLayerModule, TargetStates
 from speckv.drafters.layers import SharedTarget, drafter_layer_config
 from speckv.models.config import ModelConfig
+from speckv.models.layers import Linear
 from speckv.models.llama import LlamaDecoderLayer
 from speckv.spec.policy import DrafterPolicy, drafter_policy
 
@@ -26,7 +27,7 @@ class EagleModule(FuseThenLayerModule):
         super().__init__()
         h = config.hidden_size
         self.target = target
-        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        self.fc = Linear(2 * h, h, bias=fc_bias)
         self.layer = LlamaDecoderLayer(config, 0)
         if not input_layernorm:
             self.layer.input_layernorm = nn.Identity()  # type: ignore[assignment]

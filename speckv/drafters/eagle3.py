@@ -22,7 +22,7 @@ from speckv.attention import AttentionMetadata, PagedKVCache
 from speckv.drafters.base import Drafter, DraftModule, TargetStates
 from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_config
 from speckv.models.config import ModelConfig
-from speckv.models.layers import RMSNorm
+from speckv.models.layers import Linear, RMSNorm
 from speckv.models.llama import LlamaDecoderLayer
 from speckv.spec.policy import DrafterPolicy, drafter_policy
 
@@ -49,12 +49,12 @@ class Eagle3Module(DraftModule):
         attn = self.midlayer.self_attn
         # q/k/v read cat(embeds, hidden): 2H wide (o_proj stays H).
         d, bias = config.head_dim, config.attention_bias
-        attn.q_proj = nn.Linear(2 * h, attn.num_heads * d, bias=bias)
-        attn.k_proj = nn.Linear(2 * h, attn.num_kv_heads * d, bias=bias)
-        attn.v_proj = nn.Linear(2 * h, attn.num_kv_heads * d, bias=bias)
+        attn.q_proj = Linear(2 * h, attn.num_heads * d, bias=bias)
+        attn.k_proj = Linear(2 * h, attn.num_kv_heads * d, bias=bias)
+        attn.v_proj = Linear(2 * h, attn.num_kv_heads * d, bias=bias)
         self.midlayer.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.lm_head = Linear(h, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.target_vocab_size = config.vocab_size
@@ -95,6 +95,10 @@ class Eagle3Module(DraftModule):
         out[:, ids] = draft
         return out  # [n, target_vocab]
 
+    def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        best = self.lm_head(self.norm(hidden)).argmax(-1)  # [n] draft ids
+        return best + self.d2t[best]  # [n] target ids
+
 
 class Eagle3Drafter(Drafter):
     """EAGLE3 head (L = 1); the target must run with `aux_layers=self.target_aux_layers`."""
@@ -121,7 +125,7 @@ class Eagle3Drafter(Drafter):
         h = target_config.hidden_size
         self.num_kv_heads = self.config.num_key_value_heads
         self.head_dim = target_config.head_dim
-        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.fc = Linear(3 * h, h, bias=False)
         self.modules_chain = nn.ModuleList(
             [Eagle3Module(self.config, target, self.draft_vocab_size)]
         )

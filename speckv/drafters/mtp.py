@@ -18,7 +18,7 @@ from torch import nn
 from speckv.drafters.base import Drafter, FuseThenLayerModule, TargetStates
 from speckv.drafters.layers import SharedTarget, drafter_layer_config
 from speckv.models.config import ModelConfig
-from speckv.models.layers import RMSNorm
+from speckv.models.layers import Linear, RMSNorm
 from speckv.models.llama import LlamaDecoderLayer
 from speckv.spec.policy import DrafterPolicy, drafter_policy
 
@@ -31,7 +31,7 @@ class MTPProjection(nn.Module):
         h = config.hidden_size
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.norm = RMSNorm(h, config.rms_norm_eps)
 
 

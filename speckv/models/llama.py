@@ -22,7 +22,7 @@ from speckv.attention import (
     resolve_dtype,
 )
 from speckv.models.config import ModelConfig
-from speckv.models.layers import RMSNorm, SwiGLUMLP
+from speckv.models.layers import Linear, RMSNorm, SwiGLUMLP
 from speckv.models.rope import RotaryEmbedding, apply_rope
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -56,10 +56,10 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = backend
         h, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_output_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=config.attention_output_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
