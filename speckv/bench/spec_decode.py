@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 MODES = ("none", "eagle3", "eagle3-fixed", "ngram")
-LABELS = {"none": "no spec", "eagle3": "EAGLE3 (adaptive)", "eagle3-fixed": "EAGLE3 (fixed k)",
-          "ngram": "n-gram (adaptive)"}
+LABELS = {"none": "no spec", "eagle3": "EAGLE3", "eagle3-fixed": "EAGLE3 k=S",
+          "ngram": "n-gram"}
 
 
 @dataclass
@@ -232,20 +232,22 @@ def _print(payload: list[dict], args: argparse.Namespace, num_texts: int) -> Non
     table = Table(title=f"greedy decode, built-in model (fp32, {args.threads} thread), "
                         f"{num_texts} held-out chat prompts, {args.max_tokens} output tokens, "
                         f"up to {args.num_spec_tokens} drafts", title_justify="left")
-    for column in ("batch", "mode", "tok/s", "vs no spec", "accept len", "accepted by pos",
-                   "steps by k", "same output"):
-        table.add_column(column, justify="left" if column == "mode" else "right")
+    for column in ("B", "mode", "tok/s", "x", "AL", "acc. %", "steps by k", "same"):
+        table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
     for row in payload:
         length = row["mean_acceptance_length"]
         table.add_row(
             str(row["batch_size"]), LABELS[row["mode"]], f"{row['tokens_per_s']:.1f}",
-            f"{row['speedup']:.2f}x", f"{length:.2f}" if length is not None else "-",
-            " ".join(f"{a:.0%}" for a in row["acceptance_by_position"]) or "-",
+            f"{row['speedup']:.2f}", f"{length:.2f}" if length is not None else "-",
+            "/".join(f"{100 * a:.0f}" for a in row["acceptance_by_position"]) or "-",
             "/".join(str(n) for n in row["steps_by_num_spec_tokens"]) or "-",
             "yes" if row["identical_to_no_spec"] else "NO",
         )
     console = Console()
     console.print(table)
-    console.print("[dim]accept len: tokens per verification step with drafts (accepted + 1); "
-                  "accepted by pos: share of steps whose draft j was accepted; steps by k: "
-                  "decode steps that drafted k = 0, 1, ... tokens[/dim]")
+    console.print("[dim]B: batch size. EAGLE3 and n-gram choose their draft length per step "
+                  "(adaptive); EAGLE3 k=S always drafts S. x: tokens/s over no spec's. AL: mean "
+                  "acceptance length, tokens per verification step with drafts (accepted + 1). "
+                  "acc. %: share of those steps that accepted draft 1, 2, ... steps by k: "
+                  "decode steps that drafted k = 0, 1, ... tokens. same: greedy output equals "
+                  "no spec's.[/dim]")

@@ -42,7 +42,7 @@ Conversation = list[dict[str, str]]
 class DistillSequence:
     tokens: list[int]  # prompt + the target's answer
     num_prompt_tokens: int
-    features: torch.Tensor  # [len(tokens) - 1, NUM_FEATURES, hidden] bfloat16
+    features: torch.Tensor  # [len(tokens) - 1, NUM_FEATURES, hidden] bfloat16 (aux..., final)
 
     def __post_init__(self) -> None:
         if self.features.shape[0] != len(self.tokens) - 1:
@@ -99,6 +99,7 @@ def generate_sequences(
     max_num_seqs: int = 96,
     deadline: float | None = None,
     progress: Callable[[int, int], None] | None = None,
+    aux_layers: tuple[int, ...] = AUX_LAYERS,
 ) -> list[DistillSequence]:
     """The target's answers to `prompts` (token ids) with their features; stops adding
     prompts after `deadline` (time.monotonic()), finishing those already running."""
@@ -116,7 +117,7 @@ def generate_sequences(
         device=str(model.device),
     )
     engine = LLMEngine(model, config, tokenizer, detokenize=False)
-    recorder = _RecordingRunner(model, engine.num_blocks, block_size, AUX_LAYERS)
+    recorder = _RecordingRunner(model, engine.num_blocks, block_size, aux_layers)
     engine.runner = engine.core.runner = recorder  # type: ignore[assignment]
     ids: list[tuple[str, list[int]]] = []
     done: dict[str, list[int]] = {}

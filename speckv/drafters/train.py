@@ -89,14 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", default="auto",
                         help=f"draft vocabulary size, or 'auto' (smallest of {VOCAB_CHOICES} "
                         "covering --vocab-coverage of the held-out answers)")
-    parser.add_argument("--vocab-coverage", type=float, default=0.985)
+    parser.add_argument("--vocab-coverage", type=float, default=0.93,
+                        help="held-out answer-token coverage 'auto' asks of the draft vocabulary")
     parser.add_argument("--ttt-steps", type=int, default=3,
                         help="drafting steps simulated in training (training-time test)")
-    parser.add_argument("--batch-tokens", type=int, default=2048,
+    parser.add_argument("--batch-tokens", type=int, default=1536,
                         help="padded tokens per training step")
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate")
+    parser.add_argument("--feature-weight", type=float, default=0.0,
+                        help="weight of EAGLE-1's feature regression next to the token loss")
     parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: time)")
-    parser.add_argument("--eval-every", type=int, default=50, help="held-out eval period, steps")
+    parser.add_argument("--eval-every", type=int, default=100, help="held-out eval period, steps")
     parser.add_argument("--spec-tokens", type=int, default=3, help="drafts per step in eval")
     parser.add_argument("--eval-prompts", type=int, default=24)
     parser.add_argument("--eval-new-tokens", type=int, default=128)
@@ -213,11 +216,13 @@ def choose_vocab(data, heldout, args, eos_ids: Sequence[int], log: Log) -> list[
 # ---- 3. training --------------------------------------------------------------------------------
 
 
-def init_from_target(drafter: Eagle3Drafter, model: LlamaForCausalLM, vocab: list[int]) -> None:
+def init_from_target(drafter: Eagle3Drafter, model: LlamaForCausalLM, vocab: list[int],
+                     aux_scale: torch.Tensor) -> None:
     """The head starts as the target's last decoder layer reading the high aux layer (the last
     layer's input), so its first guess is the target's own next token one position early.
 
-    fc = [0 | 0 | I] passes the high aux feature through; q/k/v read it through hidden_norm
+    fc = [0 | 0 | I] passes the high aux feature through (times its scale: fc reads scaled
+    features while training); q/k/v read it through hidden_norm
     (= the last layer's input norm) with the embedding half zero; o_proj, MLP, norms and the
     LM head rows are the target's. Training then teaches the layer to use the next token.
     """
@@ -228,7 +233,7 @@ def init_from_target(drafter: Eagle3Drafter, model: LlamaForCausalLM, vocab: lis
         raise ValueError("init_from_target needs the high aux layer to be the last layer's input")
     with torch.no_grad():
         drafter.fc.weight.zero_()
-        drafter.fc.weight[:, 2 * h :] = torch.eye(h)
+        drafter.fc.weight[:, 2 * h :] = torch.diag(aux_scale[2 * h :])
         attn, src_attn = m.midlayer.self_attn, src.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
             ours, theirs = getattr(attn, name), getattr(src_attn, name)
@@ -248,6 +253,30 @@ def init_from_target(drafter: Eagle3Drafter, model: LlamaForCausalLM, vocab: lis
         m.d2t.copy_(ids - torch.arange(len(vocab)))
         m.t2d.zero_()
         m.t2d[ids] = True
+
+
+def aux_feature_scale(data: Sequence[DistillSequence], max_rows: int = 50_000) -> torch.Tensor:
+    """Per-channel RMS of the three aux layers' features [3H] (>= 1).
+
+    The target's aux features span four orders of magnitude across channels (a few "massive
+    activation" channels reach 1e4 on the first positions), so fc trains on features divided
+    by this scale and the scale is folded into fc's columns before saving (`fold_aux_scale`):
+    the saved head reads raw features, as the EAGLE3 format and vLLM expect.
+    """
+    rows, total = [], 0
+    for seq in data:
+        rows.append(seq.features[:, :3].flatten(1).float())
+        total += rows[-1].shape[0]
+        if total >= max_rows:
+            break
+    x = torch.cat(rows)  # [n, 3H]
+    return x.pow(2).mean(0).sqrt().clamp_min(1.0)
+
+
+def fold_aux_scale(drafter: Eagle3Drafter, aux_scale: torch.Tensor) -> None:
+    """fc(x / s) == (fc with columns divided by s)(x): make the head read raw features."""
+    with torch.no_grad():
+        drafter.fc.weight.div_(aux_scale[None, :])
 
 
 class Batch:
@@ -316,33 +345,29 @@ def _ttt_attention(attn, x: torch.Tensor, positions: torch.Tensor, rotary,
     return attn.o_proj(o.transpose(1, 2).reshape(b, T, nh * d)), k, v
 
 
-def ttt_forward(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor,
-                num_steps: int, step_weights: Sequence[float]
-                ) -> tuple[torch.Tensor, list[tuple[int, int]], list[float]]:
-    """(weighted loss, per step (top-1 hits, counted answer positions), per-step losses).
+def ttt_outputs(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor,
+                num_steps: int, aux_scale: torch.Tensor) -> list[torch.Tensor]:
+    """The head's pre-norm output of drafting steps 1..num_steps at every anchor, each
+    [b, T, H], computed densely over whole sequences (training-time test).
 
-    Step u at anchor i reads token t[i + u] and predicts t[i + u + 1], whose target
-    distribution is softmax(target_head @ final[i + u]) over the draft vocabulary.
+    tokens [b, T + 1] int64, features [b, T, 4, H] (aux low / mid / high, final; see
+    distill.py). Step u at anchor i sits at position i + u - 1, reads token t[i + u] and the
+    previous step's output at the same anchor (step 1: fc over the target's aux features at
+    i, which fc reads divided by `aux_scale` [3H]), and predicts t[i + u + 1]: exactly what
+    draft u computes at inference after a catch-up through position i that accepted every
+    draft before it (tests/drafters/test_train.py checks this against `Drafter.propose`).
     """
     m = drafter.module
     layer = m.midlayer
-    feats = batch.features  # [b, T, 4, H]
-    T = feats.shape[1]
-    aux = feats[:, :, :3].flatten(2).float()  # [b, T, 3H]
-    final = feats[:, :, 3].float()  # [b, T, H] post-norm, predicts the next token
+    T = features.shape[1]
+    aux = features[:, :, :3].flatten(2).float() / aux_scale  # [b, T, 3H]
     hidden = drafter.fc(aux)  # [b, T, H]: h_0
     pos = torch.arange(T)
     prev_k: list[torch.Tensor] = []
     prev_v: list[torch.Tensor] = []
-    loss = hidden.new_zeros(())
-    hits: list[tuple[int, int]] = []
-    step_losses: list[float] = []
-    d2t = m.d2t
+    outputs = []
     for u in range(1, num_steps + 1):
-        n_valid = T - u  # anchors i with a target at i + u (feature rows i + u < T)
-        if n_valid <= 0:
-            break
-        tok_in = batch.tokens[:, u : u + T]  # t[i + u], [b, T] (zero past the end)
+        tok_in = tokens[:, u : u + T]  # t[i + u], [b, T] (zero past the end)
         if tok_in.shape[1] < T:
             tok_in = F.pad(tok_in, (0, T - tok_in.shape[1]))
         emb = layer.input_layernorm(m.target.embed(tok_in).to(hidden.dtype))
@@ -353,22 +378,56 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor,
         prev_v.append(v)
         r = hidden + a
         hidden = r + layer.mlp(layer.post_attention_layernorm(r))  # [b, T, H] pre-norm
-        anchors = hidden[:, :n_valid]
-        valid = torch.arange(n_valid)[None, :] + u < batch.lengths[:, None]  # [b, n_valid]
-        logits = m.lm_head(m.norm(anchors[valid]))  # [m, K]
+        outputs.append(hidden)
+    return outputs
+
+
+def ttt_forward(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor,
+                num_steps: int, step_weights: Sequence[float], aux_scale: torch.Tensor,
+                feature_weight: float = 0.0
+                ) -> tuple[torch.Tensor, list[tuple[int, int]], list[float]]:
+    """(weighted loss, per step (top-1 hits, counted positions), per-step token losses).
+
+    Step u at anchor i predicts t[i + u + 1], whose target distribution is
+    softmax(target_head @ final[i + u]) over the draft vocabulary. Only anchors whose
+    predicted token is part of the target's answer count (drafts never guess a prompt).
+    `feature_weight` > 0 adds EAGLE-1's feature regression: smooth-L1 between the head's
+    normed output and the target's final hidden state at i + u (what the target's LM head
+    reads; the head's norm starts as the target's), a dense signal that speeds learning.
+    """
+    m = drafter.module
+    final = batch.features[:, :, 3].float()  # [b, T, H] post-norm, predicts the next token
+    T = final.shape[1]
+    outputs = ttt_outputs(drafter, batch.tokens, batch.features, num_steps, aux_scale)
+    loss = final.new_zeros(())
+    hits: list[tuple[int, int]] = []
+    step_losses: list[float] = []
+    for u, hidden in enumerate(outputs, start=1):
+        n_valid = T - u  # anchors i with a target at i + u (feature rows i + u < T)
+        if n_valid <= 0:
+            break
+        predicted_pos = torch.arange(n_valid)[None, :] + u + 1  # position of t[i + u + 1]
+        valid = (predicted_pos - 1 < batch.lengths[:, None]) & (
+            predicted_pos >= batch.answer_start[:, None])  # [b, n_valid]
+        if not bool(valid.any()):
+            hits.append((0, 0))
+            continue
+        normed = m.norm(hidden[:, :n_valid][valid])  # [m, H]
+        logits = m.lm_head(normed)  # [m, K]
+        target_f = final[:, u : u + n_valid][valid]  # [m, H]
         with torch.no_grad():
-            target_p = F.linear(final[:, u : u + n_valid][valid], target_head).float().softmax(-1)
+            target_p = F.linear(target_f, target_head).float().softmax(-1)
         step_loss = F.cross_entropy(logits.float(), target_p)
         loss = loss + step_weights[u - 1] * step_loss
+        if feature_weight > 0:
+            feature_loss = F.smooth_l1_loss(normed.float(), target_f)
+            loss = loss + step_weights[u - 1] * feature_weight * feature_loss
         step_losses.append(float(step_loss.detach()))
         with torch.no_grad():
-            # acceptance proxy: answer positions where the greedy data's next token is known
-            predicted_pos = torch.arange(n_valid)[None, :] + u + 1  # position of t[i+u+1]
-            in_answer = (predicted_pos >= batch.answer_start[:, None])[valid]  # [m]
+            # acceptance proxy: does the draft equal the token the target produced?
             truth = batch.tokens[:, u + 1 : u + 1 + n_valid][valid]  # [m]
             guess = logits.argmax(-1)
-            guess = guess + d2t[guess]
-            hits.append((int(((guess == truth) & in_answer).sum()), int(in_answer.sum())))
+            hits.append((int((guess + m.d2t[guess] == truth).sum()), int(truth.numel())))
     return loss, hits, step_losses
 
 
@@ -383,15 +442,15 @@ def expected_acceptance_length(accuracies: Sequence[float]) -> float:
 
 
 @torch.no_grad()
-def heldout_metrics(drafter, batches: list[Batch], target_head, num_steps: int
-                    ) -> tuple[float, list[float]]:
+def heldout_metrics(drafter, batches: list[Batch], target_head, num_steps: int,
+                    aux_scale: torch.Tensor) -> tuple[float, list[float]]:
     """(mean step-1..S loss, per-step top-1 accuracy on answer positions) on held-out data."""
     hits = [[0, 0] for _ in range(num_steps)]
     losses = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for batch in batches:
             _, h, step_losses = ttt_forward(drafter, batch, target_head, num_steps,
-                                            [1.0] * num_steps)
+                                            [1.0] * num_steps, aux_scale)
             losses.append(sum(step_losses) / len(step_losses))
             for u, (a, n) in enumerate(h):
                 hits[u][0] += a
@@ -400,7 +459,7 @@ def heldout_metrics(drafter, batches: list[Batch], target_head, num_steps: int
 
 
 def train(drafter: Eagle3Drafter, model: LlamaForCausalLM, data, heldout, vocab, args,
-          log: Log) -> dict:
+          aux_scale: torch.Tensor, log: Log) -> dict:
     from tqdm.auto import tqdm
 
     rng = random.Random(args.seed)
@@ -417,7 +476,8 @@ def train(drafter: Eagle3Drafter, model: LlamaForCausalLM, data, heldout, vocab,
 
     def evaluate_now(step: int) -> None:
         drafter.eval()
-        loss, acc = heldout_metrics(drafter, heldout_batches, target_head, args.ttt_steps)
+        loss, acc = heldout_metrics(drafter, heldout_batches, target_head, args.ttt_steps,
+                                    aux_scale)
         drafter.train()
         al = expected_acceptance_length(acc)
         history["eval_step"].append(step)
@@ -446,14 +506,15 @@ def train(drafter: Eagle3Drafter, model: LlamaForCausalLM, data, heldout, vocab,
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _, _ = ttt_forward(drafter, batch, target_head, args.ttt_steps, weights)
+            loss, _, _ = ttt_forward(drafter, batch, target_head, args.ttt_steps, weights,
+                                     aux_scale, args.feature_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 5.0)
         opt.step()
         step += 1
         history["step"].append(step)
-        history["loss"].append(float(loss))
+        history["loss"].append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss):.3f}", lr=f"{lr:.1e}")
         if step % args.eval_every == 0:
@@ -556,8 +617,10 @@ def run(args: argparse.Namespace) -> int:
     vocab = choose_vocab(data, heldout, args, model.config.eos_token_ids, log)
     drafter = build_drafter("eagle3", model, draft_vocab_size=len(vocab), aux_layers=AUX_LAYERS)
     assert isinstance(drafter, Eagle3Drafter)
-    init_from_target(drafter, model, vocab)
-    history = train(drafter, model, data, heldout, vocab, args, log)
+    aux_scale = aux_feature_scale(data)
+    init_from_target(drafter, model, vocab, aux_scale)
+    history = train(drafter, model, data, heldout, vocab, args, aux_scale, log)
+    fold_aux_scale(drafter, aux_scale)
     save_drafter(drafter, out, dtype=args.save_dtype)
     save_curves(history, out / "loss_curve.png")
     # evaluate what was saved (fp16 weights back in the target's dtype)

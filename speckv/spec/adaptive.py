@@ -21,10 +21,12 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
     g(B)       = seconds per draft token position for B requests (proposal forward)
     F(B)       = the rest of the step (catch-up, scheduling), paid for every k
 
-It starts at the configured maximum, tries k = 0 once early so both ends of T are measured,
-then keeps the best k; every `probe_interval` steps it tries the runner-up for one step (less
-often when the runner-up is predicted to lose clearly), so a change in batch size or
-acceptance is noticed. A switch needs a `switch_margin` gain (timings are noisy).
+It starts with one draft per request (cheap even where drafting does not pay; it measures
+g, a_1 and T at 2B), then no drafts for one step (T at B), then keeps the best k, T at
+unmeasured token counts following the measured segments. Every `probe_interval` steps it
+tries the runner-up for one step (8x less often when the runner-up is predicted to lose by
+more than 10%), so a change in batch size or acceptance is noticed. A switch needs a
+`switch_margin` gain (timings are noisy).
 """
 
 from __future__ import annotations
@@ -241,12 +243,12 @@ class AdaptiveSpeculation:
             return s
         if num_requests < 1:
             return self._current
-        goodput = {k: self.predicted_goodput(num_requests, k) for k in range(s + 1)}
-        if goodput[s] is None or self._draft.predict(num_requests) is None:
-            return s  # measure the full draft length first
-        if not self._tried_zero:  # then no drafting once, so both ends of T are measured
+        if self._draft.predict(num_requests) is None:
+            return 1  # measure drafting at its cheapest first
+        if not self._tried_zero:  # then no drafting once, so T is measured at both ends
             self._tried_zero = True
             return 0
+        goodput = {k: self.predicted_goodput(num_requests, k) for k in range(s + 1)}
         known = {k: g for k, g in goodput.items() if g is not None}
         best = max(known, key=lambda k: known[k])
         current = known.get(self._current)
@@ -257,7 +259,7 @@ class AdaptiveSpeculation:
         if ranked:
             runner_up = ranked[0]
             close = known[runner_up] >= 0.9 * known[self._current]
-            interval = self.config.probe_interval * (1 if close else 4)
+            interval = self.config.probe_interval * (1 if close else 8)
             if self._steps_since_probe >= interval:
                 self._steps_since_probe = 0
                 return runner_up
