@@ -1,0 +1,42 @@
+"""`speckv bench spec-decode` on the tiny model: every mode decodes the same greedy tokens,
+the counters add up, and bad arguments stop before the model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from speckv import cli
+from speckv.bench.spec_decode import measure
+from speckv.drafters.loaders import random_drafter
+
+
+def test_every_mode_decodes_the_same_tokens(tiny_model):
+    drafter = random_drafter("eagle3", tiny_model, init_std=0.2, seed=4, aux_layers=(0, 1, 1))
+    prompts = [[(5 * i + j) % 90 + 1 for j in range(6 + i)] for i in range(5)]
+    results = measure(tiny_model, None, drafter, prompts, 2, 10, 2,
+                      ("none", "eagle3", "eagle3-fixed", "ngram"))
+    plain = results["none"]
+    assert plain.num_tokens == sum(len(o) for o in plain.outputs) > 0
+    for mode in ("eagle3", "eagle3-fixed", "ngram"):
+        assert results[mode].outputs == plain.outputs
+    fixed = results["eagle3-fixed"]
+    assert fixed.steps_by_num_spec_tokens[0] == 0 and fixed.steps_by_num_spec_tokens[2] > 0
+    assert fixed.num_drafts_by_position[0] >= fixed.num_drafts_by_position[1] > 0
+    assert len(fixed.acceptance_by_position) == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--num-spec-tokens", "1000"], "--num-spec-tokens"),
+    (["--modes", "none,medusa"], "--modes"),
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--num-prompts", "0"], "--num-prompts"),
+])
+def test_bad_arguments_stop_before_the_model_loads(argv, message, monkeypatch, capsys):
+    import speckv.engine.llm as llm
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(llm, "load_model", no_model)
+    assert cli.main(["bench", "spec-decode", *argv]) == 2
+    assert message in capsys.readouterr().err
