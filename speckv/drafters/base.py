@@ -160,6 +160,18 @@ class DraftModule(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, target_vocab] fp32 logits over the TARGET vocabulary."""
 
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64, t[p + j]
+        hidden: torch.Tensor,  # [num_tokens, hidden] h_{j-1}[p]
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Write the draft KV `forward` writes, without computing its output (a catch-up
+        whose outputs nobody reads: the last module of a chain, or no drafts wanted)."""
+        self.forward(input_ids, hidden, positions, kv_cache, metadata)
+
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n] int64 greedy draft (target ids); a module with a reduced draft
         vocabulary overrides this to skip the target-vocabulary logits."""
@@ -178,6 +190,12 @@ class FuseThenLayerModule(DraftModule):
 
     def forward(self, input_ids, hidden, positions, kv_cache, metadata):
         return self.layer(self.fuse(input_ids, hidden), positions, kv_cache, metadata)
+
+    def write_kv(self, input_ids, hidden, positions, kv_cache, metadata):
+        attn = self.layer.self_attn
+        cos_sin = self.layer._rotary.cos_sin(positions, hidden.dtype)
+        x = self.layer.input_layernorm(self.fuse(input_ids, hidden))
+        attn.write_kv(x, cos_sin, kv_cache, metadata)
 
     def dense_forward(self, input_ids, hidden, positions):
         x = self.fuse(input_ids, hidden)  # [b, s, hidden]
@@ -256,8 +274,13 @@ class Drafter(nn.Module, ABC):
         target_states: TargetStates,
         requests: Sequence[CatchUpRequest],
         kv_cache: PagedKVCache,
+        will_propose: bool = True,
     ) -> DraftState:
-        """Write the draft KV of every position whose inputs just became real (all modules)."""
+        """Write the draft KV of every position whose inputs just became real (all modules).
+
+        The last module's outputs feed nobody but `propose` (and only module 1's, when it is
+        the last): with `will_propose=False` no module computes outputs it would throw away
+        (the returned state then cannot propose)."""
         total = sum(r.num_positions for r in requests)
         if target_states.hidden_states.shape[0] != total:
             raise ValueError(
@@ -287,12 +310,14 @@ class Drafter(nn.Module, ABC):
         for j in range(1, k + 1):
             if j > 1:
                 avail = [_merge(_carried(r.carry, j), out) for r, out in zip(requests, avail)]
-            outs, written = self._run_module(j, avail, tokens, starts, tables, kv_cache)
-            if j == 1:
+            kv_only = j == k and (k > 1 or not will_propose)
+            outs, written = self._run_module(j, avail, tokens, starts, tables, kv_cache,
+                                             kv_only=kv_only)
+            if j == 1 and not kv_only:
                 # Module 1 writes every position (a next token is known for each), so its
                 # last output is at start_position + num_positions - 1.
                 last_h1 = [o[-1] for o in outs]  # type: ignore[index]
-            else:
+            if j > 1:
                 # h_{j-1} rows module j could not write yet stay pending for the next pass.
                 for c, a, w in zip(carries, avail, written):
                     c.start.append(a.start + w)
@@ -319,11 +344,13 @@ class Drafter(nn.Module, ABC):
         block_tables: Sequence[Sequence[int]],
         kv_cache: PagedKVCache,
         max_position: list[int] | None = None,
+        kv_only: bool = False,
     ) -> tuple[list[torch.Tensor | None], list[int]]:
         """Run module j on every position it can write: p with t[p + j] in `tokens`.
 
         tokens[i] are t[token_starts[i] + 1 ...]. Returns per request the outputs [w, hidden]
-        (None when w = 0) and w, the number of rows written from the front of avail[i].
+        (None when w = 0, or always with `kv_only`: the module only writes its KV) and w, the
+        number of rows written from the front of avail[i].
         """
         module = self.modules_chain[j - 1]
         ids: list[int] = []
@@ -353,13 +380,17 @@ class Drafter(nn.Module, ABC):
             return [None] * len(avail), counts
         device = self.device
         md = AttentionMetadata.build(q_lens, s_lens, tables, kv_cache.block_size, device)
-        out = module(
+        inputs = (
             torch.tensor(ids, dtype=torch.int64, device=device),
             torch.cat(rows),  # already in the drafter's dtype (first_hidden / module outputs)
             torch.tensor(positions, dtype=torch.int64, device=device),
             kv_cache,
             md,
-        )  # [sum(w), hidden]
+        )
+        if kv_only:
+            module.write_kv(*inputs)
+            return [None] * len(avail), counts
+        out = module(*inputs)  # [sum(w), hidden]
         res: list[torch.Tensor | None] = []
         o = 0
         for w in counts:
@@ -387,6 +418,8 @@ class Drafter(nn.Module, ABC):
         k = len(self.modules_chain)
         n = state.num_real_tokens
         nreq = len(n)
+        if len(state._last_h1) != nreq and nreq:
+            raise ValueError("this state was caught up with will_propose=False")
         if len(state._last_h1) != nreq or any(
             c.next_position != x - 1 for c, x in zip(state.carries, n)
         ):

@@ -78,6 +78,11 @@ class Eagle3Module(DraftModule):
         )
         return r + layer.mlp(layer.post_attention_layernorm(r))  # [n, hidden] pre-norm
 
+    def write_kv(self, input_ids, hidden, positions, kv_cache, metadata) -> None:
+        layer = self.midlayer
+        cos_sin = layer._rotary.cos_sin(positions, hidden.dtype)
+        layer.self_attn.write_kv(self._attn_input(input_ids, hidden), cos_sin, kv_cache, metadata)
+
     def dense_forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -67,17 +67,17 @@ class DrafterProposer:
                 for i in range(len(self.aux_layers))
             ),
         )
-        state = self.drafter.write_draft_kv(states, reqs, self.kv_cache)
-        for x, c in zip(items, state.carries):
-            self._carries[x.request_id] = c
-        caught_up = time.perf_counter()
-        self.last_timing = ProposeTiming(caught_up - start, 0.0)
-        # Draft only for requests whose catch-up reached their last real token.
+        # Draft only for requests whose catch-up reaches their last real token.
         want = [
             i
             for i, x in enumerate(items)
             if x.wants_drafts and x.max_drafts > 0 and x.end == len(x.token_ids) - 1
         ]
+        state = self.drafter.write_draft_kv(states, reqs, self.kv_cache, will_propose=bool(want))
+        for x, c in zip(items, state.carries):
+            self._carries[x.request_id] = c
+        caught_up = time.perf_counter()
+        self.last_timing = ProposeTiming(caught_up - start, 0.0)
         if not want:
             return {}
         # Greedy drafts are a prefix of longer runs: draft no more than any request may take.

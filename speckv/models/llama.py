@@ -89,6 +89,25 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 
+    def write_kv(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden] (the attention input, normed)
+        cos_sin: CosSin,  # each [num_tokens, 1, head_dim]
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Only the K/V `forward` writes (no query, no attention): for a drafter's catch-up
+        of positions whose outputs nobody reads."""
+        n = hidden.shape[0]
+        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        cos, sin = cos_sin
+        self.backend.write_kv(kv_cache.layer(self.layer_idx), apply_rope(k, cos, sin), v,
+                              metadata.slot_mapping)
+
+
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder block; its KV lives in `kv_cache.layer(layer_idx)`."""
 

@@ -232,7 +232,10 @@ class AdaptiveSpeculation:
         return b * self.expected_tokens(k) / max(1e-9, target + draft + fixed)
 
     def decide(self, num_requests: int) -> int:
-        """The number of drafts per request for the next step (0: do not draft)."""
+        """The number of drafts per request for the next step of `num_requests` decoding
+        requests (0: do not draft)."""
+        if num_requests < 1:
+            return 0  # nobody to draft for (every request is prefilling or finished)
         k = self._decide(num_requests)
         self._steps_by_k[k] += 1
         return k
@@ -241,8 +244,6 @@ class AdaptiveSpeculation:
         s = self.config.max_spec_tokens
         if not self.config.adaptive:
             return s
-        if num_requests < 1:
-            return self._current
         if self._draft.predict(num_requests) is None:
             return 1  # measure drafting at its cheapest first
         if not self._tried_zero:  # then no drafting once, so T is measured at both ends

@@ -97,17 +97,19 @@ def catch_up_all(
     kv: PagedKVCache,
     chunks: list[int],
     propose_between: int = 0,
+    will_propose: bool = True,
 ) -> None:
     """Catch-up over positions 0 .. N-1 in passes of the given sizes (carries threaded).
 
-    propose_between > 0 also proposes that many drafts after every pass (provisional KV).
+    propose_between > 0 also proposes that many drafts after every pass (provisional KV);
+    will_propose=False catches up without the outputs only a proposal reads.
     """
     carry = None
     start = 0
     for c in chunks:
         st = states.select(torch.arange(start, start + c))
         req = CatchUpRequest(start, c, tokens[start + 1 : start + c + 1], table, carry)
-        state = drafter.write_draft_kv(st, [req], kv)
+        state = drafter.write_draft_kv(st, [req], kv, will_propose=will_propose)
         carry = state.carries[0]
         start += c
         if propose_between:

@@ -69,6 +69,29 @@ def test_incremental_catch_up_equals_one_pass(fmt, kw, target):
 
 
 @pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
+def test_catch_up_without_proposals_writes_the_same_draft_kv(fmt, kw, target):
+    """Steps that draft nothing (the adaptive draft length chose 0) skip the outputs only a
+    proposal reads, and still write exactly the draft KV of a full catch-up."""
+    d, tokens, states = _setup(fmt, kw, target)
+    table = shuffled_table(N // BS + 3, seed=5)
+    full = d.make_kv_cache(len(table) + 1, BS)
+    lean = d.make_kv_cache(len(table) + 1, BS)
+    chunks = [5, 6, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1]
+    catch_up_all(d, states, tokens, table, full, chunks)
+    catch_up_all(d, states, tokens, table, lean, chunks, will_propose=False)
+    for j in range(1, d.draft_kv_lookahead_tokens + 1):
+        a = read_kv(full, j - 1, table, range(N + 1 - j))
+        b = read_kv(lean, j - 1, table, range(N + 1 - j))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if len(d.modules_chain) == 1:  # its only module's outputs were skipped: no proposals
+        state = d.write_draft_kv(states.select(torch.arange(0, 4)),
+                                 [CatchUpRequest(0, 4, tokens[1:5], table)], lean,
+                                 will_propose=False)
+        with pytest.raises(ValueError, match="will_propose=False"):
+            d.propose(state, 2, lean)
+
+
+@pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
 def test_draft_kv_at_p_depends_on_token_p_plus_j(fmt, kw, target):
     """Module j's KV at p changes with t[p + j] and not with later tokens: the reason block
     hashes carry L lookahead tokens."""
