@@ -59,6 +59,8 @@ _SHORT_BINBYTES = b"C"
 _MEMOIZE = b"\x94"
 _TUPLE3_MEMO_STOP = b"\x87\x94."
 _SEPARATOR = b"\xff\xff\xff\xff"
+MEMOIZE_BYTES = _MEMOIZE  # before a piece's layout.open
+TUPLE3_MEMO_STOP_BYTES = _TUPLE3_MEMO_STOP  # after a piece's layout.close
 # Stay well below pickle's 64 KiB frame target, past which CPython splits frames.
 MAX_FAST_PAYLOAD_BYTES = 60_000
 # Worst-case bytes of a piece beyond its token encodings (opcodes, tuple marks): generous.
