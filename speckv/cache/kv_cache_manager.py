@@ -64,10 +64,11 @@ class StridedHashes(Sequence[bytes]):
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
+            if step < 0:
+                return [self[i] for i in range(start, stop, step)]
             stride = self._stride
             # item i is chain[(i + 1) * stride - 1]: one C-level slice of the chain
-            return self._chain[(start + 1) * stride - 1 : (stop + 1) * stride - 1 : step * stride] \
-                if step > 0 else [self[i] for i in range(start, stop, step)]
+            return self._chain[(start + 1) * stride - 1 : (stop + 1) * stride - 1 : step * stride]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
