@@ -5,6 +5,10 @@ request: `get_computed_blocks` (the hit), `allocate_slots` (touch the hit, alloc
 and `free`. Hashing is excluded (requests are built before timing), so this isolates the cache.
 Prints the median per-request cost in microseconds per group layout, single-group rows first,
 and each hybrid row's ratio to the single-group row with the same smallest block size.
+
+`--vs-vllm` runs vLLM's KVCacheManager and speckv's on the same requests (one full-attention
+group, B = 16, lookahead hashes), a cold miss and a warm hit, and prints the ratios; without
+vLLM it prints why and skips (see `vllm_peer.py`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ then costs one sample, not a cell); a cell is the median of those over all round
 Before timing, every format's hashes are checked against the plain `pickle.dumps` path and the
 naive hasher's against the adopted format's (a correctness guard: a fast wrong hasher would
 otherwise win). `quick_table(console)` is the ~5 s version that `speckv demo` prints.
+
+`--vs-vllm` instead times vLLM's own request block hasher against speckv's on the same text
+prompts (B = 16 and 128, legacy and lookahead L=1) in this process, after checking the two hash
+chains are byte-identical; without vLLM it prints why and skips (see `vllm_peer.py`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Fast, bit-exact pickle encoding and chain-hashing of whole runs of blocks.
+"""Fast, bit-exact pickle encoding and chain-hashing of whole runs of blocks (numpy path).
+
+Requests hash through the optional native chain (`_chainhash.c`, same bytes, built by
+setup.py) when it is built; this module is the fallback without a compiler, and the reference
+the native chain's layout constants come from.
 
 Owns the trick that makes `sha256` / `xxhash` block hashing cheap. For an extra-key-free block,
 `pickle.dumps((parent, tokens, tail), protocol=5)` is always
