@@ -65,12 +65,20 @@ class StridedHashes(Sequence[bytes]):
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step < 0:
+                return [self[i] for i in range(start, stop, step)]
+            stride = self._stride
+            # item i is chain[(i + 1) * stride - 1]: one C-level slice of the chain
+            return self._chain[(start + 1) * stride - 1 : (stop + 1) * stride - 1 : step * stride]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self._chain[(index + 1) * self._stride - 1]
+
+    def __iter__(self):
+        return iter(self[:])
 
 
 class KVCacheManager:
