@@ -97,9 +97,8 @@ def measure_vs_vllm(vllm: VllmModules, prompt_len: int, num_rounds: int) -> list
     earlier rounds' cached blocks (so allocating evicts, as in steady state).
     """
     block_size, lookahead = VS_VLLM_BLOCK_SIZE, VS_VLLM_LOOKAHEAD
-    algo = get_hash_algo("sha256")
-    none_hash = make_none_hash(algo, init_none_hash(vllm))  # vLLM's seed: identical hashes
-    hash_mode = resolve_hash_mode(make_drafter_policy("eagle"))
+    seed = init_none_hash(vllm)  # vLLM's NONE_HASH seed: identical hashes on both sides
+    hash_mode = resolve_hash_mode(drafter_policy("eagle"))
     num_blocks = 2 * prompt_len // block_size + 16
     rng = random.Random(0)
     prompts = [[rng.randrange(32000) for _ in range(prompt_len)] for _ in range(num_rounds + 1)]
@@ -107,7 +106,7 @@ def measure_vs_vllm(vllm: VllmModules, prompt_len: int, num_rounds: int) -> list
     rows = []
     for case in ("cold", "warm"):
         ours = KVCacheManager([FullAttentionSpec(block_size)], num_blocks, hash_mode)
-        hashing = BlockHashing(algo, none_hash, ours.hash_block_size, ours.lookahead_values)
+        hashing = ours.block_hashing("sha256", seed)
         theirs = vllm_manager(vllm, block_size, num_blocks, prompt_len + 64, lookahead)
         # cache prompts[0] on both sides
         first = Request("seed", prompts[0], hashing)

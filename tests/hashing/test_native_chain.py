@@ -10,7 +10,6 @@ import hashlib
 import pickle
 
 import pytest
-from hashing_reference import plain_chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ from speckv.hashing.formats import (
 )
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import RequestBlockHasher, hash_prompt
+from tests.hashing.hashing_reference import plain_chain
 
 native = pytest.importorskip("speckv.hashing._chainhash")
 
