@@ -38,6 +38,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),
     (("bench", "events"), "speckv.events.bench", "KV-event publisher and router throughput"),
+    (("bench", "kv-tiers"), "speckv.bench.kv_tiers",
+     "load and store speed of the KV connector tiers beside a plain copy_"),
     (("events", "tail"), "speckv.events.cli:tail", "print KV events from a publisher, live"),
     (("events", "publish-sample"), "speckv.events.cli:publish_sample",
      "publish a synthetic workload's KV events for consumer authors"),

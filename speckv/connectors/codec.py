@@ -127,7 +127,7 @@ def encoded_nbytes(chunks: list[bytes | memoryview]) -> int:
 
 def decode_block(data: bytearray | memoryview, namespace: str, expected: BlockDescriptor,
                  layout: BlockLayout) -> DecodedBlock | CodecMiss:
-    """Check and decode one block. `data` must be writable (the tensors view it). Pure."""
+    """Check and decode one block. `data` must be writable: the tensors view it. Pure."""
     view = memoryview(data)
     if len(view) < _PREFIX.size:
         return CodecMiss(MissReason.TRUNCATED, f"{len(view)} bytes, shorter than the prefix")
@@ -168,7 +168,7 @@ def decode_block(data: bytearray | memoryview, namespace: str, expected: BlockDe
     tensors = []
     offset = payload_start
     for segment in layout.segments:
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=segment.nbytes, offset=offset)
+        raw = torch.frombuffer(view, dtype=torch.uint8, count=segment.nbytes, offset=offset)
         tensors.append(raw.view(segment.torch_dtype).reshape(segment.block_shape))
         offset += segment.nbytes
     return DecodedBlock(header, tuple(tensors))

@@ -99,6 +99,7 @@ class DiskBlockStore:
         self._total_bytes = 0
         self._writing: set[CacheKey] = set()
         self._pins: Counter[CacheKey] = Counter()
+        self._read_buffer = bytearray()  # loads only (engine thread)
         self._scan()
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -162,14 +163,18 @@ class DiskBlockStore:
         path = block_path(self.directory, key)
         try:
             with open(path, "rb") as file:
-                data = bytearray(os.fstat(file.fileno()).st_size)
+                size = os.fstat(file.fileno()).st_size
+                if len(self._read_buffer) < size:
+                    # reused across loads: fresh memory per block costs more than the read
+                    self._read_buffer = bytearray(size)
+                data = memoryview(self._read_buffer)[:size]
                 num_read = file.readinto(data)
         except FileNotFoundError:
             self._forget(key)
             return CodecMiss(MissReason.NOT_FOUND)
         except OSError as error:
             return CodecMiss(MissReason.IO_ERROR, str(error))
-        if num_read != len(data):
+        if num_read != size:
             decoded: DecodedBlock | CodecMiss = CodecMiss(MissReason.TRUNCATED, "short read")
         else:
             decoded = decode_block(data, self.namespace.ident, block, self.layout)

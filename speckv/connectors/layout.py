@@ -11,12 +11,18 @@ tier restores the draft KV along with the target KV:
     PagedKVCache.storage              [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     one block of one segment          [layers, 2, block_size, kv_heads, head_dim]
     read_blocks(ids) per segment      [len(ids), layers, 2, block_size, kv_heads, head_dim]
+    write_blocks(ids, blocks)         blocks[i]: one block per segment, host memory
+
+On a GPU, loads are staged in a pinned buffer and copied with one host-to-device transfer per
+segment, asynchronous on the current stream (the forward that follows is ordered after it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -57,7 +63,7 @@ class KVSegment:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of one block of this segment."""
         numel = 1
@@ -93,7 +99,7 @@ class BlockLayout:
     def block_size(self) -> int:
         return self.segments[0].block_size
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of one whole block: every segment."""
         return sum(segment.nbytes for segment in self.segments)
@@ -135,38 +141,99 @@ class DeviceKV:
         self.layout = BlockLayout.of(target, draft)
         self.num_blocks = target.num_blocks
         self.device = target.device
+        self._staging: list[torch.Tensor | None] = []  # CUDA loads: pinned, per segment
+        self._staging_ready: list = []  # CUDA events: the device has read the staging buffer
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        for block_id in block_ids:
+    def _check_ids(self, block_ids: Sequence[int]) -> list[int]:
+        ids = [int(block_id) for block_id in block_ids]
+        for block_id in ids:
             if not 0 <= block_id < self.num_blocks:
                 raise IndexError(f"device block id {block_id} outside [0, {self.num_blocks})")
-        return torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        return ids
+
+    def new_host_block(self) -> BlockTensors:
+        """Empty host memory for one block (pinned on a GPU machine, for async copies)."""
+        pin = self.device.type == "cuda"
+        return tuple(torch.empty(segment.block_shape, dtype=segment.torch_dtype, pin_memory=pin)
+                     for segment in self.layout.segments)
+
+    def read_blocks_into(self, block_ids: Sequence[int], out: Sequence[BlockTensors]) -> Any:
+        """Copy device block `block_ids[i]` into host buffers `out[i]` (one per segment).
+
+        On the CPU the copies are done when this returns (None). On a GPU they are queued on
+        the current stream and the returned CUDA event completes with them; the buffers must
+        be pinned and must not be read before `event.synchronize()`.
+        """
+        ids = self._check_ids(block_ids)
+        if len(out) != len(ids):
+            raise ValueError(f"{len(out)} buffers for {len(ids)} blocks")
+        if not ids:
+            return None
+        for position, cache in enumerate(self.caches):
+            if self.device.type == "cpu":
+                # one strided copy per block: ~10x faster on CPU than index_select + permute
+                for block_id, buffers in zip(ids, out):
+                    buffers[position].copy_(cache.storage[:, :, block_id])
+                continue
+            index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            gathered = cache.storage.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+            gathered = gathered.contiguous()  # [n, layers, 2, bs, heads, dim] on the device
+            for row, buffers in enumerate(out):
+                buffers[position].copy_(gathered[row], non_blocking=True)
+        if self.device.type == "cpu":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def read_blocks(self, block_ids: Sequence[int]) -> BlockTensors:
         """Copy whole blocks to host memory: per segment [n, layers, 2, bs, heads, dim].
 
         The result is a snapshot: later writes to these device blocks do not change it.
         """
-        index = self._index(block_ids)
-        out = []
-        for cache in self.caches:
-            gathered = cache.storage.index_select(2, index)  # [layers, 2, n, bs, heads, dim]
-            out.append(gathered.permute(2, 0, 1, 3, 4, 5).contiguous().cpu())
-        return tuple(out)
+        ids = self._check_ids(block_ids)
+        out = tuple(torch.empty((len(ids), *segment.block_shape), dtype=segment.torch_dtype,
+                                pin_memory=self.device.type == "cuda")
+                    for segment in self.layout.segments)
+        ready = self.read_blocks_into(ids, [tuple(t[row] for t in out) for row in range(len(ids))])
+        if ready is not None:
+            ready.synchronize()
+        return out
 
-    def write_blocks(self, block_ids: Sequence[int], tensors: BlockTensors) -> None:
-        """Copy whole blocks in: `tensors` per segment [n, layers, 2, bs, heads, dim]."""
-        if not block_ids:
+    def write_blocks(self, block_ids: Sequence[int], blocks: Sequence[BlockTensors]) -> None:
+        """Copy whole blocks in: `blocks[i]` (one tensor per segment, host memory, shaped
+        [layers, 2, bs, heads, dim]) goes to device block `block_ids[i]`."""
+        ids = self._check_ids(block_ids)
+        if len(blocks) != len(ids):
+            raise ValueError(f"{len(blocks)} blocks for {len(ids)} device blocks")
+        for block in blocks:
+            self.layout.check_block(block)
+        if not ids:
             return
-        index = self._index(block_ids)
-        if len(tensors) != len(self.caches):
-            raise ValueError(f"{len(tensors)} tensors for {len(self.caches)} caches")
-        for cache, segment, data in zip(self.caches, self.layout.segments, tensors):
-            expected = (len(block_ids), *segment.block_shape)
-            if tuple(data.shape) != expected or data.dtype != cache.dtype:
-                raise ValueError(
-                    f"segment {segment.name}: got {tuple(data.shape)} {data.dtype}, want "
-                    f"{expected} {cache.dtype}"
-                )
-            source = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
-            cache.storage.index_copy_(2, index, source)
+        for position, (cache, segment) in enumerate(zip(self.caches, self.layout.segments)):
+            if self.device.type == "cpu":
+                for block_id, block in zip(ids, blocks):
+                    cache.storage[:, :, block_id].copy_(block[position])
+                continue
+            # stage in one pinned buffer, one host-to-device copy, one scatter
+            staging = self._staging_for(position, segment, len(ids))
+            for row, block in enumerate(blocks):
+                staging[row].copy_(block[position])
+            source = staging.to(self.device, non_blocking=True)
+            index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            cache.storage.index_copy_(2, index, source.permute(1, 2, 0, 3, 4, 5))
+            self._staging_ready[position].record()
+
+    def _staging_for(self, position: int, segment: KVSegment, num_blocks: int) -> torch.Tensor:
+        """A pinned host buffer for `num_blocks` blocks of a segment, reused across loads
+        once the device has read the previous load out of it."""
+        if not self._staging:
+            self._staging = [None] * len(self.caches)
+            self._staging_ready = [torch.cuda.Event() for _ in self.caches]
+        self._staging_ready[position].synchronize()
+        buffer = self._staging[position]
+        if buffer is None or buffer.shape[0] < num_blocks:
+            buffer = torch.empty((num_blocks, *segment.block_shape), dtype=segment.torch_dtype,
+                                 pin_memory=True)
+            self._staging[position] = buffer
+        return buffer[:num_blocks]

@@ -172,9 +172,10 @@ class ConnectorStats:
     save_skipped_blocks: int = 0  # already in the tier (or on the way): not copied again
     save_dropped_queue_full: int = 0  # the copy queue was full: the store was dropped
     save_dropped_no_room: int = 0  # the tier was full of blocks in use: the store was dropped
+    save_errors: int = 0  # the tier raised while storing (stats.extra["last_save_error"])
     evicted_blocks: int = 0
     corrupt_blocks: int = 0  # stored blocks that failed a check on load (deleted)
     resident_blocks: int = 0
     resident_bytes: int = 0
     capacity_bytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # tier-specific details

@@ -13,6 +13,7 @@ import hashlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import cbor2
 import torch
@@ -80,7 +81,7 @@ class DiskNamespace:
             "segments": self.layout.describe(),
         }
 
-    @property
+    @cached_property
     def ident(self) -> str:
         """32 hex digits of the SHA-256 of the canonical CBOR of `fields()`."""
         return hashlib.sha256(cbor2.dumps(self.fields(), canonical=True)).hexdigest()[:32]

@@ -53,7 +53,9 @@ class BlockStore(Protocol):
 
     def get(self, block: BlockDescriptor) -> BlockTensors | CodecMiss:
         """The block's tensors (one block per segment, host memory) if the tier holds exactly
-        `block`; valid while pinned. A corrupt entry is deleted before the miss returns."""
+        `block`, valid until the next `get` (they may view a reused read buffer, or the
+        tier's own memory, which a pin keeps). A corrupt entry is deleted before the miss
+        returns. Called from the engine thread only."""
         ...
 
     def put(self, block: BlockDescriptor, tensors: BlockTensors) -> PutResult: ...

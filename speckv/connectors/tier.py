@@ -31,6 +31,7 @@ from abc import abstractmethod
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ from speckv.connectors.base import (
     RequestBlocks,
 )
 from speckv.connectors.codec import CodecMiss, MissReason
-from speckv.connectors.layout import BlockTensors, DeviceKV
+from speckv.connectors.layout import BlockLayout, BlockTensors, DeviceKV
 from speckv.connectors.metadata import (
     BlockDescriptor,
     ConnectorMetadata,
@@ -84,9 +85,41 @@ class _Tracked:
 @dataclass(frozen=True)
 class _Snapshot:
     block: BlockDescriptor
-    tensors: BlockTensors
+    tensors: BlockTensors  # one block per segment, host memory
     request_id: str
     lora_name: str | None
+    slot: int | None  # its staging slot; None: a private copy for this step's loads only
+    ready: Any = None  # CUDA: an event the copy out of device memory completes at
+
+    def wait(self) -> BlockTensors:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tensors
+
+
+class _Staging:
+    """Host buffers where snapshots wait until the copy thread has stored them (pinned on a
+    GPU machine). Reused, so a step never pays for fresh memory; its size is the copy queue's
+    bound. A released slot is only written again by the next snapshot, which comes after the
+    current step's loads have read it."""
+
+    def __init__(self, layout: BlockLayout, capacity: int, pin: bool) -> None:
+        # zeros, not empty: the memory is committed now, not by page faults in a step
+        self._data = tuple(
+            torch.zeros((capacity, *segment.block_shape), dtype=segment.torch_dtype,
+                        pin_memory=pin)
+            for segment in layout.segments
+        )
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def take(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def block(self, slot: int) -> BlockTensors:
+        return tuple(data[slot] for data in self._data)
 
 
 class TierConnector(KVConnector):
@@ -104,6 +137,7 @@ class TierConnector(KVConnector):
         self._store: BlockStore | None = None
         # engine thread only
         self._step = 0
+        self._unstarted_step: int | None = None  # built, not yet through load_blocks
         self._tracked: dict[str, _Tracked] = {}
         self._planned_loads: dict[str, RequestLoad] = {}
         self._exit_saves: list[RequestSave] = []
@@ -115,11 +149,13 @@ class TierConnector(KVConnector):
         self._exited: set[str] = set()
         # shared with the copy thread, under _cond
         self._cond = threading.Condition()
+        self._staging: _Staging | None = None
         self._queue: deque[_Snapshot] = deque()
         self._in_flight: dict[CacheKey, _Snapshot] = {}
         self._outstanding: Counter[str] = Counter()  # saves listed but not settled, by request
         self._events: list[KVCacheEvent] = []
         self._counts: Counter[str] = Counter()
+        self._last_save_error = ""
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -142,6 +178,7 @@ class TierConnector(KVConnector):
                 f"the hash unit {mode.block_size}"
             )
         self._store = self._open_store(kv, mode)
+        self._staging = _Staging(kv.layout, self.max_pending_blocks, kv.device.type == "cuda")
         self._kv, self._mode = kv, mode
         self._thread = threading.Thread(target=self._copy_loop, name=f"speckv-{self.name}-copy",
                                         daemon=True)
@@ -222,7 +259,14 @@ class TierConnector(KVConnector):
 
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> ConnectorMetadata:
         self._ready()
+        if self._unstarted_step is not None:
+            # its saves would never be snapshotted and its loads never run (pins leak)
+            raise RuntimeError(
+                f"connector {self.name!r}: the metadata of step {self._unstarted_step} was "
+                "never passed to start_load_kv"
+            )
         self._step += 1
+        self._unstarted_step = self._step
         saves = self._exit_saves
         self._exit_saves = []
         for blocks in scheduled:
@@ -318,34 +362,41 @@ class TierConnector(KVConnector):
         self._snapshot(meta.saves, needed)
 
     def _snapshot(self, saves: Sequence[RequestSave], needed: set[CacheKey]) -> None:
+        """Copy the saved blocks out of device memory into staging slots and queue them. With
+        no free slot the store is dropped (counted); a block this step also loads is copied
+        anyway, privately, so the load can read it."""
         kv, _, _ = self._ready()
+        assert self._staging is not None
         for save in saves:
-            with self._cond:
-                room = self.max_pending_blocks - len(self._in_flight)
-            picked: list[tuple[BlockDescriptor, int, bool]] = []  # block, device id, enqueue
-            tensors: BlockTensors = ()
+            picked: list[tuple[BlockDescriptor, int, int | None]] = []  # block, device id, slot
             dropped = 0
-            for block, block_id in zip(save.blocks, save.device_block_ids):
-                self._pending.discard(block.key)
-                enqueue = room > 0
-                room -= enqueue
-                if enqueue or block.key in needed:
-                    picked.append((block, block_id, enqueue))
-                if not enqueue:
-                    dropped += 1
-            if picked:
-                tensors = kv.read_blocks([block_id for _, block_id, _ in picked])
             with self._cond:
-                for j, (block, _, enqueue) in enumerate(picked):
-                    snapshot = _Snapshot(block, tuple(t[j] for t in tensors), save.request_id,
-                                         save.lora_name)
-                    if block.key in needed:
-                        self._step_snapshots[block.key] = snapshot
-                    if enqueue:
-                        self._in_flight[block.key] = snapshot
-                        self._queue.append(snapshot)
+                for block, block_id in zip(save.blocks, save.device_block_ids):
+                    self._pending.discard(block.key)
+                    slot = self._staging.take()
+                    if slot is None:
+                        dropped += 1
+                        if block.key not in needed:
+                            continue
+                    picked.append((block, block_id, slot))
                 self._counts["save_dropped_queue_full"] += dropped
                 self._outstanding[save.request_id] -= dropped
+            if not picked:
+                continue
+            destinations = [
+                self._staging.block(slot) if slot is not None else kv.new_host_block()
+                for _, _, slot in picked
+            ]
+            ready = kv.read_blocks_into([block_id for _, block_id, _ in picked], destinations)
+            with self._cond:
+                for (block, _, slot), tensors in zip(picked, destinations):
+                    snapshot = _Snapshot(block, tensors, save.request_id, save.lora_name,
+                                         slot, ready)
+                    if block.key in needed:
+                        self._step_snapshots[block.key] = snapshot
+                    if slot is not None:
+                        self._in_flight[block.key] = snapshot
+                        self._queue.append(snapshot)
                 self._cond.notify_all()
 
     def load_blocks(self, meta: StepMetadata) -> None:
@@ -353,19 +404,16 @@ class TierConnector(KVConnector):
         kv, _, store = self._ready()
         failed: set[int] = set()
         for load in meta.loads:
-            sources: list[BlockTensors] = []
+            num_ok = 0
             miss: CodecMiss | None = None
-            for block in load.blocks:
+            for block, block_id in zip(load.blocks, load.device_block_ids):
                 found = self._fetch(block, store)
                 if isinstance(found, CodecMiss):
                     miss = found
                     break
-                sources.append(found)
-            num_ok = len(sources)
-            if num_ok:
-                stacked = tuple(torch.stack([source[s] for source in sources])
-                                for s in range(len(kv.layout.segments)))
-                kv.write_blocks(load.device_block_ids[:num_ok], stacked)
+                # at once: a store's tensors are only valid until its next get
+                kv.write_blocks([block_id], [found])
+                num_ok += 1
             for block in load.blocks:
                 store.unpin(block.key)
             self._finished_loads.add(load.request_id)
@@ -385,6 +433,7 @@ class TierConnector(KVConnector):
                         self._counts["corrupt_blocks"] += 1
         self._failed_block_ids = frozenset(failed)
         self._step_snapshots = {}
+        self._unstarted_step = None
 
     def _fetch(self, block: BlockDescriptor, store: BlockStore) -> BlockTensors | CodecMiss:
         """The block from this step's snapshots, the copy queue, or the tier, in that order
@@ -396,7 +445,7 @@ class TierConnector(KVConnector):
         if snapshot is not None:
             if snapshot.block != block:
                 return CodecMiss(MissReason.BLOCK_MISMATCH, "a different block under this key")
-            return snapshot.tensors
+            return snapshot.wait()
         return store.get(block)
 
     def get_finished(self) -> ConnectorOutput:
@@ -425,12 +474,22 @@ class TierConnector(KVConnector):
                 if self._stopping:
                     return
                 snapshot = self._queue.popleft()
-            result = store.put(snapshot.block, snapshot.tensors)
+            try:
+                result: PutResult | None = store.put(snapshot.block, snapshot.wait())
+                error = ""
+            except Exception as exc:  # a store that breaks must not stop the thread
+                result, error = None, f"{type(exc).__name__}: {exc}"
             with self._cond:
                 # only now: a load that misses the queue must find the block in the tier
                 self._in_flight.pop(snapshot.block.key, None)
+                if snapshot.slot is not None and self._staging is not None:
+                    self._staging.release(snapshot.slot)
                 self._outstanding[snapshot.request_id] -= 1
-                self._settle(snapshot, result)
+                if result is None:
+                    self._counts["save_errors"] += 1
+                    self._last_save_error = error
+                else:
+                    self._settle(snapshot, result)
                 self._cond.notify_all()
 
     def _settle(self, snapshot: _Snapshot, result: PutResult) -> None:
@@ -507,10 +566,12 @@ class TierConnector(KVConnector):
         usage = self._store.usage() if self._store is not None else StoreUsage(0, 0, 0)
         with self._cond:
             counts = dict(self._counts)
+            extra = {"last_save_error": self._last_save_error} if self._last_save_error else {}
         base = ConnectorStats(self.name, self.medium)
         return {self.name: replace(
             base, **counts, resident_blocks=usage.resident_blocks,
             resident_bytes=usage.resident_bytes, capacity_bytes=usage.capacity_bytes,
+            extra=extra,
         )}
 
     def shutdown(self) -> None:

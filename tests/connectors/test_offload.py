@@ -169,6 +169,8 @@ def test_legacy_drop_never_stores_a_block_without_its_successor():
     request = Req(list(range(3 * B)))  # block 2 is hashed (legacy) but has no successor
     _, ids = driver.admit(request)
     world.write_cold_kv(ids)
+    meta, _ = driver.step([RequestBlocks(request, ids, 0)])  # the prefill step
+    assert meta.saves == ()
     meta, _ = driver.step([RequestBlocks(request, ids, 3 * B)])
     assert [block.token_ids[0] for block in meta.saves[0].blocks] == [0, B]
     request.append([9])
@@ -183,6 +185,7 @@ def test_stores_cover_only_hashed_blocks():
     driver = _driver(world, lookahead=2)
     request = Req(list(range(3 * B + 1)))  # L=2: block 2 needs tokens 3B, 3B+1
     _, ids = driver.admit(request)
+    driver.step([RequestBlocks(request, ids, 0)])
     meta, _ = driver.step([RequestBlocks(request, ids, 3 * B + 1)])
     assert len(request.get_block_hashes(2)) == 2
     assert sum(len(save.blocks) for save in meta.saves) == 2
@@ -211,15 +214,16 @@ def test_a_full_tier_never_evicts_blocks_being_loaded():
     driver = _driver(world, blocks=4)
     prompt = list(range(4 * B + 1))
     _, _, cold = store_request(driver, prompt)
-    reader = Req(prompt)
-    hit, ids = driver.admit(reader)  # pins the four blocks until they are loaded
-    assert hit == 4 * B
-    # another request's saves arrive while the load is planned: the tier is full of pinned
-    # blocks, so they are dropped, not the blocks being loaded
     other = Req(list(range(900, 900 + 2 * B + 1)))
     _, other_ids = driver.admit(other)
     world.write_cold_kv(other_ids)
-    driver.connector.request_finished(RequestBlocks(other, other_ids, 2 * B))
+    driver.step([RequestBlocks(other, other_ids, 0)])  # its prefill step
+    reader = Req(prompt)
+    hit, ids = driver.admit(reader)  # pins the four blocks until they are loaded
+    assert hit == 4 * B
+    # the other request's saves land while the load is planned: the tier is full of pinned
+    # blocks, so they are dropped, not the blocks being loaded
+    driver.finish(other, other_ids, 2 * B)
     assert driver.connector.flush(timeout_s=30)
     world.zero(ids)
     _, output = driver.step([RequestBlocks(reader, ids, 0)])
@@ -323,6 +327,15 @@ def test_the_local_hit_is_where_the_scan_starts():
     assert load.first_token == 2 * B and load.device_block_ids == tuple(ids[2:4])
     with pytest.raises(ValueError, match="whole number"):
         driver.connector.get_num_new_matched_tokens(Req(prompt), 3)
+    driver.close()
+
+
+def test_every_built_step_must_be_started():
+    world = KVWorld()
+    driver = _driver(world)
+    driver.connector.build_connector_meta([])
+    with pytest.raises(RuntimeError, match="never passed to start_load_kv"):
+        driver.connector.build_connector_meta([])
     driver.close()
 
 

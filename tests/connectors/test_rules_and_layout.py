@@ -78,7 +78,8 @@ def test_block_copies_out_and_in_are_exact(device, dtype):
     assert all(t.device.type == "cpu" for t in snapshot)
     world.write_cold_kv(ids)  # a later write to the device blocks...
     assert not bit_equal(world.blocks(ids), cold)
-    world.kv.write_blocks([20, 21, 22], snapshot)  # ...leaves the snapshot as it was
+    per_block = [tuple(t[row] for t in snapshot) for row in range(3)]
+    world.kv.write_blocks([20, 21, 22], per_block)  # ...leaves the snapshot as it was
     assert bit_equal(world.blocks([20, 21, 22]), cold)
 
 
@@ -91,4 +92,6 @@ def test_the_drafter_cache_must_share_the_block_table():
     with pytest.raises(IndexError):
         kv.read_blocks([16])
     with pytest.raises(ValueError, match="segment"):
-        kv.write_blocks([1], (torch.zeros(1, 2, 2, 4, 2, 8), torch.zeros(1, 1, 2, 4, 2, 8)))
+        kv.write_blocks([1], [(torch.zeros(2, 2, 4, 2, 8), torch.zeros(1, 2, 4, 2, 8))])
+    with pytest.raises(ValueError, match="2 blocks for 1"):
+        kv.write_blocks([1], [(), ()])
