@@ -130,6 +130,12 @@ class KVConnector(ABC):
         """Tokens loadable beyond the local hit (a whole number of blocks). No side effects
         beyond statistics: it may be called again for the same request."""
 
+    def peek_num_matched_tokens(self, request: ConnectorRequest,
+                                num_local_hit_tokens: int) -> ExternalHit:
+        """`get_num_new_matched_tokens` without counting a lookup (a multi-connector asks
+        again after allocation)."""
+        return self.get_num_new_matched_tokens(request, num_local_hit_tokens)
+
     @abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None:

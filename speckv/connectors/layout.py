@@ -13,8 +13,9 @@ tier restores the draft KV along with the target KV:
     read_blocks(ids) per segment      [len(ids), layers, 2, block_size, kv_heads, head_dim]
     write_blocks(ids, blocks)         blocks[i]: one block per segment, host memory
 
-On a GPU, loads are staged in a pinned buffer and copied with one host-to-device transfer per
-segment, asynchronous on the current stream (the forward that follows is ordered after it).
+On a GPU, writes are staged in a pinned buffer and copied with one host-to-device transfer per
+segment (`BlockWriter`), asynchronous on the current stream (the forward that follows is
+ordered after it); reads gather on the device and copy out asynchronously behind an event.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class DeviceKV:
         if self.device.type == "cpu":
             return None
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def read_blocks(self, block_ids: Sequence[int]) -> BlockTensors:
@@ -203,26 +204,17 @@ class DeviceKV:
     def write_blocks(self, block_ids: Sequence[int], blocks: Sequence[BlockTensors]) -> None:
         """Copy whole blocks in: `blocks[i]` (one tensor per segment, host memory, shaped
         [layers, 2, bs, heads, dim]) goes to device block `block_ids[i]`."""
-        ids = self._check_ids(block_ids)
-        if len(blocks) != len(ids):
-            raise ValueError(f"{len(blocks)} blocks for {len(ids)} device blocks")
-        for block in blocks:
-            self.layout.check_block(block)
-        if not ids:
-            return
-        for position, (cache, segment) in enumerate(zip(self.caches, self.layout.segments)):
-            if self.device.type == "cpu":
-                for block_id, block in zip(ids, blocks):
-                    cache.storage[:, :, block_id].copy_(block[position])
-                continue
-            # stage in one pinned buffer, one host-to-device copy, one scatter
-            staging = self._staging_for(position, segment, len(ids))
-            for row, block in enumerate(blocks):
-                staging[row].copy_(block[position])
-            source = staging.to(self.device, non_blocking=True)
-            index = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            cache.storage.index_copy_(2, index, source.permute(1, 2, 0, 3, 4, 5))
-            self._staging_ready[position].record()
+        if len(blocks) != len(block_ids):
+            raise ValueError(f"{len(blocks)} blocks for {len(block_ids)} device blocks")
+        writer = self.begin_write(len(block_ids))
+        for block_id, block in zip(block_ids, blocks):
+            writer.add(block_id, block)
+        writer.finish()
+
+    def begin_write(self, max_blocks: int) -> BlockWriter:
+        """Write up to `max_blocks` blocks one at a time (each source may be reused as soon as
+        `add` returns), then `finish`."""
+        return BlockWriter(self, max_blocks)
 
     def _staging_for(self, position: int, segment: KVSegment, num_blocks: int) -> torch.Tensor:
         """A pinned host buffer for `num_blocks` blocks of a segment, reused across loads
@@ -233,7 +225,50 @@ class DeviceKV:
         self._staging_ready[position].synchronize()
         buffer = self._staging[position]
         if buffer is None or buffer.shape[0] < num_blocks:
-            buffer = torch.empty((num_blocks, *segment.block_shape), dtype=segment.torch_dtype,
-                                 pin_memory=True)
+            buffer = torch.empty((max(num_blocks, 1), *segment.block_shape),
+                                 dtype=segment.torch_dtype, pin_memory=True)
             self._staging[position] = buffer
         return buffer[:num_blocks]
+
+
+class BlockWriter:
+    """Blocks going into device memory. On the CPU each `add` copies straight into the cache;
+    on a GPU it copies into a pinned staging row, and `finish` moves all rows with one
+    host-to-device transfer and one scatter per segment, asynchronous on the current stream
+    (the forward that follows is ordered after it)."""
+
+    def __init__(self, kv: DeviceKV, max_blocks: int) -> None:
+        self._kv = kv
+        self._ids: list[int] = []
+        self._on_gpu = kv.device.type != "cpu"
+        self._staging = (
+            [kv._staging_for(position, segment, max_blocks)
+             for position, segment in enumerate(kv.layout.segments)]
+            if self._on_gpu and max_blocks else []
+        )
+        self._max_blocks = max_blocks
+
+    def add(self, block_id: int, block: BlockTensors) -> None:
+        (block_id,) = self._kv._check_ids([block_id])
+        self._kv.layout.check_block(block)
+        if len(self._ids) >= self._max_blocks:
+            raise ValueError(f"more than {self._max_blocks} blocks written")
+        row = len(self._ids)
+        for position, cache in enumerate(self._kv.caches):
+            if self._on_gpu:
+                self._staging[position][row].copy_(block[position])
+            else:
+                cache.storage[:, :, block_id].copy_(block[position])
+        self._ids.append(block_id)
+
+    def finish(self) -> None:
+        if not self._on_gpu or not self._ids:
+            return
+        device = self._kv.device
+        stream = torch.cuda.current_stream(device)
+        index = torch.tensor(self._ids, dtype=torch.int64, device=device)
+        for position, cache in enumerate(self._kv.caches):
+            rows = self._staging[position][: len(self._ids)]
+            source = rows.to(device, non_blocking=True)  # [n, layers, 2, bs, heads, dim]
+            cache.storage.index_copy_(2, index, source.permute(1, 2, 0, 3, 4, 5))
+            self._kv._staging_ready[position].record(stream)

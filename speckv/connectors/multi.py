@@ -55,11 +55,12 @@ class MultiConnector(KVConnector):
             child.initialize(kv, mode)
 
     # ---- scheduler side ----------------------------------------------------------------------
-    def _best(self, request: ConnectorRequest, num_local_hit_tokens: int
+    def _best(self, request: ConnectorRequest, num_local_hit_tokens: int, count: bool = True
               ) -> tuple[int | None, ExternalHit]:
         best_index, best = None, ExternalHit(0)
         for index, child in enumerate(self.children):
-            hit = child.get_num_new_matched_tokens(request, num_local_hit_tokens)
+            hit = (child.get_num_new_matched_tokens(request, num_local_hit_tokens) if count
+                   else child.peek_num_matched_tokens(request, num_local_hit_tokens))
             if hit.num_tokens > best.num_tokens:
                 best_index, best = index, hit
         return best_index, best
@@ -68,6 +69,10 @@ class MultiConnector(KVConnector):
                                    num_local_hit_tokens: int) -> ExternalHit:
         return self._best(request, num_local_hit_tokens)[1]
 
+    def peek_num_matched_tokens(self, request: ConnectorRequest,
+                                num_local_hit_tokens: int) -> ExternalHit:
+        return self._best(request, num_local_hit_tokens, count=False)[1]
+
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None:
         chosen = None
@@ -75,14 +80,14 @@ class MultiConnector(KVConnector):
             # ask again rather than remember: lookups stay free of side effects; the first
             # child that still holds the whole range loads it
             for index, child in enumerate(self.children):
-                hit = child.get_num_new_matched_tokens(request, num_local_hit_tokens)
+                hit = child.peek_num_matched_tokens(request, num_local_hit_tokens)
                 if hit.num_tokens >= num_external_tokens:
                     chosen = index
                     break
             if chosen is None:
                 # evicted since the lookup: the best child loads what it still has and
                 # reports the rest failed (the engine recomputes it)
-                best = self._best(request, num_local_hit_tokens)[0]
+                best = self._best(request, num_local_hit_tokens, count=False)[0]
                 chosen = 0 if best is None else best
         for index, child in enumerate(self.children):
             child.update_state_after_alloc(

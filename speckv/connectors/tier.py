@@ -209,6 +209,14 @@ class TierConnector(KVConnector):
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
                                    num_local_hit_tokens: int) -> ExternalHit:
+        hit = self.peek_num_matched_tokens(request, num_local_hit_tokens)
+        with self._cond:
+            self._counts["lookups"] += 1
+            self._counts["hit_blocks"] += hit.num_tokens // self.mode.block_size
+        return hit
+
+    def peek_num_matched_tokens(self, request: ConnectorRequest,
+                                num_local_hit_tokens: int) -> ExternalHit:
         _, mode, _ = self._ready()
         start = self._first_block(num_local_hit_tokens, mode)
         hashes = request.get_block_hashes(mode.lookahead_tokens)
@@ -219,9 +227,6 @@ class TierConnector(KVConnector):
                 break
             run += 1
         servable = num_servable_blocks(run, mode)
-        with self._cond:
-            self._counts["lookups"] += 1
-            self._counts["hit_blocks"] += servable
         if servable == 0:
             return ExternalHit(0)
         return ExternalHit(servable * mode.block_size, self.medium)
@@ -406,14 +411,15 @@ class TierConnector(KVConnector):
         for load in meta.loads:
             num_ok = 0
             miss: CodecMiss | None = None
+            writer = kv.begin_write(len(load.blocks))
             for block, block_id in zip(load.blocks, load.device_block_ids):
                 found = self._fetch(block, store)
                 if isinstance(found, CodecMiss):
                     miss = found
                     break
-                # at once: a store's tensors are only valid until its next get
-                kv.write_blocks([block_id], [found])
+                writer.add(block_id, found)  # at once: a store's tensors live until its next get
                 num_ok += 1
+            writer.finish()  # the blocks before a failure are valid: keep them
             for block in load.blocks:
                 store.unpin(block.key)
             self._finished_loads.add(load.request_id)
@@ -575,9 +581,16 @@ class TierConnector(KVConnector):
         )}
 
     def shutdown(self) -> None:
+        """Stop the copy thread; stores still queued are dropped (counted)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._cond:
+            for snapshot in self._queue:
+                self._in_flight.pop(snapshot.block.key, None)
+                self._outstanding[snapshot.request_id] -= 1
+            self._counts["save_dropped_queue_full"] += len(self._queue)
+            self._queue.clear()

@@ -61,6 +61,9 @@ def test_offload_disk_stores_both_and_the_faster_tier_serves_ties(tmp_path):
     assert bit_equal(world.blocks(ids[:3]), cold[:3])
     stats = driver.connector.stats()
     assert (stats["offload"].loaded_blocks, stats["disk"].loaded_blocks) == (3, 0)
+    # the writer's, the probe above, the reader's admission; asking again at allocation is
+    # not a lookup
+    assert (stats["offload"].lookups, stats["offload"].hit_blocks) == (3, 6)
     driver.close()
 
 
