@@ -24,9 +24,12 @@ Where the engine calls each method (one engine step, in order):
     num_computed_tokens before `preempt()` resets it):
         connector.request_preempted(RequestBlocks(request, block_ids, num_written))
 
-    after schedule(), before ModelRunner.execute:
+    after schedule(), before ModelRunner.execute (every step that runs, even with nothing
+    to load; every built metadata must be started, or the next build raises):
         meta = connector.build_connector_meta(
             [RequestBlocks(item.request, block_ids, item.start) for item in scheduled])
+        # item.start counts a new request's hit, external tokens included; the connector
+        # itself saves nothing past the local hit in the step that loads the rest
         connector.start_load_kv(meta)         # snapshots this step's saves, then loads
         failed = connector.get_block_ids_with_load_errors()
         # a request owning a failed block: cut it from this step's batch, set its
@@ -53,6 +56,11 @@ overwrite them. That is why no connector here needs to delay freeing a block.
 Blocks entering the device from a tier must not enter the local prefix cache (the pool's hash
 map) until their load succeeded: `allocate_slots` must not cache the external range in the step
 that loads it; the next `allocate_slots` (or `cache_computed_blocks` at exit) caches them.
+Otherwise a failed load would leave hashes naming garbage, and another request scheduled in
+the same step could take a local hit on them.
+
+A tier block holds the target KV and the drafter's KV of its positions, so the drafter treats
+external hit tokens exactly like local hit tokens: their draft KV is already in its cache.
 """
 
 from __future__ import annotations
