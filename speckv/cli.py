@@ -39,6 +39,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
+    (("bench", "kv-tiers"), "speckv.bench.kv_tiers",
+     "load and store speed of the KV connector tiers beside a plain copy_"),
     (("bench", "soak"), "speckv.bench.soak",
      "a long random run of the real scheduler and cache, integrity and hit KV checked each op"),
     (("events", "tail"), "speckv.commands.events:tail", "print KV events from a publisher, live"),
