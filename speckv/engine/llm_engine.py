@@ -39,6 +39,7 @@ from speckv.engine.sampler import make_generator, verify_greedy, verify_random
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.scheduler import Scheduler, SchedulerOutput
 from speckv.engine.speculative import Drafter, make_proposer
+from speckv.engine.stats import SchedulerStats  # [stats hook]
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
@@ -111,6 +112,12 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
         )
+        self._owned_publisher: Any = None  # [kv events] made from the config; close() ends it
+        if event_publisher is None and config.kv_events_endpoint is not None:
+            from speckv.events.publisher import publisher_for_endpoints
+
+            event_publisher = self._owned_publisher = publisher_for_endpoints(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint)
         self.event_publisher = event_publisher
         algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
@@ -143,6 +150,13 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
         self._states: dict[str, _RequestState] = {}
         self._counter = itertools.count()
+        self.last_stats: SchedulerStats | None = None  # [stats hook] set by every step()
+
+    def close(self) -> None:  # [kv events]
+        """Release what the engine made itself (the KV-event publisher from the config)."""
+        if self._owned_publisher is not None:
+            self._owned_publisher.shutdown()
+            self._owned_publisher = None
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
@@ -228,6 +242,7 @@ class LLMEngine:
         if scheduler_output.is_empty:
             outputs.extend(self._fail_unschedulable())
             self._publish_events()
+            self._take_stats()  # [stats hook]
             return outputs
         runner_output = self.runner.execute(scheduler_output)
         sampled_states = self._sample_and_update(scheduler_output, runner_output)
@@ -237,7 +252,14 @@ class LLMEngine:
                 self._retire(state.request, cache=True)
             outputs.append(self._output(state))
         self._publish_events()
+        self._take_stats()  # [stats hook]
         return outputs
+
+    def _take_stats(self) -> None:  # [stats hook]
+        scheduler = self.scheduler
+        self.last_stats = scheduler.stats.take(len(scheduler.running), len(scheduler.waiting),
+                                               self.manager.get_num_free_blocks(),
+                                               self.num_blocks - 1)
 
     def _sample_and_update(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
@@ -266,6 +288,7 @@ class LLMEngine:
                 sampled = verify_random(logits[lo:hi], drafts, state.params, state.generator)
             sampled, reason, text = self._truncate_at_stop(state, sampled)
             request.apply_verification(item.num_drafts, sampled)
+            self.scheduler.stats.record_verification(item.num_drafts, len(sampled) - 1)  # [stats]
             state.num_draft_tokens += item.num_drafts
             state.num_accepted_tokens += len(sampled) - 1
             if state.first_token_s is None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from speckv.cache.kv_cache_manager import KVCacheManager
 from speckv.engine.request import Request, RequestStatus
+from speckv.engine.stats import StatsCollector  # [stats hook]
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.stats = StatsCollector(num_spec_tokens)  # [stats hook] filled during a step
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -138,6 +140,8 @@ class Scheduler:
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
                 self.waiting.popleft()
+                self.stats.record_admission(  # [stats hook]
+                    request.request_id, request.num_tokens, num_hit, request.num_preemptions > 0)
                 if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
                     request.num_cached_tokens = num_hit
                 request.status = RequestStatus.RUNNING
@@ -160,5 +164,6 @@ class Scheduler:
         """Preemption by recompute: cache what is computed (a later hit recovers it), free."""
         self.manager.cache_computed_blocks(request)
         self.manager.free(request)
+        self.stats.record_preemption()  # [stats hook]
         request.preempt()
         self.waiting.appendleft(request)
