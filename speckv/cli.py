@@ -15,8 +15,8 @@ from collections.abc import Sequence
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "speckv.demo",
-     "the main job: hit lengths, hashing cost, the built-in model with EAGLE, and a short "
-     "prefix_repetition run"),
+     "the main job: hit lengths, hashing cost, the built-in model with EAGLE, a short "
+     "prefix_repetition run, and the same chat request sent twice to speckv serve"),
     (("generate",), "speckv.engine.generate_cli",
      "stream one completion from the built-in model (or --model DIR)"),
     (("serve",), "speckv.server.cli",
