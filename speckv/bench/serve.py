@@ -10,9 +10,11 @@ distribution.
 
 Without `--base-url` it launches `speckv serve` itself (a subprocess, same engine flags) on a
 free port. `--compare-in-process` then runs the same prompts through the same engine in this
-process, twice: a closed loop on `LLMEngine` at the same concurrency (its TTFT is comparable to
-the HTTP client's) and `LLM.generate` with `max_num_seqs` = the concurrency, and adds the
-server / in-process ratios. Each run starts warm (one request) with an empty prefix cache.
+process, twice: "in-process", a closed loop on `LLMEngine` at the same concurrency and arrivals
+(its TTFT, add_request to first token, is comparable to the HTTP client's), and
+"LLM.generate" with `max_num_seqs` = the concurrency (throughput only: one call has no
+per-request arrival), and adds the server / in-process ratios. Each run starts warm (one
+request) with an empty prefix cache.
 
     TTFT  arrival -> first content token     TPOT  (latency - TTFT) / (output tokens - 1)
     ITL   gaps between content chunks        hit rate  prefix_cache_hits / _queries deltas
@@ -70,16 +72,17 @@ class Summary:
     request_throughput: float  # requests/s
     output_throughput: float  # output tokens/s
     total_token_throughput: float  # (prompt + output) tokens/s
-    ttft_mean_ms: float
-    ttft_median_ms: float
-    ttft_p99_ms: float
-    tpot_mean_ms: float
-    tpot_median_ms: float
-    tpot_p99_ms: float
-    itl_mean_ms: float
-    itl_median_ms: float
-    itl_p99_ms: float
-    e2e_mean_ms: float
+    # per-request latencies; None for LLM.generate (one call: no per-request arrival or end)
+    ttft_mean_ms: float | None
+    ttft_median_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_mean_ms: float | None
+    tpot_median_ms: float | None
+    tpot_p99_ms: float | None
+    itl_mean_ms: float | None
+    itl_median_ms: float | None
+    itl_p99_ms: float | None
+    e2e_mean_ms: float | None
     hit_rate_metrics: float | None  # /metrics deltas (server) or the engine stats (in process)
     hit_rate_usage: float  # sum of cached_tokens / prompt tokens
     oracle_hit_rate: float | None
@@ -88,35 +91,35 @@ class Summary:
     ttfts_ms: list[float] = field(repr=False, default_factory=list)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else 0.0
-
-
 def summarize(name: str, results: list[RequestResult], duration_s: float, *,
               hit_rate_metrics: float | None, oracle_hit_rate: float | None,
-              acceptance: tuple[float, float] | None) -> Summary:
+              acceptance: tuple[float, float] | None, timed: bool = True) -> Summary:
+    """`timed`: the results carry per-request TTFT / ITL / latency."""
     done = [r for r in results if r.success]
-    ttfts = [1000 * r.ttft_s for r in done]
+    ttfts = [1000 * r.ttft_s for r in done] if timed else []
     tpots = [1000 * (r.latency_s - r.ttft_s) / (r.output_tokens - 1)
              for r in done if r.output_tokens > 1]
     itls = [1000 * gap for r in done for gap in r.itl_s]
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
 
-    def mean(values: list[float]) -> float:
-        return statistics.fmean(values) if values else 0.0
+    def mean(values: list[float]) -> float | None:
+        return statistics.fmean(values) if values and timed else None
+
+    def pct(values: list[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values and timed else None
 
     return Summary(
         name=name, num_completed=len(done), num_failed=len(results) - len(done),
         duration_s=duration_s, request_throughput=len(done) / duration_s,
         output_throughput=output_tokens / duration_s,
         total_token_throughput=(prompt_tokens + output_tokens) / duration_s,
-        ttft_mean_ms=mean(ttfts), ttft_median_ms=_percentile(ttfts, 50),
-        ttft_p99_ms=_percentile(ttfts, 99),
-        tpot_mean_ms=mean(tpots), tpot_median_ms=_percentile(tpots, 50),
-        tpot_p99_ms=_percentile(tpots, 99),
-        itl_mean_ms=mean(itls), itl_median_ms=_percentile(itls, 50),
-        itl_p99_ms=_percentile(itls, 99),
+        ttft_mean_ms=mean(ttfts), ttft_median_ms=pct(ttfts, 50),
+        ttft_p99_ms=pct(ttfts, 99),
+        tpot_mean_ms=mean(tpots), tpot_median_ms=pct(tpots, 50),
+        tpot_p99_ms=pct(tpots, 99),
+        itl_mean_ms=mean(itls), itl_median_ms=pct(itls, 50),
+        itl_p99_ms=pct(itls, 99),
         e2e_mean_ms=mean([1000 * r.latency_s for r in done]),
         hit_rate_metrics=hit_rate_metrics,
         hit_rate_usage=sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0,
@@ -344,7 +347,7 @@ def run_llm_generate(llm: Any, requests: list[WorkloadRequest], ignore_eos: bool
     duration = time.perf_counter() - start
     results = [RequestResult(success=o.error is None, prompt_tokens=len(o.prompt_token_ids),
                              output_tokens=len(o.token_ids), cached_tokens=o.num_cached_tokens,
-                             ttft_s=o.ttft_s or 0.0, latency_s=duration, error=o.error or "")
+                             error=o.error or "")
                for o in outputs]
     num_spec = llm.engine.num_spec_tokens
     return results, duration, acceptance_stats(outputs, num_spec) if num_spec else None
@@ -388,9 +391,9 @@ def render(summaries: list[Summary], title: str) -> Table:
     table.add_column("metric", no_wrap=True)
     for summary in summaries:
         table.add_column(summary.name, justify="right")
-    reference = next((s for s in summaries if s.name == "in-process loop"), None)
+    reference = next((s for s in summaries if s.name == "in-process"), None)
     if reference is not None and summaries[0] is not reference:
-        table.add_column("server vs loop", justify="right")
+        table.add_column("server / in-process", justify="right")
     for label, key, fmt in ROWS:
         cells = [_fmt(getattr(s, key), fmt) for s in summaries]
         if reference is not None and summaries[0] is not reference:
@@ -415,9 +418,9 @@ def write_ttft_png(summaries: list[Summary], path: Path) -> None:
     every = [t for s in summaries for t in s.ttfts_ms]
     bins = np.linspace(0, max(every) if every else 1.0, 40)
     for summary in summaries:
-        if summary.ttfts_ms and summary.name != "LLM.generate":
+        if summary.ttfts_ms:
             ax.hist(summary.ttfts_ms, bins=bins, alpha=0.55, label=summary.name)
-            ax.axvline(summary.ttft_median_ms, linestyle="--", linewidth=1)
+            ax.axvline(summary.ttft_median_ms or 0.0, linestyle="--", linewidth=1)
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("requests")
     ax.set_title("TTFT distribution (dashed: median)")
@@ -570,7 +573,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.bench_seed, progress=progress))
         after = metric_totals(http_get(base_url, "/metrics").text)
         hit_rate, acceptance = metrics_rates(before, after)
-        summaries.append(summarize("server (HTTP)", results, duration,
+        summaries.append(summarize("server", results, duration,
                                    hit_rate_metrics=hit_rate, oracle_hit_rate=oracle,
                                    acceptance=acceptance))
     finally:
@@ -601,12 +604,12 @@ def run_in_process(args: argparse.Namespace, requests: list[WorkloadRequest],
     results, duration, acceptance, hit_rate = run_engine_loop(
         engine, requests, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
         ignore_eos=args.ignore_eos, seed=args.bench_seed, progress=progress)
-    summaries = [summarize("in-process loop", results, duration, hit_rate_metrics=hit_rate,
+    summaries = [summarize("in-process", results, duration, hit_rate_metrics=hit_rate,
                            oracle_hit_rate=oracle, acceptance=acceptance)]
     engine.manager.reset_prefix_cache()
     results, duration, acceptance = run_llm_generate(llm, requests, args.ignore_eos)
     summaries.append(summarize("LLM.generate", results, duration, hit_rate_metrics=None,
-                               oracle_hit_rate=oracle, acceptance=acceptance))
+                               oracle_hit_rate=oracle, acceptance=acceptance, timed=False))
     return summaries
 
 
@@ -625,7 +628,7 @@ def report(args: argparse.Namespace, summaries: list[Summary], description: str,
     if args.json:
         print(json.dumps(payload))
         return 0
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     console.print(render(summaries, f"{description}; concurrency {args.max_concurrency}, "
                                     f"{args.endpoint}"))
     for error in errors[:5]:

@@ -45,10 +45,12 @@ def _uvicorn(server: OpenAIServer, log_level: str) -> uvicorn.Server:
 
 def serve_forever(server: OpenAIServer, host: str, port: int,
                   log_level: str = "warning") -> None:
-    """Serve until SIGINT / SIGTERM (the CLI)."""
+    """Serve until SIGINT / SIGTERM (the CLI); returns after a graceful shutdown."""
     sock = bind_socket(host, port)
     try:
         _uvicorn(server, log_level).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on: a normal exit
+        pass
     finally:
         sock.close()
 

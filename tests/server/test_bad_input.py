@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import MODEL_NAME, TINY_CONFIG, wait_idle_and_check
+from server_test_utils import MODEL_NAME, TINY_CONFIG, wait_idle_and_check
 
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
 

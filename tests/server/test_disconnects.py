@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
-from conftest import MODEL_NAME, engine_call, wait_idle_and_check
-from metrics_utils import scrape, value
+from server_test_utils import MODEL_NAME, engine_call, scrape, value, wait_idle_and_check
 
 from speckv.engine.config import EngineConfig
 

@@ -5,8 +5,7 @@ and the side endpoints (/v1/models, /health, /version, /metrics, /reset_prefix_c
 from __future__ import annotations
 
 import httpx
-from conftest import MODEL_NAME, TOKENIZER, engine_call, wait_idle_and_check
-from metrics_utils import scrape, value
+from server_test_utils import MODEL_NAME, TOKENIZER, engine_call, scrape, value, wait_idle_and_check
 
 from speckv.engine.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import MODEL_NAME, engine_call
+from server_test_utils import MODEL_NAME, engine_call
 
 
 def test_engine_death_fails_in_flight_requests_and_health(start_server, monkeypatch):

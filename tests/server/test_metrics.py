@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import MODEL_NAME, TOKENIZER
-from metrics_utils import scrape, value
+from server_test_utils import MODEL_NAME, TOKENIZER, scrape, value
 
 from speckv.drafters.loaders import random_drafter
 from speckv.engine.config import EngineConfig
