@@ -14,7 +14,8 @@ process, twice: "in-process", a closed loop on `LLMEngine` at the same concurren
 (its TTFT, add_request to first token, is comparable to the HTTP client's), and
 "LLM.generate" with `max_num_seqs` = the concurrency (throughput only: one call has no
 per-request arrival), and adds the server / in-process ratios. Each run starts warm (one
-request) with an empty prefix cache.
+request) with an empty prefix cache; `--repeat N` alternates the runs N times and reports
+medians, so a shared machine's background load falls on both sides alike.
 
     TTFT  arrival -> first content token     TPOT  (latency - TTFT) / (output tokens - 1)
     ITL   gaps between content chunks        hit rate  prefix_cache_hits / _queries deltas
@@ -463,6 +464,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generate exactly the requested output length")
     parser.add_argument("--compare-in-process", action="store_true",
                         help="also run the same prompts on the same engine in this process")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="alternate the server and in-process runs this many times and "
+                        "report medians (a shared CPU's load then hits both alike)")
     parser.add_argument("--output-dir", type=Path, default=Path("out/bench-serve"))
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--bench-seed", type=int, default=0, help="workload and arrivals")
@@ -541,9 +545,49 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[Workl
     return requests, description, oracle
 
 
+def run_server_once(target: HttpTarget, args: argparse.Namespace,
+                    requests: list[WorkloadRequest], texts: list[str | None],
+                    oracle: float | None, progress: bool) -> tuple[Summary, list[str]]:
+    """One warm run on an empty prefix cache; (summary, distinct error messages)."""
+    warmup = [WorkloadRequest(requests[0].prompt_token_ids[:8], 4)]
+    asyncio.run(run_http(target, warmup, texts[:1], request_rate=math.inf, max_concurrency=1,
+                         ignore_eos=True, seed=0, progress=False))
+    http_get(target.base_url, "/reset_prefix_cache", target.api_key, method="POST")
+    before = metric_totals(http_get(target.base_url, "/metrics").text)
+    results, duration = asyncio.run(run_http(
+        target, requests, texts, request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+        seed=args.bench_seed, progress=progress))
+    after = metric_totals(http_get(target.base_url, "/metrics").text)
+    hit_rate, acceptance = metrics_rates(before, after)
+    summary = summarize("server", results, duration, hit_rate_metrics=hit_rate,
+                        oracle_hit_rate=oracle, acceptance=acceptance)
+    return summary, sorted({r.error for r in results if not r.success})
+
+
+def median_summary(runs: list[Summary]) -> Summary:
+    """Several repeats of one run as one: medians of the rates and latencies, summed request
+    counts, every TTFT (for the chart)."""
+    if len(runs) == 1:
+        return runs[0]
+    fields: dict[str, Any] = {}
+    for key, first in asdict(runs[0]).items():
+        values = [getattr(r, key) for r in runs]
+        if key == "name":
+            fields[key] = first
+        elif key == "ttfts_ms":
+            fields[key] = [t for v in values for t in v]
+        elif key in ("num_completed", "num_failed"):
+            fields[key] = sum(values)
+        else:
+            present = [v for v in values if v is not None]
+            fields[key] = statistics.median(present) if present else None
+    return Summary(**fields)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1 or args.max_concurrency < 1:
-        raise ValueError("--num-prompts and --max-concurrency must be >= 1")
+    if args.num_prompts < 1 or args.max_concurrency < 1 or args.repeat < 1:
+        raise ValueError("--num-prompts, --max-concurrency and --repeat must be >= 1")
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     progress = not args.json
@@ -551,76 +595,81 @@ def run(args: argparse.Namespace) -> int:
     requests, description, oracle = build_workload(args, tokenizer)
     chat = args.endpoint.endswith("chat/completions")
     texts = [tokenizer.decode(r.prompt_token_ids) if chat else None for r in requests]
-    launched = None
-    if args.base_url is None:
-        launched = LaunchedServer(args)
-    summaries: list[Summary] = []
+    launched = LaunchedServer(args) if args.base_url is None else None
+    runs: dict[str, list[Summary]] = {}
+    errors: set[str] = set()
     try:
-        base_url = args.base_url.rstrip("/") if args.base_url else launched.base_url
+        base_url = launched.base_url if launched is not None else args.base_url.rstrip("/")
+        in_process = InProcess(args, requests, oracle, progress) if args.compare_in_process \
+            else None
         if launched is not None:
             launched.wait_ready()
         model = args.served_model_name or http_get(base_url, "/v1/models",
                                                    args.api_key).json()["data"][0]["id"]
         target = HttpTarget(base_url, args.endpoint, model, args.api_key)
-        warmup = [WorkloadRequest(requests[0].prompt_token_ids[:8], 4)]
-        asyncio.run(run_http(target, warmup, texts[:1], request_rate=math.inf,
-                             max_concurrency=1, ignore_eos=True, seed=0, progress=False))
-        http_get(base_url, "/reset_prefix_cache", args.api_key, method="POST")
-        before = metric_totals(http_get(base_url, "/metrics").text)
-        results, duration = asyncio.run(run_http(
-            target, requests, texts, request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-            seed=args.bench_seed, progress=progress))
-        after = metric_totals(http_get(base_url, "/metrics").text)
-        hit_rate, acceptance = metrics_rates(before, after)
-        summaries.append(summarize("server", results, duration,
-                                   hit_rate_metrics=hit_rate, oracle_hit_rate=oracle,
-                                   acceptance=acceptance))
+        # repeats alternate server and in-process runs: load from elsewhere hits both alike
+        for _ in range(args.repeat):
+            summary, run_errors = run_server_once(target, args, requests, texts, oracle,
+                                                  progress)
+            runs.setdefault(summary.name, []).append(summary)
+            errors.update(run_errors)
+            for summary in in_process.run_once() if in_process is not None else []:
+                runs.setdefault(summary.name, []).append(summary)
     finally:
         if launched is not None:
             launched.stop()
-    if args.compare_in_process:
-        summaries += run_in_process(args, requests, oracle, progress)
-    return report(args, summaries, description, results)
+    summaries = [median_summary(repeats) for repeats in runs.values()]
+    return report(args, summaries, description, sorted(errors))
 
 
-def run_in_process(args: argparse.Namespace, requests: list[WorkloadRequest],
-                   oracle: float | None, progress: bool) -> list[Summary]:
-    import torch
+class InProcess:
+    """The server's engine (same flags) in this process, `max_num_seqs` = the concurrency."""
 
-    from speckv.engine.llm import LLM
-    from speckv.engine.sampling_params import SamplingParams
-    from speckv.server.cli import engine_kwargs
+    def __init__(self, args: argparse.Namespace, requests: list[WorkloadRequest],
+                 oracle: float | None, progress: bool) -> None:
+        import torch
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    kwargs = engine_kwargs(args)
-    kwargs["max_num_seqs"] = min(args.max_num_seqs, args.max_concurrency)
-    kwargs["kv_events_endpoint"] = kwargs["kv_events_replay_endpoint"] = None
-    llm = LLM(args.model, progress=False, **kwargs)
-    engine = llm.engine
-    llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=4))  # warm up
-    engine.manager.reset_prefix_cache()
-    results, duration, acceptance, hit_rate = run_engine_loop(
-        engine, requests, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos, seed=args.bench_seed, progress=progress)
-    summaries = [summarize("in-process", results, duration, hit_rate_metrics=hit_rate,
-                           oracle_hit_rate=oracle, acceptance=acceptance)]
-    engine.manager.reset_prefix_cache()
-    results, duration, acceptance = run_llm_generate(llm, requests, args.ignore_eos)
-    summaries.append(summarize("LLM.generate", results, duration, hit_rate_metrics=None,
-                               oracle_hit_rate=oracle, acceptance=acceptance, timed=False))
-    return summaries
+        from speckv.engine.llm import LLM
+        from speckv.server.cli import engine_kwargs
+
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        kwargs = engine_kwargs(args)
+        kwargs["max_num_seqs"] = min(args.max_num_seqs, args.max_concurrency)
+        kwargs["kv_events_endpoint"] = kwargs["kv_events_replay_endpoint"] = None
+        self.llm = LLM(args.model, progress=False, **kwargs)
+        self.args = args
+        self.requests = requests
+        self.oracle = oracle
+        self.progress = progress
+
+    def run_once(self) -> list[Summary]:
+        from speckv.engine.sampling_params import SamplingParams
+
+        args, requests, engine = self.args, self.requests, self.llm.engine
+        self.llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=4))
+        engine.manager.reset_prefix_cache()
+        results, duration, acceptance, hit_rate = run_engine_loop(
+            engine, requests, request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+            seed=args.bench_seed, progress=self.progress)
+        loop = summarize("in-process", results, duration, hit_rate_metrics=hit_rate,
+                         oracle_hit_rate=self.oracle, acceptance=acceptance)
+        engine.manager.reset_prefix_cache()
+        results, duration, acceptance = run_llm_generate(self.llm, requests, args.ignore_eos)
+        generate = summarize("LLM.generate", results, duration, hit_rate_metrics=None,
+                             oracle_hit_rate=self.oracle, acceptance=acceptance, timed=False)
+        return [loop, generate]
 
 
 def report(args: argparse.Namespace, summaries: list[Summary], description: str,
-           server_results: list[RequestResult]) -> int:
+           errors: list[str]) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     payload = {"workload": description, "endpoint": args.endpoint,
                "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+               "repeat": args.repeat,
                "runs": [{k: v for k, v in asdict(s).items() if k != "ttfts_ms"}
                         for s in summaries]}
-    errors = sorted({r.error for r in server_results if not r.success})
     payload["server_errors"] = errors[:10]
     (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2))
     chart = args.output_dir / "ttft.png"
@@ -629,8 +678,9 @@ def report(args: argparse.Namespace, summaries: list[Summary], description: str,
         print(json.dumps(payload))
         return 0
     console = Console(width=max(Console().width, 110))
+    repeats = f", median of {args.repeat} alternating runs" if args.repeat > 1 else ""
     console.print(render(summaries, f"{description}; concurrency {args.max_concurrency}, "
-                                    f"{args.endpoint}"))
+                                    f"{args.endpoint}{repeats}"))
     for error in errors[:5]:
         console.print(f"[red]failed:[/] {error}")
     console.print(f"wrote {args.output_dir / 'results.json'} and {chart}")

@@ -106,13 +106,13 @@ def test_bench_serve_launches_the_server_and_compares_in_process(model_dir, tmp_
                     "--threads", "1", "--num-prompts", "12", "--prefix-len", "24",
                     "--suffix-len", "8", "--num-prefixes", "3", "--output-len", "6",
                     "--max-concurrency", "4", "--ignore-eos", "--compare-in-process",
-                    "--json", "--output-dir", str(tmp_path))
+                    "--repeat", "2", "--json", "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     server, loop, generate = payload["runs"]
     assert [r["name"] for r in payload["runs"]] == ["server", "in-process", "LLM.generate"]
     for run in payload["runs"]:
-        assert (run["num_completed"], run["num_failed"]) == (12, 0)
+        assert (run["num_completed"], run["num_failed"]) == (24, 0)  # 2 repeats of 12
         assert run["output_throughput"] > 0
     assert server["hit_rate_metrics"] == pytest.approx(server["hit_rate_usage"])
     assert 0 < server["hit_rate_usage"] <= server["oracle_hit_rate"]
