@@ -287,7 +287,7 @@ def run_engine_loop(engine: Any, requests: list[WorkloadRequest], *, request_rat
     last: dict[int, float] = {}
     results = [RequestResult(success=False) for _ in requests]
     drafted = accepted = drafts = queries = hits = 0
-    bar = tqdm(total=len(requests), desc="in-process loop", disable=not progress, leave=False)
+    bar = tqdm(total=len(requests), desc="in-process", disable=not progress, leave=False)
     start = time.perf_counter()
     in_flight = 0
     while pending or in_flight:
@@ -619,7 +619,8 @@ def run(args: argparse.Namespace) -> int:
         if launched is not None:
             launched.stop()
     summaries = [median_summary(repeats) for repeats in runs.values()]
-    return report(args, summaries, description, sorted(errors))
+    return report(args, summaries, description, sorted(errors),
+                  [r for repeats in zip(*runs.values()) for r in repeats])
 
 
 class InProcess:
@@ -663,13 +664,16 @@ class InProcess:
 
 
 def report(args: argparse.Namespace, summaries: list[Summary], description: str,
-           errors: list[str]) -> int:
+           errors: list[str], every_run: list[Summary]) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     payload = {"workload": description, "endpoint": args.endpoint,
                "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
                "repeat": args.repeat,
                "runs": [{k: v for k, v in asdict(s).items() if k != "ttfts_ms"}
                         for s in summaries]}
+    if args.repeat > 1:
+        payload["every_run"] = [{k: v for k, v in asdict(s).items() if k != "ttfts_ms"}
+                                for s in every_run]
     payload["server_errors"] = errors[:10]
     (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2))
     chart = args.output_dir / "ttft.png"

@@ -82,10 +82,8 @@ class ServerConfig:
             raise ValueError("ServerConfig.api_key must not be empty (None: no key)")
         for name in ("max_waiting_requests", "max_request_body_bytes", "retry_after_s"):
             value = getattr(self, name)
-            minimum = 0 if name == "max_waiting_requests" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"ServerConfig.{name} must be an int >= {minimum}, "
-                                 f"got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
 
 
 class OpenAIServer:

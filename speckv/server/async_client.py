@@ -11,6 +11,7 @@ finished (a client that went away), which frees its KV blocks at the next loop i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from speckv.engine.llm_engine import LLMEngine
@@ -110,7 +111,10 @@ class AsyncEngineClient:
     # ---- the engine loop thread calls this -----------------------------------------------------
     def _deliver(self, events: list[LoopEvent]) -> None:
         event_loop = self._event_loop
-        if event_loop is not None and not event_loop.is_closed():
+        if event_loop is None:
+            return
+        # RuntimeError: the event loop closed (shutdown), nobody is waiting any more
+        with contextlib.suppress(RuntimeError):
             event_loop.call_soon_threadsafe(self._dispatch, events)
 
     # ---- on the event loop ---------------------------------------------------------------------
