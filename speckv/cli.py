@@ -15,10 +15,12 @@ from collections.abc import Sequence
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "speckv.commands.demo",
-     "the main job: hit lengths, hashing cost, the built-in model with EAGLE, and a short "
-     "prefix_repetition run"),
+     "the main job: hit lengths, hashing cost, the built-in model with EAGLE, a short "
+     "prefix_repetition run, and the same chat request sent twice to speckv serve"),
     (("generate",), "speckv.commands.generate",
      "stream one completion from the built-in model (or --model DIR)"),
+    (("serve",), "speckv.server.cli",
+     "OpenAI-compatible HTTP server over the engine (Prometheus metrics, KV events)"),
     (("hash",), "speckv.commands.hash",
      "print the block hashes of a token list (router debugging)"),
     (("bench", "hit-length"), "speckv.bench.hit_length",
@@ -38,6 +40,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "train an EAGLE head for the built-in model on its own generations"),
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),
+    (("bench", "serve"), "speckv.bench.serve",
+     "load-test an OpenAI-compatible server (like vllm bench serve), vs the engine in process"),
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
     (("bench", "kv-tiers"), "speckv.bench.kv_tiers",
      "load and store speed of the KV connector tiers beside a plain copy_"),

@@ -2,7 +2,8 @@
 
 Owns the engine's shape: block size, KV cache size (a block count, or a memory budget turned
 into one), the per-step token budget, the batch size limit, the context limit, prefix caching,
-dtype/device, the block-hash algorithm and seed, and the speculative proposer. Bad values raise
+dtype/device, the block-hash algorithm and seed, the speculative proposer, and where KV events
+are published (the engine then makes the publisher). Bad values raise
 a ValueError naming the field.
 """
 
@@ -19,6 +20,7 @@ SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle", "eagle3", "mtp")
 DRAFTER_METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # need a speculative_model
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
+ZMQ_TRANSPORTS: tuple[str, ...] = ("tcp://", "ipc://", "inproc://")
 
 
 def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -50,6 +52,8 @@ class EngineConfig:
     disable_lookahead_block_hashes: bool = False  # legacy hashes + the last-block drop
     prompt_lookup_min: int = 1  # n-gram proposer: shortest suffix matched, tokens
     prompt_lookup_max: int = 3  # n-gram proposer: longest suffix matched, tokens
+    kv_events_endpoint: str | None = None  # ZeroMQ PUB endpoint for KV events; None: off
+    kv_events_replay_endpoint: str | None = None  # ROUTER endpoint answering replay requests
     draft_model: str | None = None  # deprecated alias of speculative_model (one release)
 
     def __post_init__(self) -> None:
@@ -120,6 +124,17 @@ class EngineConfig:
         _check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError("EngineConfig.prompt_lookup_max must be >= prompt_lookup_min")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, str) or not value.startswith(ZMQ_TRANSPORTS)
+            ):
+                raise ValueError(
+                    f"EngineConfig.{name} must be a ZeroMQ endpoint starting with one of "
+                    f"{ZMQ_TRANSPORTS} (e.g. tcp://*:5557), got {value!r}"
+                )
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("EngineConfig.kv_events_replay_endpoint needs kv_events_endpoint")
         if self.max_num_batched_tokens < 1 + self.num_spec_tokens:
             raise ValueError(
                 "EngineConfig.max_num_batched_tokens must fit one decode step "

@@ -35,6 +35,7 @@ from speckv.engine.request import Request
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.scheduler import Scheduler
 from speckv.engine.speculative import Drafter, make_proposer
+from speckv.engine.stats import SchedulerStats
 from speckv.hashing.functions import get_hash_algo
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
@@ -80,6 +81,12 @@ class LLMEngine:
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.hash_mode = self._resolve_hash_mode(proposer.policy if proposer else NO_DRAFTER)
+        self._owned_publisher: Any = None  # made from the config; close() ends it
+        if event_publisher is None and config.kv_events_endpoint is not None:
+            from speckv.events.publisher import publisher_for_endpoints
+
+            event_publisher = self._owned_publisher = publisher_for_endpoints(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint)
         self.event_publisher = event_publisher
         algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
@@ -100,6 +107,13 @@ class LLMEngine:
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
         self._counter = itertools.count()
+        self.last_stats: SchedulerStats | None = None  # the last step's, set by every step()
+
+    def close(self) -> None:
+        """Release what the engine made itself (the KV-event publisher from the config)."""
+        if self._owned_publisher is not None:
+            self._owned_publisher.shutdown()
+            self._owned_publisher = None
 
     def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
         """Lookahead hashes or the legacy drop for this engine, from the drafter's policy."""
@@ -197,4 +211,5 @@ class LLMEngine:
             events = self.manager.take_events()
             if events:
                 self.event_publisher.publish(events)
+        self.last_stats = self.scheduler.take_stats()
         return outputs

@@ -36,6 +36,7 @@ from speckv.engine.messages import (
     SchedulerOutput,
 )
 from speckv.engine.request import Request, RequestStatus
+from speckv.engine.stats import SchedulerStats, StatsCollector
 from speckv.engine.stopping import first_stop
 
 
@@ -57,6 +58,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule (runner forgets)
         self._seen_ids: set[str] = set()  # unfinished requests the runner has been sent
         self._outputs: list[EngineCoreOutput] = []  # finished outside a step (no-fit errors)
+        self.stats = StatsCollector(num_spec_tokens)  # filled during a step, see `take_stats`
 
     # ---- queue ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -137,6 +139,8 @@ class Scheduler:
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
                 self.waiting.popleft()
+                self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
+                                            request.num_preemptions > 0)
                 if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
                     request.num_cached_tokens = num_hit
                 if request.request_id not in self._seen_ids:
@@ -170,6 +174,7 @@ class Scheduler:
         """Preemption by recompute: cache what is computed (a later hit recovers it), free."""
         self.manager.cache_computed_blocks(request)
         self.manager.free(request)
+        self.stats.record_preemption()
         request.preempt()
         self.waiting.appendleft(request)
 
@@ -208,6 +213,7 @@ class Scheduler:
             )
             sampled = sampled[:num_kept]
             request.apply_verification(item.num_drafts, sampled)
+            self.stats.record_verification(item.num_drafts, len(sampled) - 1)
             if reason is None:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(
                     item.request_id, ()))
@@ -219,6 +225,12 @@ class Scheduler:
                 num_preemptions=request.num_preemptions,
             ))
         return outputs
+
+    def take_stats(self) -> SchedulerStats:
+        """The statistics of the steps since the last call (occupancy as of now)."""
+        pool = self.manager.pool
+        return self.stats.take(len(self.running), len(self.waiting),
+                               self.manager.get_num_free_blocks(), pool.num_blocks - 1)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Every way out of the scheduler ends here: out of the queues, blocks released

@@ -243,3 +243,15 @@ class ZmqEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
+
+
+def publisher_for_endpoints(endpoint: str, replay_endpoint: str | None = None
+                            ) -> ZmqEventPublisher:
+    """The engine's publisher for `EngineConfig.kv_events_endpoint` (bound; defaults else).
+    A busy or malformed endpoint is the user's error: a ValueError naming it."""
+    try:
+        config = PublisherConfig(endpoint=endpoint, replay_endpoint=replay_endpoint)
+        return ZmqEventPublisher(config)
+    except zmq.ZMQError as error:
+        where = endpoint if replay_endpoint is None else f"{endpoint} / {replay_endpoint}"
+        raise ValueError(f"cannot bind the KV-event endpoint {where}: {error}") from None
