@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,13 @@ class Summary:
     oracle_hit_rate: float | None
     acceptance_rate: float | None  # accepted / drafted tokens
     mean_acceptance_length: float | None  # 1 + accepted / verification steps with drafts
+    # server runs only, means from /metrics histograms (times run from the handler's start):
+    server_ttft_mean_ms: float | None = None  # HTTP arrival -> first token out of the engine
+    server_queue_mean_ms: float | None = None  # HTTP arrival -> admitted into a step
+    # client TTFT - time in the engine (server TTFT - queue): what the HTTP path adds to a
+    # request that would not have waited in process (exact at concurrency 1, where nothing
+    # queues; under load it also counts waiting for a step or a batch slot)
+    http_path_overhead_ms: float | None = None
     ttfts_ms: list[float] = field(repr=False, default_factory=list)
 
 
@@ -153,6 +160,12 @@ def metric_totals(text: str) -> dict[str, float]:
 
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def histogram_mean_ms(before: dict[str, float], after: dict[str, float],
+                      name: str) -> float | None:
+    count = _delta(after, before, f"{name}_count")
+    return 1000 * _delta(after, before, f"{name}_sum") / count if count else None
 
 
 def metrics_rates(before: dict[str, float], after: dict[str, float]
@@ -373,6 +386,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("oracle hit rate", "oracle_hit_rate", "%"),
     ("acceptance rate", "acceptance_rate", ".3f"),
     ("mean acceptance length", "mean_acceptance_length", ".2f"),
+    ("server-side TTFT mean (ms, /metrics)", "server_ttft_mean_ms", ".1f"),
+    ("server-side queue time mean (ms, /metrics)", "server_queue_mean_ms", ".1f"),
+    ("HTTP path overhead (ms): client TTFT - engine", "http_path_overhead_ms", ".1f"),
 ]
 RATIO_ROWS = {"request_throughput", "output_throughput", "total_token_throughput"}
 
@@ -562,6 +578,13 @@ def run_server_once(target: HttpTarget, args: argparse.Namespace,
     hit_rate, acceptance = metrics_rates(before, after)
     summary = summarize("server", results, duration, hit_rate_metrics=hit_rate,
                         oracle_hit_rate=oracle, acceptance=acceptance)
+    server_ttft = histogram_mean_ms(before, after, "vllm:time_to_first_token_seconds")
+    server_queue = histogram_mean_ms(before, after, "vllm:request_queue_time_seconds")
+    overhead = None
+    if server_ttft is not None and server_queue is not None and summary.ttft_mean_ms:
+        overhead = summary.ttft_mean_ms - (server_ttft - server_queue)
+    summary = replace(summary, server_ttft_mean_ms=server_ttft,
+                      server_queue_mean_ms=server_queue, http_path_overhead_ms=overhead)
     return summary, sorted({r.error for r in results if not r.success})
 
 

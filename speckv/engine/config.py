@@ -3,8 +3,8 @@
 Owns the engine's shape: block size, KV cache size (a block count, or a memory budget turned
 into one), the per-step token budget, the batch size limit, the context limit, prefix caching,
 dtype/device, the block-hash algorithm and seed, the speculative proposer, and where KV events
-are published (the engine then makes the publisher). Bad values raise
-a ValueError naming the field.
+are published (the engine then makes the publisher). Bad values raise a ValueError naming the
+field.
 """
 
 from __future__ import annotations

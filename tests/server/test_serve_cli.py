@@ -117,6 +117,9 @@ def test_bench_serve_launches_the_server_and_compares_in_process(model_dir, tmp_
     assert server["hit_rate_metrics"] == pytest.approx(server["hit_rate_usage"])
     assert 0 < server["hit_rate_usage"] <= server["oracle_hit_rate"]
     assert server["ttft_median_ms"] > 0 and server["itl_mean_ms"] > 0
+    # the server's own TTFT (from the handler) is inside the client's
+    assert 0 < server["server_ttft_mean_ms"] < server["ttft_mean_ms"]
+    assert server["http_path_overhead_ms"] > 0 and loop["http_path_overhead_ms"] is None
     assert generate["ttft_median_ms"] is None  # one call: no per-request timing
     assert payload["server_errors"] == []
     assert (tmp_path / "ttft.png").stat().st_size > 0
