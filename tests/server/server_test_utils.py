@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from speckv.testing.tiny_model import tiny_model_config
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -19,6 +18,7 @@ from speckv.models import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
+from speckv.testing.tiny_model import tiny_model_config
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
