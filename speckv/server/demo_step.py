@@ -65,7 +65,7 @@ def run_server_demo(console: Console, max_tokens: int = 32) -> bool:
     for label, prompt_tokens, cached, ttft, text in rows:
         table.add_row(label, str(prompt_tokens), str(cached),
                       f"{1000 * ttft:.0f}" if ttft is not None else "-",
-                      text.strip().replace("\n", " ")[:48])
+                      text.strip().replace("\n", " ")[:40] + "…")
     console.print(table)
     console.print(f"usage.prompt_tokens_details.cached_tokens: first {rows[0][2]}, second "
                   f"{rows[1][2]}; GET /metrics: vllm:prefix_cache_hits_total {hits:.0f}")
