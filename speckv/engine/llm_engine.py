@@ -69,8 +69,13 @@ class LLMEngine:
         event_publisher: EventPublisher | None = None,
         detokenize: bool = True,
         drafter: Drafter | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
+        """`connector`: a KV connector to use instead of the one `config.kv_connector` names
+        (not yet initialized; the engine initializes it and closes it)."""
         self.config = config = config or EngineConfig()
+        if connector is not None and config.kv_connector is not None:
+            raise ValueError("pass a connector or set EngineConfig.kv_connector, not both")
         self.model = model
         self.tokenizer = tokenizer
         model_config = model.config
@@ -92,7 +97,11 @@ class LLMEngine:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
-        self.connector: KVConnector | None = build_connector(config, model, drafter)
+        if connector is not None and not config.enable_prefix_caching:
+            raise ValueError("a KV connector needs enable_prefix_caching: tiers are keyed by "
+                             "the prefix cache's block hashes")
+        self.connector: KVConnector | None = (
+            connector if connector is not None else build_connector(config, model, drafter))
         self._closed = False
         self.hash_mode = self._resolve_hash_mode(proposer.policy if proposer else NO_DRAFTER)
         self.event_publisher = event_publisher

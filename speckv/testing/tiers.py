@@ -53,9 +53,10 @@ class CheckedStore:
     """A tier's storage with content checks and injected load failures (see module doc)."""
 
     def __init__(self, inner: BlockStore, draft_depth: int, check_draft: bool = True,
-                 fault_rate: float = 0.0, seed: int = 0, fail_load: FailLoad | None = None
-                 ) -> None:
+                 fault_rate: float = 0.0, seed: int = 0, fail_load: FailLoad | None = None,
+                 check_content: bool = True) -> None:
         self.inner = inner
+        self.check_content = check_content  # False over a real model's KV: faults only
         self.medium = inner.medium
         self.layout: BlockLayout = inner.layout
         self.draft_depth = draft_depth
@@ -70,6 +71,8 @@ class CheckedStore:
         self.num_checked_loads = 0
 
     def _check(self, what: str, block: BlockDescriptor, tensors: BlockTensors) -> None:
+        if not self.check_content:
+            return
         violation = block_violation(block, tensors, self.draft_depth, self.check_draft)
         with self._lock:
             if what == "store":
@@ -121,16 +124,18 @@ def tiers_of(connector: KVConnector) -> list[TierConnector]:
     return [connector] if isinstance(connector, TierConnector) else []
 
 
-def instrument_tiers(connector: KVConnector, draft_depth: int, check_draft: bool = True,
+def instrument_tiers(connector: KVConnector, draft_depth: int = 0, check_draft: bool = True,
                      fault_rate: float = 0.0, seed: int = 0,
-                     fail_load: FailLoad | None = None) -> list[CheckedStore]:
+                     fail_load: FailLoad | None = None,
+                     check_content: bool = True) -> list[CheckedStore]:
     """Wrap every tier's storage in a `CheckedStore` (before `initialize`); returns the
-    wrappers, filled in once the connector is initialized."""
+    wrappers, filled in once the connector is initialized. `check_content=False` over a real
+    model's KV (only a `PagedSymbolicKV` can be read back as tokens)."""
     stores: list[CheckedStore] = []
     for index, tier in enumerate(tiers_of(connector)):
         def wrap(inner: BlockStore, index: int = index) -> BlockStore:
             store = CheckedStore(inner, draft_depth, check_draft, fault_rate, seed + index,
-                                 fail_load)
+                                 fail_load, check_content)
             stores.append(store)
             return store
 
