@@ -45,6 +45,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
     (("bench", "kv-tiers"), "speckv.bench.kv_tiers",
      "load and store speed of the KV connector tiers beside a plain copy_"),
+    (("bench", "kv-connector"), "speckv.bench.kv_connector",
+     "KV tiers on the built-in model: TTFT of a tier hit vs local vs cold, load GB/s, step "
+     "time with stores running"),
     (("bench", "soak"), "speckv.bench.soak",
      "a long random run of the real scheduler and cache, integrity and hit KV checked each op"),
     (("events", "tail"), "speckv.commands.events:tail", "print KV events from a publisher, live"),

@@ -11,6 +11,14 @@ violation stops the run and is reported with the operation index and seed to rep
 
 One operation is one of: add a request, one engine step, abort a request, reset the prefix
 cache (weights 30 / 60 / 8 / 2; adds stop while the queue is full).
+
+With `--kv-connector offload|disk|offload,disk` the run also drives the real KV tiers: the toy
+runner's symbolic KV lives in real paged tensors (`PagedSymbolicKV`) that the real connector
+stores (on its copy thread), evicts (the tiers are small: `--tier-blocks`) and loads back; a
+prefix-cache reset sometimes clears the tiers too, and `--fault-rate` fails that share of
+block loads (the request recomputes from the first failed block). Checked on top: every block a
+tier stores or serves holds the KV its header names, and after every step every scheduled
+request's computed positions hold what a cold run writes.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
 from rich.console import Console
@@ -27,10 +37,14 @@ from tqdm import tqdm
 
 from speckv.cache import KVCacheManager
 from speckv.cache.specs import parse_group_specs
+from speckv.connectors import ConnectorConfig, KVConnector, TierIdentity, make_connector
+from speckv.connectors.host_pool import GIB
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
+from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.spec.policy import drafter_policy, resolve_hash_mode
-from speckv.testing import HitMismatch, SymbolicKV, toy_core
+from speckv.testing import HitMismatch, PagedSymbolicKV, SymbolicKV, instrument_tiers, toy_core
+from speckv.testing.tiers import CheckedStore
 
 VOCAB_SIZE = 50  # small: drafts from the toy model are often right, prefixes repeat
 OPERATIONS = ("add", "step", "abort", "reset")
@@ -50,10 +64,23 @@ class SoakConfig:
     max_num_batched_tokens: int = 24
     max_num_seqs: int = 8
     max_waiting: int = 16
+    kv_connector: str | None = None  # "offload", "disk", "offload,disk": real tiers below
+    tier_blocks: int = 48  # each tier's capacity in blocks: small, so tiers evict
+    fault_rate: float = 0.0  # share of tier block loads that fail (recomputed)
 
     def __post_init__(self) -> None:
         if self.num_ops < 1:
             raise ValueError(f"--ops must be >= 1, got {self.num_ops}")
+        if self.kv_connector is not None:
+            ConnectorConfig.parse(self.kv_connector, offload_dir="-")
+            if not self.groups.startswith("full:") or "," in self.groups:
+                raise ValueError("--kv-connector needs one full-attention group (--groups full:B)")
+            if self.tier_blocks < 1:
+                raise ValueError(f"--tier-blocks must be >= 1, got {self.tier_blocks}")
+        if not 0.0 <= self.fault_rate < 1.0:
+            raise ValueError(f"--fault-rate must be in [0, 1), got {self.fault_rate}")
+        if self.fault_rate and self.kv_connector is None:
+            raise ValueError("--fault-rate needs --kv-connector")
         if self.num_blocks < 8:
             raise ValueError(f"--num-blocks must be >= 8, got {self.num_blocks}")
         drafter_policy(self.drafter, self.num_modules)
@@ -72,6 +99,14 @@ class SoakResult:
     num_preemptions: int = 0
     num_hit_tokens_checked: int = 0
     num_resets: int = 0
+    # with --kv-connector
+    num_external_hit_tokens: int = 0  # prompt tokens loaded from a tier on first schedule
+    num_load_failures: int = 0  # requests cut from a step by a failed load (recomputed)
+    num_tier_stores_checked: int = 0  # blocks a tier stored, checked against their header
+    num_tier_loads_checked: int = 0  # blocks a tier served, checked against their header
+    num_tier_evictions: int = 0
+    num_tier_resets: int = 0
+    num_positions_checked: int = 0  # computed positions checked after every step
     elapsed_s: float = 0.0
     violation: str | None = None  # the first one; None: a clean run
 
@@ -80,22 +115,53 @@ class SoakResult:
         return self.num_ops / self.elapsed_s if self.elapsed_s else 0.0
 
 
+def _soak_connector(config: SoakConfig, kv: PagedSymbolicKV, directory: str
+                    ) -> KVConnector:
+    """The configured tiers, sized to `tier_blocks` blocks of the symbolic KV's layout."""
+    block_bytes = sum(cache.storage[:, :, 0].numel() * 4
+                      for cache in (kv.target_cache, kv.draft_cache))
+    size_gib = (config.tier_blocks * block_bytes + block_bytes // 2) / GIB
+    assert config.kv_connector is not None
+    connector_config = ConnectorConfig.parse(config.kv_connector, offload_gib=size_gib,
+                                             offload_dir=directory, disk_gib=size_gib,
+                                             max_pending_blocks=16)
+    return make_connector(connector_config, TierIdentity("soak", "sha256", "0"))
+
+
 def run_soak(config: SoakConfig, progress: bool = True) -> SoakResult:
+    with ExitStack() as stack:
+        return _run_soak(config, progress, stack)
+
+
+def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResult:
     rng = random.Random(config.seed)
     policy = drafter_policy(config.drafter, config.num_modules)
     mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=config.legacy)
     specs = parse_group_specs(config.groups)
     num_blocks = len(specs) * config.num_blocks
+    depth = policy.draft_kv_lookahead_tokens
+    connector: KVConnector | None = None
+    stores: list[CheckedStore] = []
+    kv: SymbolicKV = SymbolicKV(num_blocks, specs[0].block_size, depth)
+    if config.kv_connector is not None:
+        kv = PagedSymbolicKV(num_blocks, specs[0].block_size, depth)
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="speckv-soak-"))
+        connector = _soak_connector(config, kv, directory)
+        stack.callback(connector.shutdown)
+        mode = resolve_connector_hash_mode(policy, connector=connector,
+                                           disable_lookahead_block_hashes=config.legacy)
+        stores = instrument_tiers(connector, depth, fault_rate=config.fault_rate,
+                                  seed=config.seed)
     manager = KVCacheManager(specs, num_blocks, mode)
     hashing = manager.block_hashing("sha256", "0")
     num_spec = config.num_spec_tokens if policy.draft_kv_lookahead_tokens else 0
     block_size = min(spec.block_size for spec in specs)
     core = toy_core(
-        manager, num_spec, vocab_size=VOCAB_SIZE,
-        kv=SymbolicKV(num_blocks, specs[0].block_size, policy.draft_kv_lookahead_tokens),
+        manager, num_spec, vocab_size=VOCAB_SIZE, kv=kv,
         check_draft_kv=not mode.drops_last_unit,
         max_num_batched_tokens=max(config.max_num_batched_tokens, 1 + num_spec),
         max_num_seqs=config.max_num_seqs,
+        connector=connector, check_computed_kv=connector is not None,
     )
     scheduler = core.scheduler
     prefixes = [[rng.randrange(1, VOCAB_SIZE) for _ in range(16 * block_size)]
@@ -117,6 +183,8 @@ def run_soak(config: SoakConfig, progress: bool = True) -> SoakResult:
             elif operation == "step" and scheduler.has_unfinished_requests():
                 core.runner.num_accept = rng.randrange(0, num_spec + 1)
                 for output in core.step():
+                    if output.finish_reason is not None:
+                        result.num_external_hit_tokens += output.num_external_cached_tokens
                     if output.finish_reason is FinishReason.ERROR:
                         result.num_no_fit += 1
                     elif output.finish_reason is not None:
@@ -131,7 +199,12 @@ def run_soak(config: SoakConfig, progress: bool = True) -> SoakResult:
                 result.num_aborted += 1
             elif operation == "reset":
                 result.num_resets += manager.reset_prefix_cache()
+                if connector is not None and rng.random() < 0.25:
+                    result.num_tier_resets += connector.reset_cache()
             manager.check_integrity()
+            for store in stores:
+                if store.violations:
+                    raise AssertionError(store.violations[0])
             result.num_ops = index + 1
             if index % 1024 == 0:
                 bar.update(index + 1 - bar.n)
@@ -142,6 +215,17 @@ def run_soak(config: SoakConfig, progress: bool = True) -> SoakResult:
         bar.update(result.num_ops - bar.n)
         bar.close()
     result.num_hit_tokens_checked = core.runner.num_hits_checked
+    if connector is not None:
+        connector.flush(timeout_s=60)
+        for store in stores:  # what the copy thread stored after the last check
+            if store.violations and result.violation is None:
+                result.violation = f"after the run: {store.violations[0]}"
+        result.num_load_failures = core.runner.num_cut
+        result.num_positions_checked = core.runner.num_positions_checked
+        result.num_tier_stores_checked = sum(store.num_checked_stores for store in stores)
+        result.num_tier_loads_checked = sum(store.num_checked_loads for store in stores)
+        result.num_tier_evictions = sum(stats.evicted_blocks
+                                        for stats in connector.stats().values())
     result.elapsed_s = time.perf_counter() - start
     return result
 
@@ -160,13 +244,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("lookahead", "legacy"), default="lookahead")
     parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks,
                         help="KV blocks per group (default: %(default)s)")
+    parser.add_argument("--kv-connector", default=None, metavar="NAMES",
+                        help="drive real KV tiers too: offload, disk or offload,disk")
+    parser.add_argument("--tier-blocks", type=int, default=defaults.tier_blocks,
+                        help="each tier's capacity, blocks (default: %(default)s)")
+    parser.add_argument("--fault-rate", type=float, default=defaults.fault_rate,
+                        help="share of tier block loads that fail (default: %(default)s)")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     config = SoakConfig(num_ops=args.ops, seed=args.seed, groups=args.groups,
                         drafter=args.drafter, num_modules=args.mtp_num_modules,
-                        legacy=args.mode == "legacy", num_blocks=args.num_blocks)
+                        legacy=args.mode == "legacy", num_blocks=args.num_blocks,
+                        kv_connector=args.kv_connector, tier_blocks=args.tier_blocks,
+                        fault_rate=args.fault_rate)
     result = run_soak(config, progress=not args.json)
     if args.json:
         print(json.dumps({**asdict(result), "ops_per_s": round(result.ops_per_s, 1)}))
@@ -184,6 +276,20 @@ def run(args: argparse.Namespace) -> int:
             ("preemptions", f"{result.num_preemptions:,}"),
             ("hit tokens checked against a cold run", f"{result.num_hit_tokens_checked:,}"),
             ("prefix-cache resets", f"{result.num_resets:,}"),
+        ]:
+            table.add_row(label, value)
+        if config.kv_connector is not None:
+            for label, value in [
+                ("tier hit tokens (external)", f"{result.num_external_hit_tokens:,}"),
+                ("tier blocks stored / served, checked",
+                 f"{result.num_tier_stores_checked:,} / {result.num_tier_loads_checked:,}"),
+                ("tier evictions / resets",
+                 f"{result.num_tier_evictions:,} / {result.num_tier_resets:,}"),
+                ("failed loads recomputed", f"{result.num_load_failures:,}"),
+                ("computed positions checked", f"{result.num_positions_checked:,}"),
+            ]:
+                table.add_row(label, value)
+        for label, value in [
             ("operations/s", f"{result.ops_per_s:,.0f}"),
         ]:
             table.add_row(label, value)

@@ -2,14 +2,19 @@
 
 Owns the command's arguments and printing. The chat template is applied for chat models
 (unless `--no-chat`); tokens are printed as they are sampled; a summary line (tokens, TTFT,
-tokens/s) goes to stderr.
+tokens/s, cached prompt tokens) goes to stderr. With `--kv-connector`, the engine's hash mode
+and why are printed first, and the summary says how many cached tokens came from a tier: a
+disk tier (`--kv-connector disk --kv-offload-dir DIR`) serves the next run of the same prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+from speckv.connectors.config import add_connector_arguments, connector_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-spec-tokens", type=int, default=3)
     parser.add_argument("--disable-lookahead-block-hashes", action="store_true",
                         help="legacy block hashes and the last-block drop")
+    parser.add_argument("--hash-seed", default=None,
+                        help="block-hash seed (default: PYTHONHASHSEED, else random; a disk "
+                        "tier needs one that another process can reproduce)")
+    add_connector_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,8 +70,26 @@ def run(args: argparse.Namespace) -> int:
         "speculative_method": method, "num_spec_tokens": args.num_spec_tokens,
         "speculative_model": speculative_model if method != "ngram" else None,
     }
+    connector = connector_config_from_args(args)  # flag errors before the model loads
+    if (connector is not None and "disk" in connector.names and args.hash_seed is None
+            and "PYTHONHASHSEED" not in os.environ):
+        raise ValueError("--kv-connector disk needs block hashes another process can "
+                         "reproduce: pass --hash-seed (e.g. --hash-seed 0) or set PYTHONHASHSEED")
+    tiers = {} if connector is None else {
+        "kv_connector": args.kv_connector, "kv_offload_gb": args.kv_offload_gb,
+        "kv_offload_dir": args.kv_offload_dir, "kv_offload_disk_gb": args.kv_offload_disk_gb,
+    }
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              disable_lookahead_block_hashes=args.disable_lookahead_block_hashes, **speculative)
+              disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,
+              hash_seed=args.hash_seed, **speculative, **tiers)
+    with llm:
+        return _generate(llm, args, params, connector is not None)
+
+
+def _generate(llm, args: argparse.Namespace, params, with_tiers: bool) -> int:
+    if with_tiers:
+        mode = llm.engine.hash_mode
+        print(f"[KV tiers {args.kv_connector}: {mode.label} ({mode.reason})]", file=sys.stderr)
     prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
     start = time.perf_counter()
     last = None
@@ -80,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
         if last.num_draft_tokens:
             accepted = (f", drafts accepted {last.num_accepted_tokens}/"
                         f"{last.num_draft_tokens} ({llm.engine.hash_mode.label})")
+        cached = f", cached {last.num_cached_tokens}/{len(last.prompt_token_ids)} prompt tokens"
+        if with_tiers:
+            cached += f" ({last.num_external_cached_tokens} from the tiers)"
         print(
             f"[{len(last.token_ids)} tokens, finish={last.finish_reason}, TTFT {ttft}, "
-            f"{len(last.token_ids) / elapsed:.1f} tokens/s{accepted}]",
+            f"{len(last.token_ids) / elapsed:.1f} tokens/s{cached}{accepted}]",
             file=sys.stderr,
         )
     return 0

@@ -27,9 +27,12 @@ Where the engine calls each method (one engine step, in order):
     after schedule(), before ModelRunner.execute (every step that runs, even with nothing
     to load; every built metadata must be started, or the next build raises):
         meta = connector.build_connector_meta(
-            [RequestBlocks(item.request, block_ids, item.start) for item in scheduled])
-        # item.start counts a new request's hit, external tokens included; the connector
-        # itself saves nothing past the local hit in the step that loads the rest
+            [RequestBlocks(item.request, block_ids, written) for item in scheduled])
+        # written = item.start for a running request; 0 in a request's first step (new or
+        # resumed): its local hit may name blocks another request computes in this very step
+        # (cached at that request's allocation, written by this step's forward), and its
+        # external range is loaded after the saves are snapshotted (the connector also caps
+        # that step's saves at the local hit itself)
         connector.start_load_kv(meta)         # snapshots this step's saves, then loads
         failed = connector.get_block_ids_with_load_errors()
         # a request owning a failed block: cut it from this step's batch, set its

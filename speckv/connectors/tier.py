@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 from abc import abstractmethod
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -158,6 +158,7 @@ class TierConnector(KVConnector):
         self._last_save_error = ""
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._store_wrapper: Callable[[BlockStore], BlockStore] | None = None
 
     @property
     def supports_lookahead_block_hashes(self) -> bool:
@@ -169,6 +170,13 @@ class TierConnector(KVConnector):
     def _open_store(self, kv: DeviceKV, mode: ConnectorMode) -> BlockStore:
         """Create or open the tier for this layout and mode."""
 
+    def wrap_store(self, wrapper: Callable[[BlockStore], BlockStore]) -> None:
+        """Put `wrapper(store)` in front of the tier's storage when it opens (before
+        `initialize`): the seam for fault injection and content checks in tests."""
+        if self._store is not None:
+            raise RuntimeError(f"connector {self.name!r}: wrap_store after initialize")
+        self._store_wrapper = wrapper
+
     def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:
         if self._store is not None:
             raise RuntimeError(f"connector {self.name!r} is already initialized")
@@ -177,7 +185,8 @@ class TierConnector(KVConnector):
                 f"connector {self.name!r}: the caches' block size {kv.layout.block_size} is not "
                 f"the hash unit {mode.block_size}"
             )
-        self._store = self._open_store(kv, mode)
+        store = self._open_store(kv, mode)
+        self._store = self._store_wrapper(store) if self._store_wrapper is not None else store
         self._staging = _Staging(kv.layout, self.max_pending_blocks, kv.device.type == "cuda")
         self._kv, self._mode = kv, mode
         self._thread = threading.Thread(target=self._copy_loop, name=f"speckv-{self.name}-copy",
@@ -429,6 +438,12 @@ class TierConnector(KVConnector):
             if miss is not None:
                 bad_ids = load.device_block_ids[num_ok:]
                 failed.update(bad_ids)
+                tracked = self._tracked.get(load.request_id)
+                if tracked is not None:
+                    # the engine recomputes the failed blocks: consider them for saving again
+                    first_failed_block = load.first_token // load.block_size + num_ok
+                    tracked.num_considered_blocks = min(tracked.num_considered_blocks,
+                                                        first_failed_block)
                 self._load_failures.append(LoadFailure(
                     load.request_id, load.first_token + num_ok * load.block_size, bad_ids,
                     f"{miss.reason.value}: {miss.detail}" if miss.detail else miss.reason.value,

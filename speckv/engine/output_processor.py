@@ -31,6 +31,7 @@ class _OutputState:
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
     num_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -77,6 +78,7 @@ class OutputProcessor:
                 state.first_token_s = now
             state.output_token_ids.extend(tokens)
             state.num_cached_tokens = core_output.num_cached_tokens
+            state.num_external_cached_tokens = core_output.num_external_cached_tokens
             state.num_preemptions = core_output.num_preemptions
             state.num_draft_tokens += core_output.num_draft_tokens
             state.num_accepted_tokens += min(core_output.num_accepted_tokens,
@@ -151,4 +153,5 @@ class OutputProcessor:
             num_draft_tokens=state.num_draft_tokens,
             num_accepted_tokens=state.num_accepted_tokens,
             error=state.error,
+            num_external_cached_tokens=state.num_external_cached_tokens,
         )
