@@ -106,7 +106,8 @@ class EmbeddedValkey:
             with contextlib.suppress(OSError), \
                     socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                 sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
+                # with --requirepass a ready server answers NOAUTH
+                if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                     return self
             time.sleep(0.02)
         self.stop()
