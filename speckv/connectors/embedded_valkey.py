@@ -90,14 +90,14 @@ class EmbeddedValkey:
             "--logfile", "",
             *self.extra_args,
         ]
-        stderr_path = Path(self._dir) / "stderr.log"
-        with open(stderr_path, "wb") as stderr:  # a file: a pipe nobody reads could fill up
-            self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.DEVNULL, stderr=stderr)
+        log_path = Path(self._dir) / "valkey.log"
+        with open(log_path, "wb") as log:  # a file: a pipe nobody reads could fill up
+            self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                error = stderr_path.read_text(errors="replace").strip()
+                error = log_path.read_text(errors="replace").strip()[-2000:]
                 self._process = None
                 raise RuntimeError(
                     f"the embedded valkey-server ({binary}) exited at start on port "

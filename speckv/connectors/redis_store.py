@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
@@ -61,7 +62,10 @@ logger = logging.getLogger("speckv.connectors.store")
 
 KEY_PREFIX = "speckv"
 DEFAULT_TIMEOUT_S = 1.0
-DEFAULT_BATCH_BLOCKS = 32  # keys per EXISTS pipeline / MGET (~25 MB of bf16 SmolLM2 blocks)
+DEFAULT_BATCH_BLOCKS = 32  # keys per EXISTS pipeline, and at most per MGET
+# bytes per MGET reply: a reply of tens of MB parses slower than a GET loop (measured with
+# redis-py + hiredis on loopback); a few MB keeps one round trip per batch at the GET speed
+MGET_BATCH_BYTES = 4 << 20
 BACKOFF_START_S = 0.25
 BACKOFF_MAX_S = 5.0
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -215,6 +219,7 @@ class RedisBlockStore:
         self.namespace = namespace
         self.layout: BlockLayout = namespace.layout
         self.batch_blocks = batch_blocks
+        self.mget_blocks = max(1, min(batch_blocks, MGET_BATCH_BYTES // max(1, self.layout.nbytes)))
         self.health = StoreHealth(endpoint.redacted_url)
         self._ns = namespace.ident
         self._lock = threading.Lock()
@@ -321,7 +326,7 @@ class RedisBlockStore:
         index = self._plan.get(key)
         if index is None:
             return self._mget([key])[0]
-        batch = self._plan_keys[index:index + self.batch_blocks]
+        batch = self._plan_keys[index:index + self.mget_blocks]
         values = self._mget(batch)
         self._fetched = dict(zip(batch[1:], values[1:]))
         return values[0]
@@ -333,7 +338,11 @@ class RedisBlockStore:
             return CodecMiss(MissReason.IO_ERROR, str(error))
         if value is None:
             return CodecMiss(MissReason.NOT_FOUND, "evicted from the store")
-        decoded = decode_block(bytearray(value), self._ns, block, self.layout)
+        with warnings.catch_warnings():
+            # The tensors view the reply's immutable bytes (no copy of ~1 MB per block): the
+            # tier only reads them, copying into the paged caches before the next `get`.
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            decoded = decode_block(memoryview(value), self._ns, block, self.layout)
         if isinstance(decoded, DecodedBlock):
             return decoded.tensors
         # never loaded; deleted so no engine trips on it again (a correct block replaces it)

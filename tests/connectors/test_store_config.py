@@ -4,6 +4,7 @@ with the CPU tier (`offload,store`), and Redis Cluster (three real valkey-server
 from __future__ import annotations
 
 import argparse
+import socket
 import time
 
 import pytest
@@ -117,11 +118,22 @@ def test_offload_store_a_second_engine_hits_what_the_first_stored():
         second.close()
 
 
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _start_cluster(num_nodes: int = 3) -> list[EmbeddedValkey]:
     """Three primaries sharing the 16384 slots, meeting over loopback."""
     nodes = []
-    for _ in range(num_nodes):
+    while len(nodes) < num_nodes:
         port = free_loopback_port()
+        if port + 10000 > 65535 or not _port_is_free(port + 10000):  # the cluster bus port
+            continue
         nodes.append(EmbeddedValkey(64 * MIB, port=port, extra_args=(
             "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
         )).start())
