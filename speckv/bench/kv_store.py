@@ -131,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batch-blocks", type=int, default=DEFAULT_BATCH_BLOCKS,
                         help="keys per EXISTS pipeline, at most per MGET (default "
-                             "%(default)s; an MGET also stops at 4 MiB)")
+                             "%(default)s; an MGET also stops at 2 MiB)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
