@@ -67,6 +67,7 @@ DEFAULT_BATCH_BLOCKS = 32  # keys per EXISTS pipeline, and at most per MGET
 # redis-py + hiredis on loopback: 3.8 MB replies at half the speed of 1.5 MB ones); 2 MiB keeps
 # one round trip per batch at the GET loop's speed
 MGET_BATCH_BYTES = 2 << 20
+USAGE_MAX_AGE_S = 1.0  # stats() may run every step: ask the server at most once a second
 BACKOFF_START_S = 0.25
 BACKOFF_MAX_S = 5.0
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -225,6 +226,8 @@ class RedisBlockStore:
         self._ns = namespace.ident
         self._lock = threading.Lock()
         self._invalid = 0  # values that failed a check (deleted)
+        self._usage = StoreUsage(0, 0, 0)
+        self._usage_at = -float("inf")
         # engine thread only: the keys the connector is about to ask `contains` about, already
         # answered by one pipelined round trip, and the current load plan with its MGET buffer
         self._primed: dict[CacheKey, bool] = {}
@@ -399,8 +402,18 @@ class RedisBlockStore:
         return removed
 
     def usage(self) -> StoreUsage:
-        """The server's keys and memory (all namespaces: the server is shared); zeros while
-        the store is down."""
+        """The server's keys and memory (all namespaces: the server is shared), at most a
+        second old; zeros while the store is down."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._usage_at < USAGE_MAX_AGE_S:
+                return self._usage
+        usage = self._read_usage()
+        with self._lock:
+            self._usage, self._usage_at = usage, now
+        return usage
+
+    def _read_usage(self) -> StoreUsage:
         def run() -> tuple[int, int, int]:
             if isinstance(self.client, RedisCluster):
                 primaries = RedisCluster.PRIMARIES

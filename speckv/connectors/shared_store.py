@@ -178,6 +178,14 @@ class StoreConnector(TierConnector):
             store.plan_loads(())
 
     # ---- both --------------------------------------------------------------------------------
+    def reset_cache(self) -> bool:
+        """Delete this namespace's blocks from the store (other namespaces, other engines'
+        models, stay). False (nothing dropped) while a load is planned."""
+        if self._planned_loads:
+            return False
+        super().reset_cache()  # its count compares against the whole server's keys: ignore
+        return True
+
     def stats(self) -> dict[str, ConnectorStats]:
         stats = super().stats()
         if self._store is not None:

@@ -351,3 +351,16 @@ def test_a_full_store_evicts_least_recently_used_blocks_and_lookups_miss_them():
         assert int(admin.info("stats")["evicted_keys"]) > 0
         admin.close()
         driver.close()
+
+
+def test_reset_cache_deletes_this_namespace_only(url):
+    mine = Driver(_connector(url), KVWorld())
+    other = Driver(_connector(url, fingerprint="model-b"), KVWorld())
+    prompt = list(range(3 * B + 1))
+    store_request(mine, prompt)
+    store_request(other, prompt)
+    assert mine.connector.reset_cache()
+    assert _lookup(mine, prompt) == 0
+    assert _lookup(other, prompt) == 3 * B
+    mine.close()
+    other.close()
