@@ -4,7 +4,11 @@ two connectors, keys and values, namespaces, checks on load, and the store's fau
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -364,3 +368,37 @@ def test_reset_cache_deletes_this_namespace_only(url):
     assert _lookup(other, prompt) == 3 * B
     mine.close()
     other.close()
+
+
+_CHILD = """
+import sys
+from tests.connectors.connector_helpers import Driver, KVWorld, store_request
+from speckv.connectors import StoreConnector
+connector = StoreConnector(sys.argv[1], model_fingerprint="model-a", hash_algo="sha256",
+                           hash_seed=None)  # from PYTHONHASHSEED, as an engine would
+driver = Driver(connector, KVWorld())
+store_request(driver, list(range(int(sys.argv[2]))))
+assert connector.stats()["store"].saved_blocks == int(sys.argv[3])
+driver.close()
+"""
+
+
+def test_an_engine_in_another_process_gets_what_this_one_stored(url):
+    """Two processes, as two engines: the child stores, this process loads bit-exact."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(root)}
+    prompt = list(range(4 * B + 1))
+    subprocess.run([sys.executable, "-c", _CHILD, url, str(len(prompt)), "4"], env=env,
+                   cwd=root, check=True, timeout=120)
+    expected = KVWorld()  # the child's cold KV: the same seeded values into the same blocks
+    expected_ids = expected.allocate(-(-len(prompt) // B))
+    expected.write_cold_kv(expected_ids)
+    reader_world = KVWorld()
+    reader = Driver(_connector(url), reader_world)
+    again = Req(prompt)
+    hit, ids = reader.admit(again)
+    assert hit == 4 * B
+    _, output = reader.step([RequestBlocks(again, ids, 0)])
+    assert not output.load_failures
+    assert bit_equal(reader_world.blocks(ids[:4]), expected.blocks(expected_ids[:4]))
+    reader.close()
