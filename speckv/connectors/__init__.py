@@ -17,6 +17,9 @@ or `speckv.spec`.
 | `offload.py`    | `OffloadConnector` (CPU tier) and the no-capability variant |
 | `namespace.py`  | who may share a persistent tier; weight fingerprints; the seed rule |
 | `disk.py`       | `DiskConnector`: one file per block, atomic writes, size bound |
+| `redis_store.py` | the store behind the shared tier: Valkey/Redis keys, checks, health |
+| `embedded_valkey.py` | the private valkey-server of `--kv-store-url embedded` |
+| `shared_store.py` | `StoreConnector`: the shared tier over Valkey/Redis (Cluster) |
 | `multi.py`      | `MultiConnector` |
 | `config.py`     | `ConnectorConfig`, the CLI flags, `make_connector` |
 """
@@ -55,11 +58,13 @@ from speckv.connectors.multi import MultiConnector
 from speckv.connectors.namespace import fingerprint_tensors, persistent_hash_seed
 from speckv.connectors.offload import NoLookaheadOffloadConnector, OffloadConnector
 from speckv.connectors.rules import ConnectorMode, ConnectorRequest
+from speckv.connectors.shared_store import MEDIUM_STORE, StoreConnector
 
 __all__ = [
     "CONNECTOR_NAMES",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
+    "MEDIUM_STORE",
     "BlockLayout",
     "ConnectorConfig",
     "ConnectorMetadata",
@@ -79,6 +84,7 @@ __all__ = [
     "OffloadConnector",
     "RequestBlocks",
     "StepMetadata",
+    "StoreConnector",
     "TierIdentity",
     "add_connector_arguments",
     "connector_config_from_args",
