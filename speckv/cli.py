@@ -43,6 +43,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "serve"), "speckv.bench.serve",
      "load-test an OpenAI-compatible server (like vllm bench serve), vs the engine in process"),
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
+    (("bench", "kv-store"), "speckv.bench.kv_store",
+     "the store tier's load speed beside raw redis-py GETs of the same bytes"),
     (("bench", "kv-tiers"), "speckv.bench.kv_tiers",
      "load and store speed of the KV connector tiers beside a plain copy_"),
     (("bench", "kv-connector"), "speckv.bench.kv_connector",

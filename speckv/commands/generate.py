@@ -71,13 +71,18 @@ def run(args: argparse.Namespace) -> int:
         "speculative_model": speculative_model if method != "ngram" else None,
     }
     connector = connector_config_from_args(args)  # flag errors before the model loads
-    if (connector is not None and "disk" in connector.names and args.hash_seed is None
-            and "PYTHONHASHSEED" not in os.environ):
-        raise ValueError("--kv-connector disk needs block hashes another process can "
-                         "reproduce: pass --hash-seed (e.g. --hash-seed 0) or set PYTHONHASHSEED")
+    persistent = connector is not None and {"disk", "store"} & set(connector.names)
+    if persistent and args.hash_seed is None and "PYTHONHASHSEED" not in os.environ:
+        raise ValueError(f"--kv-connector {args.kv_connector} needs block hashes another process "
+                         "can reproduce: pass --hash-seed (e.g. --hash-seed 0) or set "
+                         "PYTHONHASHSEED")
     tiers = {} if connector is None else {
-        "kv_connector": args.kv_connector, "kv_offload_gb": args.kv_offload_gb,
-        "kv_offload_dir": args.kv_offload_dir, "kv_offload_disk_gb": args.kv_offload_disk_gb,
+        "kv_connector": args.kv_connector, "kv_offload_gb": connector.offload_gib,
+        "kv_offload_dir": connector.offload_dir, "kv_offload_disk_gb": connector.disk_gib,
+        "kv_store_url": connector.store_url, "kv_store_gb": connector.store_gib,
+        "kv_store_cluster": connector.store_cluster,
+        "kv_store_optional": connector.store_optional,
+        "kv_store_timeout_s": connector.store_timeout_s,
     }
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,

@@ -66,6 +66,11 @@ class EngineConfig:
     kv_offload_gb: float = DEFAULT_OFFLOAD_GIB  # CPU tier size, GiB of host memory
     kv_offload_dir: str | None = None  # disk tier directory (needed by "disk")
     kv_offload_disk_gb: float = DEFAULT_DISK_GIB  # disk tier size bound, GiB
+    kv_store_url: str = "embedded"  # shared store: redis[s]://..., or a private Valkey server
+    kv_store_gb: float = 4.0  # maxmemory of the embedded Valkey server, GiB
+    kv_store_cluster: bool = False  # the store URL names a Redis Cluster node
+    kv_store_optional: bool = False  # start without the store when it is unreachable
+    kv_store_timeout_s: float = 1.0  # per store call, then a miss
 
     def __post_init__(self) -> None:
         if self.draft_model is not None:
@@ -170,7 +175,7 @@ class EngineConfig:
         try:
             connector = self.connector_config()
             assert connector is not None
-            if "disk" in connector.names:
+            if "disk" in connector.names or "store" in connector.names:
                 persistent_hash_seed(self.hash_seed)  # a random seed could never hit again
         except ValueError as error:
             raise ValueError(f"EngineConfig.kv_connector: {error}") from None
@@ -182,7 +187,11 @@ class EngineConfig:
             return None
         return ConnectorConfig.parse(self.kv_connector, offload_gib=self.kv_offload_gb,
                                      offload_dir=self.kv_offload_dir,
-                                     disk_gib=self.kv_offload_disk_gb)
+                                     disk_gib=self.kv_offload_disk_gb,
+                                     store_url=self.kv_store_url, store_gib=self.kv_store_gb,
+                                     store_cluster=self.kv_store_cluster,
+                                     store_optional=self.kv_store_optional,
+                                     store_timeout_s=self.kv_store_timeout_s)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

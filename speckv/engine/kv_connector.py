@@ -58,13 +58,13 @@ def build_connector(config: EngineConfig, model: LlamaForCausalLM, drafter: Any 
                     ) -> KVConnector | None:
     """The configured connector, not yet initialized (None: no `kv_connector`).
 
-    A disk tier is namespaced by a fingerprint of the target's and the drafter's weights: the
-    draft KV it keeps depends on both."""
+    A disk tier or a shared store is namespaced by a fingerprint of the target's and the
+    drafter's weights: the draft KV it keeps depends on both."""
     connector_config = config.connector_config()
     if connector_config is None:
         return None
     identity = None
-    if "disk" in connector_config.names:
+    if {"disk", "store"} & set(connector_config.names):
         named = [(f"target.{name}", tensor) for name, tensor in model.named_parameters()]
         if drafter is not None:
             named += [(f"draft.{name}", tensor) for name, tensor in drafter.named_parameters()]

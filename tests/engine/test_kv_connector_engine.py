@@ -348,3 +348,36 @@ def test_a_disk_tier_refuses_a_random_hash_seed(monkeypatch, tmp_path):
         EngineConfig(kv_connector="disk", kv_offload_dir=str(tmp_path))
     EngineConfig(kv_connector="disk", kv_offload_dir=str(tmp_path), hash_seed="0")
     EngineConfig(kv_connector="offload")  # a CPU tier lives and dies with the process
+
+
+# ---- the shared store tier (Valkey), through the engine ----------------------------------------
+@pytest.mark.parametrize("name", ["eagle", "mtp"])
+def test_a_store_hit_reads_the_kv_of_a_cold_run(tiny_model, drafters, name):
+    drafter = drafters[name]
+    prompt = _prompt(31, seed=4)
+    with _engine(tiny_model, drafter, "store", kv_store_gb=0.05) as engine:
+        _store_and_forget(engine, prompt)
+        warm = first_step_kv(engine, prompt)
+    lookahead = drafter.policy.draft_kv_lookahead_tokens
+    assert warm.num_tokens == warm.num_external_tokens == (31 - lookahead) // B * B
+    with _engine(tiny_model, drafter) as cold_engine:
+        cold = first_step_kv(cold_engine, prompt, warm.num_tokens)
+    assert torch.equal(warm.target, cold.target) and torch.equal(warm.draft, cold.draft)
+
+
+def test_two_engines_share_one_store(tiny_model, drafters):
+    from speckv.connectors.embedded_valkey import EmbeddedValkey
+
+    drafter = drafters["eagle"]
+    prompts = [_prompt(23, seed=s) for s in range(3)]
+    server = EmbeddedValkey(64 * 1024**2).start()
+    try:
+        with _engine(tiny_model, drafter, "store", kv_store_url=server.url) as first:
+            expected = [o.token_ids for o in _run(first, prompts)]
+            assert first.flush_kv_connector(timeout_s=30)
+        with _engine(tiny_model, drafter, "store", kv_store_url=server.url) as second:
+            outputs = _run(second, prompts)
+    finally:
+        server.stop()
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.num_external_cached_tokens == (23 - 1) // B * B for o in outputs)
