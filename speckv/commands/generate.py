@@ -15,6 +15,7 @@ import sys
 import time
 
 from speckv.connectors.config import add_connector_arguments, connector_config_from_args
+from speckv.engine.kv_connector import connector_engine_kwargs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,14 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--kv-connector {args.kv_connector} needs block hashes another process "
                          "can reproduce: pass --hash-seed (e.g. --hash-seed 0) or set "
                          "PYTHONHASHSEED")
-    tiers = {} if connector is None else {
-        "kv_connector": args.kv_connector, "kv_offload_gb": connector.offload_gib,
-        "kv_offload_dir": connector.offload_dir, "kv_offload_disk_gb": connector.disk_gib,
-        "kv_store_url": connector.store_url, "kv_store_gb": connector.store_gib,
-        "kv_store_cluster": connector.store_cluster,
-        "kv_store_optional": connector.store_optional,
-        "kv_store_timeout_s": connector.store_timeout_s,
-    }
+    tiers = {} if connector is None else connector_engine_kwargs(args.kv_connector, connector)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,
               hash_seed=args.hash_seed, **speculative, **tiers)

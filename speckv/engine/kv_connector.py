@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from speckv.connectors import (
+    ConnectorConfig,
     ConnectorMode,
     ConnectorOutput,
     DeviceKV,
@@ -197,3 +198,14 @@ class RunnerConnector:
                                f"{reported}, its failed blocks say {self._cut}")
         self._cut = {}
         return output
+
+
+def connector_engine_kwargs(spec: str, config: ConnectorConfig) -> dict[str, Any]:
+    """The `EngineConfig` fields for a connector the CLI parsed (`--kv-connector` = `spec`)."""
+    return {
+        "kv_connector": spec, "kv_offload_gb": config.offload_gib,
+        "kv_offload_dir": config.offload_dir, "kv_offload_disk_gb": config.disk_gib,
+        "kv_store_url": config.store_url, "kv_store_gb": config.store_gib,
+        "kv_store_cluster": config.store_cluster, "kv_store_optional": config.store_optional,
+        "kv_store_timeout_s": config.store_timeout_s,
+    }

@@ -16,6 +16,9 @@ import os
 import re
 from typing import Any
 
+from speckv.connectors.config import add_connector_arguments, connector_config_from_args
+from speckv.engine.kv_connector import connector_engine_kwargs
+
 DRAFTERS = ("none", "ngram", "eagle", "eagle3", "mtp")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -32,6 +35,9 @@ def parse_size(text: str) -> int:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine flags of `speckv serve` (and `speckv bench serve --compare-in-process`)."""
     engine = parser.add_argument_group("engine")
+    engine.add_argument("--hash-seed", default=None,
+                        help="block-hash seed (default: PYTHONHASHSEED, else random); needed "
+                        "by --kv-connector disk / store and by routers")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -70,6 +76,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer replay requests on this ZeroMQ ROUTER endpoint")
     engine.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
+    add_connector_arguments(parser)
+
+
+def connector_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineConfig` KV-connector fields from the `--kv-*` flags ({} without a connector)."""
+    connector = connector_config_from_args(args)
+    if connector is None:
+        return {}
+    return connector_engine_kwargs(args.kv_connector, connector)
 
 
 def speculative_kwargs(model: str, drafter: str | None, speculative_model: str | None,
@@ -114,6 +129,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.hash_seed is not None:
+        kwargs["hash_seed"] = args.hash_seed
+    kwargs.update(connector_kwargs(args))
     kwargs.update(speculative_kwargs(args.model, args.speculative_method, args.speculative_model,
                                      args.num_spec_tokens, args.speculative_config))
     return kwargs
@@ -133,6 +151,15 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
                 "--speculative-model": args.speculative_model, "--threads": args.threads,
                 "--kv-events-endpoint": args.kv_events_endpoint,
                 "--kv-events-replay-endpoint": args.kv_events_replay_endpoint}
+    optional.update({"--hash-seed": args.hash_seed, "--kv-connector": args.kv_connector,
+                     "--kv-offload-dir": args.kv_offload_dir, "--kv-store-url": args.kv_store_url})
+    if args.kv_connector is not None:
+        optional.update({"--kv-offload-gb": args.kv_offload_gb,
+                         "--kv-offload-disk-gb": args.kv_offload_disk_gb,
+                         "--kv-store-gb": args.kv_store_gb,
+                         "--kv-store-timeout": args.kv_store_timeout})
+        flags += ["--kv-store-cluster"] * args.kv_store_cluster
+        flags += ["--kv-store-optional"] * args.kv_store_optional
     for flag, value in optional.items():
         if value is not None:
             flags += [flag, str(value)]

@@ -62,3 +62,16 @@ def test_engine_flags_round_trip():
     assert kwargs["enable_prefix_caching"] is False and kwargs["hash_algo"] == "xxhash"
     assert kwargs["kv_events_endpoint"] == "tcp://*:5557"
     assert again.threads == 1 and again.model == "/models/m"
+
+
+def test_kv_connector_flags_reach_the_engine_and_round_trip(tmp_path):
+    args = _parse("--kv-connector", "offload,disk", "--kv-offload-dir", str(tmp_path),
+                  "--kv-offload-gb", "0.5", "--hash-seed", "0")
+    kwargs = engine_kwargs(args)
+    assert kwargs["kv_connector"] == "offload,disk" and kwargs["kv_offload_gb"] == 0.5
+    assert kwargs["kv_offload_dir"] == str(tmp_path) and kwargs["hash_seed"] == "0"
+    assert engine_kwargs(_parse(*engine_flags(args))) == kwargs
+    with pytest.raises(ValueError, match="--kv-connector"):
+        engine_kwargs(_parse("--kv-connector", "tape"))
+    with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-connector disk"):
+        engine_kwargs(_parse("--kv-offload-dir", str(tmp_path)))
