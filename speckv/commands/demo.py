@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
         run_model_demo(console)
         _prefix_repetition(console)
-        from speckv.server.demo_step import run_server_demo
+        from speckv.commands.demo_server import run_server_demo
 
         if not run_server_demo(console):
             return 1
