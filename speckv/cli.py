@@ -16,10 +16,12 @@ from collections.abc import Sequence
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "speckv.commands.demo",
-     "the main job: hit lengths, hashing cost, the built-in model (EAGLE3 where it pays), a short "
-     "prefix_repetition run"),
+     "the main job: hit lengths, hashing cost, the built-in model (speculation where it pays), "
+     "a short prefix_repetition run, and the same chat request sent twice to speckv serve"),
     (("generate",), "speckv.commands.generate",
      "stream one completion from the built-in model (or --model DIR)"),
+    (("serve",), "speckv.server.cli",
+     "OpenAI-compatible HTTP server over the engine (Prometheus metrics, KV events)"),
     (("hash",), "speckv.commands.hash",
      "print the block hashes of a token list (router debugging)"),
     (("bench", "hit-length"), "speckv.bench.hit_length",
@@ -39,7 +41,18 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "train the built-in model's EAGLE3 head on its own generations"),
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),
+    (("bench", "serve"), "speckv.bench.serve",
+     "load-test an OpenAI-compatible server (like vllm bench serve), vs the engine in process"),
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
+    (("bench", "kv-store"), "speckv.bench.kv_store",
+     "the store tier's load speed beside raw redis-py GETs of the same bytes"),
+    (("bench", "kv-tiers"), "speckv.bench.kv_tiers",
+     "load and store speed of the KV connector tiers beside a plain copy_"),
+    (("bench", "kv-connector"), "speckv.bench.kv_connector",
+     "KV tiers on the built-in model: TTFT of a tier hit vs local vs cold, load GB/s, step "
+     "time with stores running"),
+    (("bench", "soak"), "speckv.bench.soak",
+     "a long random run of the real scheduler and cache, integrity and hit KV checked each op"),
     (("events", "tail"), "speckv.commands.events:tail", "print KV events from a publisher, live"),
     (("events", "publish-sample"), "speckv.commands.events:publish_sample",
      "publish a synthetic workload's KV events for consumer authors"),

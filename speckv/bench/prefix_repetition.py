@@ -10,6 +10,12 @@ and reports, per mode: prefix-cache hit rate (cached prompt tokens / prompt toke
 workload's oracle for the block size, requests/s, output tokens/s, TTFT mean / median / p99,
 TPOT, drafts' acceptance, and whether greedy outputs are identical across modes. Requests
 arrive all at once or as a Poisson process, under a concurrency cap.
+
+With `--kv-connector offload` (or `disk`, `offload,disk`) every mode runs with that KV tier
+under the local cache, and one more mode runs lookahead without it ("lookahead, no tier"). Give
+a local cache too small to hold the prefixes (`--num-blocks`): the hit rate is then local +
+tier (both shown), and with lookahead it reaches the oracle through the tier, as no spec does;
+the legacy drop loses one block per hit; without a tier, evicted prefixes are recomputed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -35,12 +42,14 @@ from speckv.bench.workload import (
     oracle_hit_tokens,
     prefix_repetition,
 )
+from speckv.connectors import add_connector_arguments, connector_config_from_args
 
 MODES: dict[str, dict[str, bool]] = {
     "no spec": {"speculative": False, "legacy": False},
     "legacy drop": {"speculative": True, "legacy": True},
     "lookahead": {"speculative": True, "legacy": False},
 }
+NO_TIER_MODE = "lookahead, no tier"  # added when the other modes run with a KV tier
 
 
 @dataclass(frozen=True)
@@ -54,19 +63,30 @@ class RunOptions:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     progress: bool = True
+    # a KV tier under the local cache ("offload", "disk", "offload,disk"; None: none)
+    kv_connector: str | None = None
+    kv_offload_gb: float = 4.0
+    kv_offload_dir: str | None = None  # the disk tier's directory (each mode: a fresh one)
+    kv_offload_disk_gb: float = 16.0
 
     def __post_init__(self) -> None:
         if self.request_rate <= 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.kv_connector is not None:
+            from speckv.connectors import ConnectorConfig
+
+            ConnectorConfig.parse(self.kv_connector, offload_gib=self.kv_offload_gb,
+                                  offload_dir=self.kv_offload_dir,
+                                  disk_gib=self.kv_offload_disk_gb)
 
 
 @dataclass
 class ModeResult:
     mode: str
     hash_mode: str
-    hit_rate: float
+    hit_rate: float  # local + tier
     oracle_hit_rate: float
     requests_per_s: float
     output_tokens_per_s: float
@@ -79,6 +99,8 @@ class ModeResult:
     num_preemptions: int
     duration_s: float
     outputs: list[list[int]] = field(repr=False, default_factory=list)
+    tier: str = "-"  # the KV tier under the local cache ("-": none)
+    tier_hit_rate: float = 0.0  # of hit_rate, tokens loaded from the tier
 
 
 def _arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
@@ -93,12 +115,16 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
     """One mode on a fresh engine (empty cache) over the whole workload."""
     from speckv.engine.config import EngineConfig
     from speckv.engine.llm_engine import LLMEngine
-    from speckv.engine.outputs import acceptance_stats
-    from speckv.engine.sampling_params import SamplingParams
     from speckv.engine.speculative import speculative_args
 
-    spec = MODES[mode]
+    spec = MODES["lookahead" if mode == NO_TIER_MODE else mode]
     mode_drafter = drafter if spec["speculative"] else None
+    tier = {} if options.kv_connector is None or mode == NO_TIER_MODE else {
+        "kv_connector": options.kv_connector, "kv_offload_gb": options.kv_offload_gb,
+        "kv_offload_disk_gb": options.kv_offload_disk_gb,
+        "kv_offload_dir": (tempfile.mkdtemp(prefix="mode-", dir=options.kv_offload_dir)
+                           if options.kv_offload_dir is not None else None),
+    }
     config = EngineConfig(
         block_size=options.block_size,
         num_blocks=options.num_blocks,
@@ -110,8 +136,17 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
         dtype=str(model.dtype),  # EngineConfig drops the "torch." prefix
         device=str(model.device),
         hash_seed="0",
+        **tier,
     )
-    engine = LLMEngine(model, config, drafter=mode_drafter, detokenize=False)
+    with LLMEngine(model, config, drafter=mode_drafter, detokenize=False) as engine:
+        return _drive(engine, workload, mode, options)
+
+
+def _drive(engine: Any, workload: list[WorkloadRequest], mode: str, options: RunOptions
+           ) -> ModeResult:
+    from speckv.engine.outputs import acceptance_stats
+    from speckv.engine.sampling_params import SamplingParams
+
     arrivals = _arrivals(len(workload), options.request_rate, options.seed)
     pending = deque(range(len(workload)))
     index_of: dict[str, int] = {}
@@ -152,6 +187,8 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
         mode=mode,
         hash_mode=engine.hash_mode.label,
         hit_rate=sum(o.num_cached_tokens for o in ordered) / prompt_tokens,
+        tier=engine.connector.name if engine.connector is not None else "-",
+        tier_hit_rate=sum(o.num_external_cached_tokens for o in ordered) / prompt_tokens,
         oracle_hit_rate=oracle_hit_tokens(workload, options.block_size) / prompt_tokens,
         requests_per_s=len(workload) / duration,
         output_tokens_per_s=sum(len(o.token_ids) for o in ordered) / duration,
@@ -170,6 +207,9 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
 def run_benchmark(model: Any, drafter: Any, workload: list[WorkloadRequest],
                   options: RunOptions, modes: tuple[str, ...] = tuple(MODES)
                   ) -> list[ModeResult]:
+    """Every mode on a fresh engine; with a KV tier, also lookahead without it."""
+    if options.kv_connector is not None and "lookahead" in modes:
+        modes = (*modes, NO_TIER_MODE)
     return [run_mode(model, drafter, workload, mode, options) for mode in modes]
 
 
@@ -181,7 +221,8 @@ def render(results: list[ModeResult], title: str) -> Table:
     table = Table(title=title)
     table.add_column("metric", no_wrap=True)
     for result in results:
-        table.add_column(f"{result.mode}\n{result.hash_mode}", justify="right")
+        tier = "" if result.tier == "-" else f"\n+ {result.tier} tier"
+        table.add_column(f"{result.mode}\n{result.hash_mode}{tier}", justify="right")
 
     def row(name: str, fmt, key: str) -> None:
         table.add_row(name, *(fmt(getattr(r, key)) for r in results))
@@ -191,6 +232,10 @@ def render(results: list[ModeResult], title: str) -> Table:
     ms = lambda v: f"{v:.0f}"  # noqa: E731
     opt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     row("prefix-cache hit rate", pct, "hit_rate")
+    if any(r.tier != "-" for r in results):
+        table.add_row("  of it from the local cache",
+                      *(pct(r.hit_rate - r.tier_hit_rate) for r in results))
+        table.add_row("  of it from the KV tier", *(pct(r.tier_hit_rate) for r in results))
     row("oracle hit rate", pct, "oracle_hit_rate")
     row("requests/s", num, "requests_per_s")
     row("output tokens/s", lambda v: f"{v:.1f}", "output_tokens_per_s")
@@ -258,6 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="local KV cache size in blocks (overrides --kv-cache-mb)")
     parser.add_argument("--num-spec-tokens", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated subset of: {', '.join(MODES)}")
@@ -265,6 +312,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output-dir", type=Path, default=Path("out/prefix-repetition"))
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_connector_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,11 +329,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--threads must be >= 1")
     torch.set_num_threads(args.threads)
     # every argument is checked before the model loads (seconds)
-    options = RunOptions(block_size=args.block_size,
-                         kv_cache_memory_bytes=args.kv_cache_mb * 1024**2,
-                         num_spec_tokens=args.num_spec_tokens, request_rate=args.request_rate,
-                         max_concurrency=args.max_concurrency, seed=args.seed,
-                         progress=not args.json)
     config = None
     if args.jsonl is None:
         config = PrefixRepetitionConfig(args.prefix_len, args.suffix_len, args.num_prefixes,
@@ -293,6 +336,19 @@ def run(args: argparse.Namespace) -> int:
                                         not args.no_shuffle)
     elif not args.jsonl.is_file():
         raise FileNotFoundError(f"--jsonl {args.jsonl}: no such file")
+    connector = connector_config_from_args(args)
+    offload_dir = args.kv_offload_dir
+    scratch = None
+    if connector is not None and "disk" in connector.names and offload_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="speckv-prefix-repetition-")
+        offload_dir = scratch.name
+    options = RunOptions(block_size=args.block_size, num_blocks=args.num_blocks,
+                         kv_cache_memory_bytes=args.kv_cache_mb * 1024**2,
+                         num_spec_tokens=args.num_spec_tokens, request_rate=args.request_rate,
+                         max_concurrency=args.max_concurrency, seed=args.seed,
+                         progress=not args.json, kv_connector=args.kv_connector,
+                         kv_offload_gb=args.kv_offload_gb, kv_offload_dir=offload_dir,
+                         kv_offload_disk_gb=args.kv_offload_disk_gb)
     model, tokenizer = load_model(args.model, args.dtype, "cpu", progress=not args.json)
     if config is None:
         if tokenizer is None:
@@ -307,10 +363,15 @@ def run(args: argparse.Namespace) -> int:
     drafter = None
     if any(MODES[mode]["speculative"] for mode in modes):
         drafter = load_drafter_model(args.speculative_model, model)
-    results = run_benchmark(model, drafter, workload, options, modes)
+    try:
+        results = run_benchmark(model, drafter, workload, options, modes)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     identical = outputs_identical(results)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     payload = {"workload": shape, "block_size": args.block_size,
+               "kv_connector": args.kv_connector, "num_blocks": args.num_blocks,
                "greedy_outputs_identical": identical,
                "modes": [{k: v for k, v in asdict(r).items() if k != "outputs"}
                          for r in results]}

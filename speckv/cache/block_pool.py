@@ -96,6 +96,9 @@ def content_of(
 
 
 class BlockPool:
+    """Blocks, their reference counts, the free queue and the hash map (one dict per group,
+    `block hash -> block`)."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -111,63 +114,128 @@ class BlockPool:
         self.event_sink = event_sink
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached_blocks: dict[CacheKey, KVCacheBlock] = {}
+        # group id -> {block hash -> block}: keyed by the bare hash, so a lookup or an insert
+        # builds no key (the hot loops are C-level dict probes)
+        self._cached: dict[int, dict[bytes, KVCacheBlock]] = {}
         # Block 0 stands for "no KV here" (e.g. outside a sliding window); never freed.
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
 
     # ---- reads -------------------------------------------------------------------------------
+    @property
+    def cached_blocks(self) -> dict[CacheKey, KVCacheBlock]:
+        """Every cached block by cache key (a snapshot, for tests and tools). Pure."""
+        return {
+            make_cache_key(block_hash, group_id): block
+            for group_id, blocks in self._cached.items()
+            for block_hash, block in blocks.items()
+        }
+
+    def cached_map(self, group_id: int) -> dict[bytes, KVCacheBlock]:
+        """The live `block hash -> block` map of one group; read it, never change it."""
+        blocks = self._cached.get(group_id)
+        if blocks is None:
+            blocks = self._cached[group_id] = {}
+        return blocks
+
     def get_num_free_blocks(self) -> int:
         """Blocks that `get_new_blocks` can hand out (free, cached or not). Pure."""
-        return self.free_queue.num_free_blocks
+        return len(self.free_queue)
 
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         """The block cached under `(block_hash, group_id)`, if any. Pure."""
-        return self.cached_blocks.get(make_cache_key(block_hash, group_id))
+        blocks = self._cached.get(group_id)
+        return blocks.get(block_hash) if blocks is not None else None
+
+    def num_free_among(self, blocks: Sequence[KVCacheBlock]) -> int:
+        """How many of `blocks` sit in the free queue (touching them takes them off). Pure."""
+        return self.free_queue.count_in(blocks[self.null_prefix_len(blocks):])
+
+    def null_prefix_len(self, blocks: Sequence[KVCacheBlock]) -> int:
+        """The number of null blocks `blocks` starts with. Pure.
+
+        Sliding-window and Mamba block lists start with thousands of nulls (a long hit, or
+        blocks released behind the window); skipping them in bulk keeps hybrid models as
+        cheap as one group. Binary search for the boundary, then a C-level check that the
+        prefix really is all nulls (`count` short-cuts on identity).
+        """
+        null = self.null_block
+        if not blocks or blocks[0] is not null:
+            return 0
+        low, high = 1, len(blocks)  # blocks[low - 1] is null; the answer is in [low, high]
+        while low < high:
+            mid = (low + high) // 2
+            if blocks[mid] is null:
+                low = mid + 1
+            else:
+                high = mid
+        if blocks[:low].count(null) != low:  # not a clean prefix: no shortcut
+            return 0
+        return low
 
     # ---- mutations ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks off the free queue (evicting their hashes). Mutates."""
-        if num_blocks > self.free_queue.num_free_blocks:
+        if num_blocks > len(self.free_queue):
             raise ValueError(
-                f"cannot get {num_blocks} blocks: only {self.free_queue.num_free_blocks} free"
+                f"cannot get {num_blocks} blocks: only {len(self.free_queue)} free"
             )
-        blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
+        blocks = self.free_queue.popleft_n(num_blocks)
+        cached = self._cached
         removed: dict[int, list[bytes]] = {}
         for block in blocks:
-            if block.cache_key is not None:
-                block_hash, group_id = self._evict(block)
-                removed.setdefault(group_id, []).append(block_hash)
             block.ref_cnt = 1
-        self._record_removed(removed)
+            block_hash = block.block_hash
+            if block_hash is not None:  # evict: inlined, a miss may evict 8K blocks
+                group_id = block.group_id
+                del cached[group_id][block_hash]
+                block.block_hash = None
+                block.content = None
+                hashes = removed.get(group_id)
+                if hashes is None:
+                    removed[group_id] = [block_hash]
+                else:
+                    hashes.append(block_hash)
+        if removed:
+            self._record_removed(removed)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A request starts using cached blocks: take them off the free queue. Mutates."""
+        queue = self.free_queue.ordered
+        if isinstance(blocks, list):
+            blocks = blocks[self.null_prefix_len(blocks):]
         for block in blocks:
-            if block.is_null:
-                continue
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                if block.is_null:
+                    continue
+                try:
+                    del queue[block]
+                except KeyError:
+                    raise RuntimeError(f"{block} is not in the free queue") from None
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in eviction order (first = evicted first).
         Blocks without a hash go to the head of the queue. Mutates."""
+        queue = self.free_queue.ordered
         hashless: list[KVCacheBlock] = []
-        for block in ordered_blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"double free of {block}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.cache_key is None:
-                    hashless.append(block)
-                else:
-                    self.free_queue.append(block)
-        for block in reversed(hashless):
-            self.free_queue.appendleft(block)
+        try:
+            for block in ordered_blocks:
+                ref_cnt = block.ref_cnt
+                if ref_cnt == 1:
+                    if block.block_hash is None:
+                        hashless.append(block)
+                    else:  # cached blocks join the tail as they reach 0, in order
+                        queue[block] = None
+                elif ref_cnt <= 0:
+                    if block.is_null:
+                        continue
+                    raise RuntimeError(f"double free of {block}")
+                block.ref_cnt = ref_cnt - 1
+        finally:  # even on a double free, queue what reached 0 (the pool stays consistent)
+            if hashless:
+                self.free_queue.appendleft_n(hashless)
 
     def cache_full_blocks(
         self,
@@ -191,28 +259,30 @@ class BlockPool:
                 f"{num_full_blocks} blocks to cache but only {len(block_hashes)} hashes"
             )
         group_id = group.group_id
+        cached = self.cached_map(group_id)
         stores_content = self.hit_check.stores_content
+        records = self.event_sink is not None
         stored_hashes: list[bytes] = []
         stored_indices: list[int] = []
-        for index in range(num_cached_blocks, num_full_blocks):
-            block = blocks[index]
-            if block.is_null or block.cache_key is not None:
-                continue  # outside a window, or a hit block already cached
-            block_hash = block_hashes[index]
-            key = make_cache_key(block_hash, group_id)
-            if key in self.cached_blocks:
-                continue
-            block.cache_key = key
-            self.cached_blocks[key] = block
-            if stores_content:
-                parent = block_hashes[index - 1] if index > 0 else b""
-                start = index * group.block_size
-                block.content = content_of(
-                    request, parent, start, start + group.block_size, group.lookahead_tokens
-                )
-            stored_hashes.append(block_hash)
-            stored_indices.append(index)
-        if self.event_sink is not None and stored_hashes:
+        index = num_cached_blocks
+        for block, block_hash in zip(blocks[num_cached_blocks:num_full_blocks],
+                                     block_hashes[num_cached_blocks:num_full_blocks]):
+            # skip blocks outside a window, hit blocks already cached, and duplicates
+            if not (block.is_null or block.block_hash is not None or block_hash in cached):
+                block.block_hash = block_hash
+                block.group_id = group_id
+                cached[block_hash] = block
+                if stores_content:
+                    parent = block_hashes[index - 1] if index > 0 else b""
+                    start = index * group.block_size
+                    block.content = content_of(
+                        request, parent, start, start + group.block_size, group.lookahead_tokens
+                    )
+                if records:
+                    stored_hashes.append(block_hash)
+                    stored_indices.append(index)
+            index += 1
+        if stored_hashes:
             self._record_stored(request, block_hashes, stored_indices, stored_hashes, group)
 
     def reset_prefix_cache(self) -> bool:
@@ -223,10 +293,11 @@ class BlockPool:
         num_used = self.num_blocks - 1 - self.get_num_free_blocks()
         if num_used > 0:
             return False
-        for block in self.cached_blocks.values():
-            block.cache_key = None
-            block.content = None
-        self.cached_blocks.clear()
+        for blocks in self._cached.values():
+            for block in blocks.values():
+                block.block_hash = None
+                block.content = None
+            blocks.clear()
         if self.event_sink is not None:
             self.event_sink.record(AllBlocksCleared())
         return True
@@ -236,27 +307,38 @@ class BlockPool:
 
         Returns the number of hashes dropped; blocks in use keep theirs.
         """
-        removed: dict[int, list[bytes]] = {}
+        evicted: list[KVCacheBlock] = []
+        seen: set[int] = set()
         for key in keys:
-            block = self.cached_blocks.get(key)
-            if block is None or block.ref_cnt > 0:
+            block = self.get_cached_block(*split_cache_key(key))
+            if block is None or block.ref_cnt > 0 or block.block_id in seen:
                 continue
-            block_hash, group_id = self._evict(block)
-            removed.setdefault(group_id, []).append(block_hash)
-            # now hashless: move it to the front so it is reused first
-            self.free_queue.remove(block)
-            self.free_queue.appendleft(block)
+            seen.add(block.block_id)
+            evicted.append(block)
+        removed = self._evict(evicted)
+        # now hashless: move them to the front so they are reused first
+        self.free_queue.remove_n(evicted)
+        self.free_queue.appendleft_n(evicted[::-1])
         self._record_removed(removed)
-        return sum(len(hashes) for hashes in removed.values())
+        return len(evicted)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _evict(self, block: KVCacheBlock) -> tuple[bytes, int]:
-        key = block.cache_key
-        assert key is not None
-        del self.cached_blocks[key]
-        block.cache_key = None
-        block.content = None
-        return split_cache_key(key)
+    def _evict(self, blocks: list[KVCacheBlock]) -> dict[int, list[bytes]]:
+        """Drop the hashes of cached `blocks`; returns the dropped hashes by group."""
+        removed: dict[int, list[bytes]] = {}
+        cached = self._cached
+        for block in blocks:
+            block_hash, group_id = block.block_hash, block.group_id
+            assert block_hash is not None
+            del cached[group_id][block_hash]
+            block.block_hash = None
+            block.content = None
+            hashes = removed.get(group_id)
+            if hashes is None:
+                removed[group_id] = [block_hash]
+            else:
+                hashes.append(block_hash)
+        return removed
 
     def _record_removed(self, removed: dict[int, list[bytes]]) -> None:
         if self.event_sink is None:
@@ -320,7 +402,7 @@ class BlockPool:
         """
         self.free_queue.check_links()
         free_ids = {block.block_id for block in self.free_queue}
-        assert len(free_ids) == self.free_queue.num_free_blocks
+        assert len(free_ids) == len(self.free_queue)
         assert self.null_block.block_id not in free_ids, "null block in the free queue"
         num_used = 0
         for block in self.blocks:
@@ -331,14 +413,19 @@ class BlockPool:
             else:
                 assert block.ref_cnt > 0, f"{block} is neither free nor referenced (leak)"
                 num_used += 1
-            if block.cache_key is not None:
-                assert self.cached_blocks.get(block.cache_key) is block, f"{block} not in map"
+            if block.block_hash is not None:
+                assert self.get_cached_block(block.block_hash, block.group_id) is block, (
+                    f"{block} not in map"
+                )
             if expected_ref_cnts is not None:
                 expected = expected_ref_cnts.get(block.block_id, 0)
                 assert block.ref_cnt == expected, (
                     f"{block}: ref_cnt {block.ref_cnt}, held by {expected}"
                 )
         assert num_used + len(free_ids) == self.num_blocks - 1, "free + used != total"
-        for key, block in self.cached_blocks.items():
-            assert block.cache_key == key, f"map entry for {block} has a stale key"
-            assert not block.is_null
+        for group_id, blocks in self._cached.items():
+            for block_hash, block in blocks.items():
+                assert block.block_hash == block_hash and block.group_id == group_id, (
+                    f"map entry for {block} has a stale key"
+                )
+                assert not block.is_null

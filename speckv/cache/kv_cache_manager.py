@@ -65,12 +65,20 @@ class StridedHashes(Sequence[bytes]):
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step < 0:
+                return [self[i] for i in range(start, stop, step)]
+            stride = self._stride
+            # item i is chain[(i + 1) * stride - 1]: one C-level slice of the chain
+            return self._chain[(start + 1) * stride - 1 : (stop + 1) * stride - 1 : step * stride]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self._chain[(index + 1) * self._stride - 1]
+
+    def __iter__(self):
+        return iter(self[:])
 
 
 class KVCacheManager:
@@ -202,24 +210,34 @@ class KVCacheManager:
         num_new_tokens: int,
         hit: CacheHit | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_tokens: int = 0,
     ) -> Allocation | None:
         """Give the request slots for `num_new_tokens` more tokens (the scheduled drafts
         included) plus `num_lookahead_tokens` slots for the drafter's next proposals, taking
         `hit` on first scheduling. Caches the blocks whose hashes exist and frees blocks that
         fell out of a sliding window. Mutates; the caller then advances
-        `request.num_computed_tokens` by the hit and the new tokens.
+        `request.num_computed_tokens` by the hit, the external tokens and the new tokens.
+
+        `num_external_tokens` (first scheduling only) are tokens right after the hit that a KV
+        connector loads into the new blocks before the forward. They count as computed, but
+        nothing past the hit is cached in this call: a load can fail, and a hash must never
+        name garbage. The next `allocate_slots` (or `cache_computed_blocks`) caches them, after
+        the scheduler has rolled back whatever failed.
 
         Returns None, and changes nothing, when there are not enough free blocks.
 
-            [ computed | hit | new tokens (+ drafts) | lookahead slots ]
-                                num_total = computed + hit + new + lookahead
+            [ computed | hit | external | new tokens (+ drafts) | lookahead slots ]
+                     num_total = computed + hit + external + new + lookahead
         """
         if num_new_tokens <= 0 and num_lookahead_tokens <= 0:
             raise ValueError("allocate_slots needs at least one new token or lookahead slot")
+        if num_external_tokens < 0:
+            raise ValueError(f"num_external_tokens must be >= 0, got {num_external_tokens}")
         hit_blocks = hit.blocks if hit is not None else tuple([] for _ in self.managers)
         num_hit_tokens = hit.num_computed_tokens if hit is not None else 0
         request_id = request.request_id
-        num_computed = request.num_computed_tokens + num_hit_tokens
+        num_cacheable = request.num_computed_tokens + num_hit_tokens
+        num_computed = num_cacheable + num_external_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
         num_needed = sum(
             manager.get_num_blocks_to_allocate(request_id, num_total, blocks)
@@ -236,6 +254,8 @@ class KVCacheManager:
         num_to_cache = min(
             num_computed + num_new_tokens - len(request.spec_token_ids), request.num_tokens
         )
+        if num_external_tokens:
+            num_to_cache = num_cacheable  # the loaded range is cached once the load succeeded
         self._cache_blocks(request, num_to_cache)
         # only after caching: a block leaving the window may be one a later hit needs
         for manager in self.managers:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speckv.cache.block import KVCacheBlock, make_cache_key
+from speckv.cache.block import KVCacheBlock
 from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, content_of
 from speckv.cache.retention import RetentionPolicy
 from speckv.cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+
+# Blocks probed before the first check for a miss in a full-attention lookup.
+_FIRST_PROBE_CHUNK = 32
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -53,10 +56,7 @@ class SingleTypeManager:
         num_required = cdiv(num_tokens, self.block_size)
         num_held = len(self.blocks_of(request_id)) + len(new_computed_blocks)
         num_new = max(0, num_required - num_held)
-        num_evictable_hits = sum(
-            1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null
-        )
-        return num_new + num_evictable_hits
+        return num_new + self.pool.num_free_among(new_computed_blocks)
 
     # ---- mutations ---------------------------------------------------------------------------
     def save_new_computed_blocks(
@@ -111,7 +111,8 @@ class SingleTypeManager:
         """Release a request's blocks, tail first so chain ends are evicted first. Mutates."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_blocks.pop(request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        first = self.pool.null_prefix_len(blocks)  # nulls hold nothing to free
+        self.pool.free_blocks(reversed(blocks[first:]) if first else reversed(blocks))
 
     # ---- helpers -----------------------------------------------------------------------------
     def _lookup(
@@ -144,14 +145,18 @@ class FullAttentionManager(SingleTypeManager):
                     break
                 hit.append(block)
             return hit
-        # Trusted hashes: the hot loop is one dict probe per block.
-        lookup = self.pool.cached_blocks.get
-        suffix = make_cache_key(b"", self.group.group_id)
-        for index in range(num_candidates):
-            block = lookup(block_hashes[index] + suffix)
-            if block is None:
-                break
-            hit.append(block)
+        # Trusted hashes: C-level dict probes over growing chunks (a miss at block k costs
+        # O(k) probes, a full hit one pass).
+        lookup = self.pool.cached_map(self.group.group_id).get
+        start, chunk = 0, _FIRST_PROBE_CHUNK
+        while start < num_candidates:
+            end = min(num_candidates, start + chunk)
+            found = list(map(lookup, block_hashes[start:end]))
+            if not all(found):  # blocks are truthy: all() is faster than `None in found`
+                hit += found[: found.index(None)]
+                return hit
+            hit += found
+            start, chunk = end, chunk * 4
         return hit
 
 
@@ -188,13 +193,14 @@ class _PartialPrefixManager(SingleTypeManager):
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        null = self.pool.null_block
-        released = []
-        for index in range(min(num_blocks_to_drop, len(blocks)) - 1, -1, -1):
-            if blocks[index].is_null:
-                break  # everything before was released by an earlier call
-            released.append(blocks[index])
-            blocks[index] = null
+        end = min(num_blocks_to_drop, len(blocks))
+        # everything before the null prefix's end was released by an earlier call
+        start = self.pool.null_prefix_len(blocks)
+        if start >= end:
+            return
+        released = blocks[start:end]  # (nulls in it, if any, are skipped by free_blocks)
+        blocks[start:end] = [self.pool.null_block] * (end - start)
+        released.reverse()
         self.pool.free_blocks(released)
 
 

@@ -2,7 +2,8 @@
 
 Shows what lookahead block hashes buy (hit lengths with and without them, on the real cache
 manager), what they cost (block-hash CPU time per format), the built-in model (EAGLE3
-speculation where it pays), and a short end-to-end prefix_repetition run in three modes.
+speculation where it pays), a short end-to-end prefix_repetition run in three modes, and the same
+chat request sent twice to `speckv serve` (cached_tokens of both).
 """
 
 from __future__ import annotations
@@ -118,5 +119,10 @@ def run(args: argparse.Namespace) -> int:
 
         run_model_demo(console)
         _prefix_repetition(console)
-    console.print("More: speckv bench hit-length | speckv bench hash | speckv bench cache")
+        from speckv.commands.demo_server import run_server_demo
+
+        if not run_server_demo(console):
+            return 1
+    console.print("More: speckv serve | speckv bench serve | speckv bench hit-length | "
+                  "speckv bench hash | speckv bench cache")
     return 0

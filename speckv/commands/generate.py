@@ -5,14 +5,21 @@ Owns the command's arguments and printing. The chat template is applied for chat
 measurement: on the built-in model the shipped EAGLE3 head is on by default only when its
 recorded benchmark (`speckv bench spec-decode --record`) shows it faster at batch 1, and the
 first stderr line says which drafter runs and what it measured; a summary line (tokens, TTFT,
-tokens/s, acceptance per draft position) goes to stderr at the end.
+tokens/s, cached prompt tokens, acceptance per draft position) goes to stderr at the end. With
+`--kv-connector`, the engine's hash mode and why are printed first, and the summary says how
+many cached tokens came from a tier: a disk tier (`--kv-connector disk --kv-offload-dir DIR`)
+serves the next run of the same prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+from speckv.connectors.config import add_connector_arguments, connector_config_from_args
+from speckv.engine.kv_connector import connector_engine_kwargs
 
 METHODS = ("none", "ngram", "eagle", "eagle3", "mtp")
 DRAFTER_METHODS = ("eagle", "eagle3", "mtp")
@@ -50,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="always draft --num-spec-tokens tokens")
     parser.add_argument("--disable-lookahead-block-hashes", action="store_true",
                         help="legacy block hashes and the last-block drop")
+    parser.add_argument("--hash-seed", default=None,
+                        help="block-hash seed (default: PYTHONHASHSEED, else random; a disk "
+                        "tier needs one that another process can reproduce)")
+    add_connector_arguments(parser)
 
 
 def speculation_choice(args: argparse.Namespace) -> tuple[str, str | None, str]:
@@ -124,10 +135,26 @@ def run(args: argparse.Namespace) -> int:
         "speculative_model": speculative_model,
         "adaptive_speculation": not args.no_adaptive_speculation,
     }
+    connector = connector_config_from_args(args)  # flag errors before the model loads
+    persistent = connector is not None and {"disk", "store"} & set(connector.names)
+    if persistent and args.hash_seed is None and "PYTHONHASHSEED" not in os.environ:
+        raise ValueError(f"--kv-connector {args.kv_connector} needs block hashes another process "
+                         "can reproduce: pass --hash-seed (e.g. --hash-seed 0) or set "
+                         "PYTHONHASHSEED")
+    tiers = {} if connector is None else connector_engine_kwargs(args.kv_connector, connector)
     print(f"[{line}]", file=sys.stderr, flush=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len,
-              disable_lookahead_block_hashes=args.disable_lookahead_block_hashes, **speculative)
+              disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,
+              hash_seed=args.hash_seed, **speculative, **tiers)
+    with llm:
+        return _generate(llm, args, params, connector is not None)
+
+
+def _generate(llm, args: argparse.Namespace, params, with_tiers: bool) -> int:
+    if with_tiers:
+        mode = llm.engine.hash_mode
+        print(f"[KV tiers {args.kv_connector}: {mode.label} ({mode.reason})]", file=sys.stderr)
     prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
     start = time.perf_counter()
     last = None
@@ -148,9 +175,12 @@ def run(args: argparse.Namespace) -> int:
                         "draft j accepted " + " / ".join(
                             f"{rate:.0%}" for rate in last.acceptance_by_position)
                         + f" ({llm.engine.hash_mode.label})")
+        cached = f", cached {last.num_cached_tokens}/{len(last.prompt_token_ids)} prompt tokens"
+        if with_tiers:
+            cached += f" ({last.num_external_cached_tokens} from the tiers)"
         print(
             f"[{len(last.token_ids)} tokens, finish={last.finish_reason}, TTFT {ttft}, "
-            f"{len(last.token_ids) / elapsed:.1f} tokens/s{accepted}]",
+            f"{len(last.token_ids) / elapsed:.1f} tokens/s{cached}{accepted}]",
             file=sys.stderr,
         )
     return 0

@@ -73,3 +73,10 @@ def measured_speedup() -> MeasuredSpeedup | None:
         {int(b): float(s) for b, s in raw["speedup_by_batch"].items()},
         float(raw["mean_acceptance_length"]), int(raw["num_spec_tokens"]), str(raw["command"]),
     )
+
+
+def builtin_speculation_pays(batch_size: int = 1) -> bool:
+    """Whether the shipped head's recorded benchmark is faster than no speculation at
+    `batch_size` (the rule every default follows: generate, serve, the demo)."""
+    measured = measured_speedup()
+    return measured is not None and (measured.at(batch_size) or 0.0) > 1.0

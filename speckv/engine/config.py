@@ -2,8 +2,10 @@
 
 Owns the engine's shape: block size, KV cache size (a block count, or a memory budget turned
 into one), the per-step token budget, the batch size limit, the context limit, prefix caching,
-dtype/device, the block-hash algorithm and seed, and the speculative proposer. Bad values raise
-a ValueError naming the field.
+dtype/device, the block-hash algorithm and seed, the speculative proposer, where KV events
+are published (the engine then makes the publisher) and the KV connector (`kv_connector`:
+tiers beyond the local prefix cache, e.g. "offload" or "offload,disk"). Bad values raise a
+ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from speckv.connectors.config import ConnectorConfig
+from speckv.connectors.disk import DEFAULT_DISK_GIB
+from speckv.connectors.namespace import persistent_hash_seed
+from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB
 from speckv.hashing.functions import HASH_ALGOS
 
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle", "eagle3", "mtp")
@@ -22,6 +28,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
 # Draft j is accepted only after drafts 1..j-1 were, so acceptance falls geometrically with j:
 # past a handful, more drafts only cost (verification rows, draft forwards, lookahead slots).
 MAX_NUM_SPEC_TOKENS = 16
+ZMQ_TRANSPORTS: tuple[str, ...] = ("tcp://", "ipc://", "inproc://")
 
 
 def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -56,7 +63,20 @@ class EngineConfig:
     adaptive_speculation: bool = True
     prompt_lookup_min: int = 1  # n-gram proposer: shortest suffix matched, tokens
     prompt_lookup_max: int = 3  # n-gram proposer: longest suffix matched, tokens
+    kv_events_endpoint: str | None = None  # ZeroMQ PUB endpoint for KV events; None: off
+    kv_events_replay_endpoint: str | None = None  # ROUTER endpoint answering replay requests
     draft_model: str | None = None  # deprecated alias of speculative_model (one release)
+    # KV tiers beyond the local prefix cache, fastest first, comma-separated: "offload" (CPU),
+    # "disk", "offload,disk" (see speckv.connectors.config); None: none
+    kv_connector: str | None = None
+    kv_offload_gb: float = DEFAULT_OFFLOAD_GIB  # CPU tier size, GiB of host memory
+    kv_offload_dir: str | None = None  # disk tier directory (needed by "disk")
+    kv_offload_disk_gb: float = DEFAULT_DISK_GIB  # disk tier size bound, GiB
+    kv_store_url: str = "embedded"  # shared store: redis[s]://..., or a private Valkey server
+    kv_store_gb: float = 4.0  # maxmemory of the embedded Valkey server, GiB
+    kv_store_cluster: bool = False  # the store URL names a Redis Cluster node
+    kv_store_optional: bool = False  # start without the store when it is unreachable
+    kv_store_timeout_s: float = 1.0  # per store call, then a miss
 
     def __post_init__(self) -> None:
         if self.draft_model is not None:
@@ -134,13 +154,59 @@ class EngineConfig:
         _check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError("EngineConfig.prompt_lookup_max must be >= prompt_lookup_min")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, str) or not value.startswith(ZMQ_TRANSPORTS)
+            ):
+                raise ValueError(
+                    f"EngineConfig.{name} must be a ZeroMQ endpoint starting with one of "
+                    f"{ZMQ_TRANSPORTS} (e.g. tcp://*:5557), got {value!r}"
+                )
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("EngineConfig.kv_events_replay_endpoint needs kv_events_endpoint")
+        self._check_connector()
         if self.max_num_batched_tokens < 1 + self.num_spec_tokens:
             raise ValueError(
                 "EngineConfig.max_num_batched_tokens must fit one decode step "
                 f"(1 + num_spec_tokens = {1 + self.num_spec_tokens})"
             )
 
+    def _check_connector(self) -> None:
+        if self.kv_connector is None:
+            if self.kv_offload_dir is not None:
+                raise ValueError("EngineConfig.kv_offload_dir needs kv_connector='disk' (or "
+                                 "'offload,disk')")
+            return
+        if not isinstance(self.kv_connector, str):
+            raise ValueError(f"EngineConfig.kv_connector must be a string like 'offload,disk', "
+                             f"got {self.kv_connector!r}")
+        if self.kv_offload_dir is not None:
+            object.__setattr__(self, "kv_offload_dir", str(self.kv_offload_dir))
+        if not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.kv_connector needs enable_prefix_caching: tiers are "
+                             "keyed by the prefix cache's block hashes")
+        try:
+            connector = self.connector_config()
+            assert connector is not None
+            if "disk" in connector.names or "store" in connector.names:
+                persistent_hash_seed(self.hash_seed)  # a random seed could never hit again
+        except ValueError as error:
+            raise ValueError(f"EngineConfig.kv_connector: {error}") from None
+
     # ---- derived -------------------------------------------------------------------------------
+    def connector_config(self) -> ConnectorConfig | None:
+        """The KV connector's settings (None: no connector). ValueError names the CLI flag."""
+        if self.kv_connector is None:
+            return None
+        return ConnectorConfig.parse(self.kv_connector, offload_gib=self.kv_offload_gb,
+                                     offload_dir=self.kv_offload_dir,
+                                     disk_gib=self.kv_offload_disk_gb,
+                                     store_url=self.kv_store_url, store_gib=self.kv_store_gb,
+                                     store_cluster=self.kv_store_cluster,
+                                     store_optional=self.kv_store_optional,
+                                     store_timeout_s=self.kv_store_timeout_s)
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -80,6 +80,22 @@ class LLM:
         self.engine = LLMEngine(loaded, config, tokenizer, drafter=drafter)
         self._request_ids = itertools.count()
 
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Forget the local prefix cache; with `reset_connector`, the KV connector's tiers too
+        (a disk tier's files included). False while requests hold blocks."""
+        return self.engine.reset_prefix_cache(reset_connector)
+
+    def close(self) -> None:
+        """Settle the KV tiers' pending stores and stop them (a disk tier then holds everything
+        this engine stored). Idempotent; the LLM cannot generate afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def chat_prompt(self, user_text: str) -> str:
         """`user_text` wrapped in the model's chat template (the text itself without one)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:

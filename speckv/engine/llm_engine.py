@@ -7,7 +7,13 @@ Owns turning user input into scheduler requests (tokenization, validation agains
     EngineCore.step (core.py): schedule → run → update (scheduler.py, model_runner.py)
     OutputProcessor (output_processor.py): detokenize, stop strings, deltas → RequestOutput
         a stop string ends its request in the core (its last block cached, then freed)
-    publish the step's KV events (optional)
+    publish the step's KV events (optional): the local cache's, then the KV connector's tiers'
+
+With `EngineConfig.kv_connector`, the engine builds the connector (`kv_connector.py`), resolves
+its hash mode from the drafter AND the connector's lookahead capability (`hash_mode.reason`
+says why; logged at start-up), and binds the connector to the target's and drafter's caches.
+When the engine goes idle, the saves of the requests that just left are snapshotted (their
+stores proceed in the background); `close()` settles every store, then stops the tiers.
 
 Bad requests raise a ValueError from `add_request` and never enter the batch; the engine keeps
 serving the others.
@@ -25,8 +31,15 @@ from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
+from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
+from speckv.engine.kv_connector import (
+    RunnerConnector,
+    SchedulerConnector,
+    build_connector,
+    initialize_connector,
+)
 from speckv.engine.messages import FinishReason
 from speckv.engine.model_runner import ModelRunner
 from speckv.engine.output_processor import OutputProcessor
@@ -34,12 +47,13 @@ from speckv.engine.outputs import RequestOutput
 from speckv.engine.request import Request
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.scheduler import Scheduler
-from speckv.engine.speculative import Drafter, make_proposer
+from speckv.engine.speculative import Drafter, make_proposer, resolve_connector_hash_mode
+from speckv.engine.stats import SchedulerStats
 from speckv.hashing.functions import get_hash_algo
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
 from speckv.spec.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation, SpecDecodeStats
-from speckv.spec.policy import NO_DRAFTER, DrafterPolicy, resolve_hash_mode
+from speckv.spec.policy import NO_DRAFTER, DrafterPolicy
 from speckv.spec.proposer import Proposer
 
 
@@ -57,8 +71,13 @@ class LLMEngine:
         event_publisher: EventPublisher | None = None,
         detokenize: bool = True,
         drafter: Drafter | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
+        """`connector`: a KV connector to use instead of the one `config.kv_connector` names
+        (not yet initialized; the engine initializes it and closes it)."""
         self.config = config = config or EngineConfig()
+        if connector is not None and config.kv_connector is not None:
+            raise ValueError("pass a connector or set EngineConfig.kv_connector, not both")
         self.model = model
         self.tokenizer = tokenizer
         model_config = model.config
@@ -80,7 +99,19 @@ class LLMEngine:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
+        if connector is not None and not config.enable_prefix_caching:
+            raise ValueError("a KV connector needs enable_prefix_caching: tiers are keyed by "
+                             "the prefix cache's block hashes")
+        self.connector: KVConnector | None = (
+            connector if connector is not None else build_connector(config, model, drafter))
+        self._closed = False
         self.hash_mode = self._resolve_hash_mode(proposer.policy if proposer else NO_DRAFTER)
+        self._owned_publisher: Any = None  # made from the config; close() ends it
+        if event_publisher is None and config.kv_events_endpoint is not None:
+            from speckv.events.publisher import publisher_for_endpoints
+
+            event_publisher = self._owned_publisher = publisher_for_endpoints(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint)
         self.event_publisher = event_publisher
         algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
@@ -92,25 +123,37 @@ class LLMEngine:
             event_sink=KVEventSink() if event_publisher is not None else None,
         )
         self.hashing = self.manager.block_hashing(algo, config.hash_seed)
+        connector = self.connector
         self.scheduler = Scheduler(
-            self.manager, config.max_num_batched_tokens, config.max_num_seqs, self.num_spec_tokens
+            self.manager, config.max_num_batched_tokens, config.max_num_seqs, self.num_spec_tokens,
+            SchedulerConnector(connector, self.manager) if connector is not None else None,
         )
         # how many drafts each step verifies (adaptive unless config says otherwise)
         self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
             self.num_spec_tokens, adaptive=config.adaptive_speculation))
-        self.runner = ModelRunner(model, self.num_blocks, block_size, proposer, self.spec_policy)
+        self.runner = ModelRunner(
+            model, self.num_blocks, block_size, proposer,
+            RunnerConnector(connector, block_size) if connector is not None else None,
+            spec_policy=self.spec_policy,
+        )
+        if connector is not None:
+            initialize_connector(connector, self.runner.kv_cache,
+                                 getattr(proposer, "kv_cache", None), self.hash_mode, block_size)
         self.core = EngineCore(self.scheduler, self.runner)
         self.output_processor = OutputProcessor(tokenizer, detokenize)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
         self._counter = itertools.count()
+        self.last_stats: SchedulerStats | None = None  # the last step's, set by every step()
 
     def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
-        """Lookahead hashes or the legacy drop for this engine, from the drafter's policy."""
-        return resolve_hash_mode(
+        """Lookahead hashes or the legacy drop for this engine, from the drafter's policy and
+        the KV connector's capability."""
+        return resolve_connector_hash_mode(
             policy,
             enable_prefix_caching=self.config.enable_prefix_caching,
             disable_lookahead_block_hashes=self.config.disable_lookahead_block_hashes,
+            connector=self.connector,
         )
 
     # ---- requests --------------------------------------------------------------------------
@@ -175,6 +218,7 @@ class LLMEngine:
         """Stop a request now and free its blocks; returns its final output (None: unknown)."""
         output = self.output_processor.abort(request_id)
         self.scheduler.finish_requests([request_id], FinishReason.ABORT)
+        self._settle_if_idle()
         return output
 
     def get_request(self, request_id: str) -> Request:
@@ -199,10 +243,60 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that produced tokens or
         finished in it (deltas since the previous output)."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         outputs, stopped_ids = self.output_processor.process(self.core.step())
         self.scheduler.finish_requests(stopped_ids, FinishReason.STOP)
+        self._settle_if_idle()
+        # taken every step, published or not: a tier's events pile up otherwise
+        tier_events = self.connector.take_events() if self.connector is not None else []
         if self.event_publisher is not None:
-            events = self.manager.take_events()
+            events = self.manager.take_events() + tier_events
             if events:
                 self.event_publisher.publish(events)
+        self.last_stats = self.scheduler.take_stats()
         return outputs
+
+    # ---- KV cache and connector ---------------------------------------------------------------
+    def _settle_if_idle(self) -> None:
+        """No request left: snapshot the saves of those that just left now (no step would),
+        so their stores go on in the background. Does not wait."""
+        if (self.connector is not None and not self._closed
+                and not self.scheduler.has_unfinished_requests()):
+            self.connector.flush(timeout_s=0)
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Forget the local prefix cache (and, with `reset_connector`, everything the KV
+        connector's tiers hold). False, with nothing forgotten locally, while requests hold
+        blocks; False too if a tier kept blocks it is loading."""
+        reset = self.manager.reset_prefix_cache()
+        if reset_connector and self.connector is not None:
+            reset = self.connector.reset_cache() and reset
+        return reset
+
+    def kv_connector_stats(self) -> dict[str, ConnectorStats]:
+        """Counters per tier (empty without a connector)."""
+        return self.connector.stats() if self.connector is not None else {}
+
+    def flush_kv_connector(self, timeout_s: float | None = None) -> bool:
+        """Between steps: store every pending save and wait for the tiers. True if all
+        settled within `timeout_s` (True without a connector)."""
+        return self.connector.flush(timeout_s) if self.connector is not None else True
+
+    def close(self, timeout_s: float | None = 60.0) -> None:
+        """Settle the tiers' pending stores (up to `timeout_s`), stop their threads, and shut
+        the KV-event publisher the engine made from its config. The engine must not step
+        afterwards. Idempotent."""
+        if self.connector is not None and not self._closed:
+            self._closed = True
+            self.connector.flush(timeout_s)
+            self.connector.shutdown()
+        if self._owned_publisher is not None:
+            self._owned_publisher.shutdown()
+            self._owned_publisher = None
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -14,14 +14,25 @@ carries its whole block table; later steps carry only the blocks allocated in th
     positions of one scheduled request in a step:
         [ computed before | start ............ end )
                             real tokens | drafts      (num_new_tokens in all)
+    on first schedule, "computed before" = local hit | external tokens (loaded by the KV
+    connector in this step's worker phase, before the forward)
+
+With a KV connector, the SchedulerOutput carries the connector's step metadata (which tier
+blocks to load into which device blocks, which device blocks to save); the runner starts it
+before its forward and hands back the connector's `ConnectorOutput`, whose load failures the
+scheduler applies (the request recomputes from the first failed token).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from speckv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from speckv.connectors.metadata import ConnectorOutput, StepMetadata
 
 
 class FinishReason(StrEnum):
@@ -68,6 +79,9 @@ class ScheduledRequest:
     num_hit_tokens: int  # prefix-cache hit taken this step, tokens (0 unless from waiting)
     # True when this step reaches the request's last real token, so its logits sample
     samples: bool
+    # tokens after the hit that the KV connector loads before this step's forward (first
+    # schedule only): positions [num_hit_tokens, start)
+    num_external_tokens: int = 0
 
     @property
     def end(self) -> int:
@@ -87,6 +101,9 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str]
     preempted_request_ids: frozenset[str]  # preempted this step (they come back resumed)
     num_scheduled_tokens: int  # positions computed this step, all requests
+    # the KV connector's work for this step (None: no connector); the runner must start it
+    # even when nothing is scheduled (it snapshots the saves of requests that left)
+    kv_connector_metadata: StepMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -101,6 +118,10 @@ class ModelRunnerOutput:
     # token that stops the request (EOS / stop token, max_tokens, max_model_len)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # for the next step
+    # the KV connector's report of this step (None: no connector): finished loads and saves,
+    # load failures (each request named there was cut from the batch: nothing was computed
+    # or sampled for it; it recomputes from its failure's first_failed_token)
+    kv_connector_output: ConnectorOutput | None = None
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
@@ -118,3 +139,5 @@ class EngineCoreOutput:
     num_accepted_tokens: int = 0  # of them accepted
     num_preemptions: int = 0  # so far
     error: str | None = None  # with FinishReason.ERROR
+    # of num_cached_tokens, those a KV connector loaded from a tier (the rest: local hit)
+    num_external_cached_tokens: int = 0

@@ -11,6 +11,11 @@ sampling seed. One step:
     sample      verify drafts (greedy or rejection sampling), cut at the first stop token
     propose     the proposer writes draft KV for every position made final this step, then
                 proposes the next drafts; before the scheduler frees anything
+
+With a KV connector (`kv_connector.py`), the step's connector metadata is started before the
+forward (saves snapshotted, tier blocks loaded into the target's and drafter's caches); a
+request whose load failed is cut from the step (nothing computed or sampled), and the
+connector's report goes back in the ModelRunnerOutput.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from speckv.attention import AttentionMetadata, PagedKVCache
+from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
     EMPTY_RUNNER_OUTPUT,
     ModelRunnerOutput,
@@ -62,9 +68,11 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         proposer: Proposer | None = None,
+        connector: RunnerConnector | None = None,
         spec_policy: AdaptiveSpeculation | None = None,
     ) -> None:
         self.model = model
+        self.connector = connector
         self.block_size = block_size
         self.device = model.device
         self.kv_cache: PagedKVCache = model.make_kv_cache(num_blocks, block_size)
@@ -83,14 +91,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
-        if scheduler_output.is_empty:
+        scheduled = scheduler_output.scheduled
+        if self.connector is not None:
+            cut = self.connector.start_step(
+                scheduler_output.kv_connector_metadata, scheduled,
+                {item.request_id: self.requests[item.request_id].block_ids for item in scheduled})
+            if cut:
+                scheduled = [item for item in scheduled if item.request_id not in cut]
+        elif scheduler_output.is_empty:
             return EMPTY_RUNNER_OUTPUT
-        start = time.perf_counter()
-        forward = self._forward(scheduler_output.scheduled)
-        sampled, stopped = self._sample(scheduler_output.scheduled, forward)
-        target_s = time.perf_counter() - start
-        drafts = self._propose(scheduler_output.scheduled, forward, sampled, stopped, target_s)
-        return ModelRunnerOutput(sampled, drafts)
+        sampled: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
+        if scheduled:
+            start = time.perf_counter()
+            forward = self._forward(scheduled)
+            sampled, stopped = self._sample(scheduled, forward)
+            target_s = time.perf_counter() - start
+            drafts = self._propose(scheduled, forward, sampled, stopped, target_s)
+        if self.connector is None:
+            return ModelRunnerOutput(sampled, drafts)
+        return ModelRunnerOutput(sampled, drafts, self.connector.finish_step())
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:

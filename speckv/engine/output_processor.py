@@ -31,6 +31,7 @@ class _OutputState:
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
     num_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -79,6 +80,7 @@ class OutputProcessor:
                 state.first_token_s = now
             state.output_token_ids.extend(tokens)
             state.num_cached_tokens = core_output.num_cached_tokens
+            state.num_external_cached_tokens = core_output.num_external_cached_tokens
             state.num_preemptions = core_output.num_preemptions
             num_accepted = min(core_output.num_accepted_tokens, max(0, len(tokens) - 1))
             state.num_draft_tokens += core_output.num_draft_tokens
@@ -158,6 +160,7 @@ class OutputProcessor:
             num_drafts_by_position=tuple(state.drafts_by_position),
             num_accepted_by_position=tuple(state.accepted_by_position) + (0,) * (
                 len(state.drafts_by_position) - len(state.accepted_by_position)),
+            num_external_cached_tokens=state.num_external_cached_tokens,
         )
 
 

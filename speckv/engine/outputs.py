@@ -1,10 +1,10 @@
 """RequestOutput: what the engine hands back for one request (a streaming delta or the end).
 
 Owns the typed result: token ids and text (whole output so far plus this step's delta),
-cached prompt tokens, time to first token and the finish reason ("stop", "length", "abort",
-"error" for a prompt `LLM` could not add or a request that no longer fits the KV cache, or None
-while running; `error` says why with "error"), and `acceptance_stats`, the
-drafts' acceptance over a set of outputs.
+cached prompt tokens (the local prefix cache's and a KV tier's, reported apart), time to first
+token and the finish reason ("stop", "length", "abort", "error" for a prompt `LLM` could not
+add or a request that no longer fits the KV cache, or None while running; `error` says why with
+"error"), and `acceptance_stats`, the drafts' acceptance over a set of outputs.
 """
 
 from __future__ import annotations
@@ -21,17 +21,24 @@ class RequestOutput:
     text: str  # all output text so far ("" without a tokenizer)
     delta_token_ids: list[int]  # output tokens new in this step
     delta_text: str
-    num_cached_tokens: int  # prompt tokens served by the prefix cache, tokens
+    # prompt tokens served by a cache: the local prefix cache and a KV connector's tiers
+    num_cached_tokens: int
     ttft_s: float | None  # seconds from add_request to the first output token
     finish_reason: str | None  # None while running
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # drafts scheduled for verification, tokens
     num_accepted_tokens: int = 0  # drafts accepted, tokens
     error: str | None = None
+    num_external_cached_tokens: int = 0  # of num_cached_tokens, loaded from a KV tier
     # per draft position j (index j - 1): steps that verified a draft there, and of them the
     # steps that accepted it (a draft after a rejected one counts as rejected)
     num_drafts_by_position: tuple[int, ...] = ()
     num_accepted_by_position: tuple[int, ...] = ()
+
+    @property
+    def num_local_cached_tokens(self) -> int:
+        """Of num_cached_tokens, those the local prefix cache served."""
+        return self.num_cached_tokens - self.num_external_cached_tokens
 
     @property
     def acceptance_by_position(self) -> tuple[float, ...]:

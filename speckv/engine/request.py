@@ -93,6 +93,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache, first schedule
+        self.num_external_cached_tokens = 0  # of them, loaded from a KV connector's tier
         self.num_preemptions = 0
         self.max_tokens = max_tokens
         self.eos_token_ids = frozenset(eos_token_ids)  # every token that stops it

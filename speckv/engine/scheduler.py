@@ -11,7 +11,12 @@ limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas
    freed; it goes back to the front of the queue) until the allocation fits.
 2. Then waiting requests, unless a preemption happened this step: a prefix-cache hit (hit
    tokens skip their prefill and cost no budget; a preempted request re-hits what it had
-   cached), then as much of the prompt as the budget allows (chunked prefill).
+   cached), then what a KV connector's tier holds right after it (loaded before the forward,
+   also free of budget), then as much of the prompt as the budget allows (chunked prefill).
+
+With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
+SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
+a load failure the runner reports rolls its request back to the first failed token.
 
 `update_from_output()` applies what the runner sampled: rejected drafts' positions are rolled
 back, real tokens appended (new block hashes follow), the next drafts kept, and finished
@@ -27,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 
 from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.engine.kv_connector import SchedulerConnector, apply_load_failure
 from speckv.engine.messages import (
     EngineCoreOutput,
     FinishReason,
@@ -36,6 +42,7 @@ from speckv.engine.messages import (
     SchedulerOutput,
 )
 from speckv.engine.request import Request, RequestStatus
+from speckv.engine.stats import SchedulerStats, StatsCollector
 from speckv.engine.stopping import first_stop
 
 
@@ -46,8 +53,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         num_spec_tokens: int = 0,
+        connector: SchedulerConnector | None = None,
     ) -> None:
         self.manager = manager
+        self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.num_spec_tokens = num_spec_tokens
@@ -57,6 +66,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule (runner forgets)
         self._seen_ids: set[str] = set()  # unfinished requests the runner has been sent
         self._outputs: list[EngineCoreOutput] = []  # finished outside a step (no-fit errors)
+        self.stats = StatsCollector(num_spec_tokens)  # filled during a step, see `take_stats`
 
     # ---- queue ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,24 +140,34 @@ class Scheduler:
                 assert request.num_computed_tokens == 0
                 hit = self.manager.get_computed_blocks(request)
                 num_hit = hit.num_computed_tokens
-                num_pending = request.num_tokens - num_hit
+                num_external = (self.connector.num_external_tokens(request, num_hit)
+                                if self.connector is not None else 0)
+                num_pending = request.num_tokens - num_hit - num_external
                 num_new = min(num_pending, budget)
                 lookahead = self.num_spec_tokens if num_new == num_pending else 0
-                allocation = self.manager.allocate_slots(request, num_new, hit, lookahead)
+                allocation = self.manager.allocate_slots(request, num_new, hit, lookahead,
+                                                         num_external)
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
                 self.waiting.popleft()
+                self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
+                                            request.num_preemptions > 0)
+                if self.connector is not None:
+                    self.connector.after_alloc(request, allocation.new_block_ids[0], num_hit,
+                                               num_external)
                 if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
-                    request.num_cached_tokens = num_hit
+                    request.num_cached_tokens = num_hit + num_external
+                    request.num_external_cached_tokens = num_external
                 if request.request_id not in self._seen_ids:
                     self._seen_ids.add(request.request_id)
                     new_requests.append(request.new_request_data())
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit + num_new
+                request.num_computed_tokens = num_hit + num_external + num_new
                 self.running.append(request)
                 scheduled.append(ScheduledRequest(
-                    request.request_id, num_hit, num_new, (), allocation.new_block_ids, True,
-                    num_hit, self._samples(request),
+                    request.request_id, num_hit + num_external, num_new, (),
+                    allocation.new_block_ids, True, num_hit, self._samples(request),
+                    num_external,
                 ))
                 budget -= num_new
 
@@ -155,10 +175,12 @@ class Scheduler:
             self._fail_unschedulable()
         finished_ids = frozenset(self._finished_ids)
         self._finished_ids.clear()
+        meta = (self.connector.build_metadata(scheduled, self.requests)
+                if self.connector is not None else None)
         return SchedulerOutput(
             new_requests, scheduled, finished_ids,
             frozenset(request.request_id for request in preempted),
-            self.max_num_batched_tokens - budget,
+            self.max_num_batched_tokens - budget, meta,
         )
 
     @staticmethod
@@ -168,8 +190,11 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: cache what is computed (a later hit recovers it), free."""
+        if self.connector is not None:
+            self.connector.preempted(request)
         self.manager.cache_computed_blocks(request)
         self.manager.free(request)
+        self.stats.record_preemption()
         request.preempt()
         self.waiting.appendleft(request)
 
@@ -188,6 +213,7 @@ class Scheduler:
         self._outputs.append(EngineCoreOutput(
             request.request_id, [], FinishReason.ERROR, request.num_cached_tokens,
             num_preemptions=request.num_preemptions, error=error,
+            num_external_cached_tokens=request.num_external_cached_tokens,
         ))
 
     # ---- one step: what it produced ----------------------------------------------------------
@@ -196,6 +222,14 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Apply one step's sampled tokens and drafts; finish what stopped. Mutates."""
         outputs, self._outputs = self._outputs, []
+        connector_output = runner_output.kv_connector_output
+        if connector_output is not None and connector_output.load_failures:
+            # first, so nothing below caches or stores a block whose load failed
+            items = {item.request_id: item for item in scheduler_output.scheduled}
+            for failure in connector_output.load_failures:
+                request = self.requests.get(failure.request_id)
+                if request is not None:
+                    apply_load_failure(request, items[failure.request_id], failure)
         sampled_by_id = runner_output.sampled_token_ids
         for item in scheduler_output.scheduled:
             sampled = sampled_by_id.get(item.request_id)
@@ -208,6 +242,7 @@ class Scheduler:
             )
             sampled = sampled[:num_kept]
             request.apply_verification(item.num_drafts, sampled)
+            self.stats.record_verification(item.num_drafts, len(sampled) - 1)
             if reason is None:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(
                     item.request_id, ()))
@@ -217,8 +252,15 @@ class Scheduler:
                 item.request_id, sampled, reason, request.num_cached_tokens,
                 num_draft_tokens=item.num_drafts, num_accepted_tokens=len(sampled) - 1,
                 num_preemptions=request.num_preemptions,
+                num_external_cached_tokens=request.num_external_cached_tokens,
             ))
         return outputs
+
+    def take_stats(self) -> SchedulerStats:
+        """The statistics of the steps since the last call (occupancy as of now)."""
+        pool = self.manager.pool
+        return self.stats.take(len(self.running), len(self.waiting),
+                               self.manager.get_num_free_blocks(), pool.num_blocks - 1)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Every way out of the scheduler ends here: out of the queues, blocks released
@@ -227,6 +269,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.connector is not None:
+            self.connector.finished(request)
         if reason is FinishReason.ABORT:
             self.manager.free(request)
         else:

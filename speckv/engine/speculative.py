@@ -4,17 +4,21 @@ Owns turning `EngineConfig.speculative_method` (+ a drafter loaded from
 `EngineConfig.speculative_model`) into a `Proposer`. The proposer carries its drafter's policy
 (`speckv.spec.policy`), which then decides lookahead hashes versus the legacy drop. Drafter
 modules live in `speckv.drafters`; the proposer protocol and the n-gram proposer in
-`speckv.spec`.
+`speckv.spec`. Also the engine's hash mode from its drafter's policy and its KV connector.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from speckv.cache.hash_mode import HashMode
+from speckv.connectors.capability import lookahead_blocker
 from speckv.drafters.base import Drafter
 from speckv.engine.config import DRAFTER_METHODS, EngineConfig
 from speckv.models import LlamaForCausalLM
 from speckv.spec.ngram import NgramProposer
+from speckv.spec.policy import DrafterPolicy, resolve_hash_mode
 from speckv.spec.proposer import Proposer
 
 
@@ -74,3 +78,27 @@ def load_drafter_model(speculative_model: str, model: LlamaForCausalLM,
     from speckv.drafters.loaders import load_drafter
 
     return load_drafter(speculative_model, model)
+
+
+def resolve_connector_hash_mode(
+    drafter: DrafterPolicy,
+    *,
+    enable_prefix_caching: bool = True,
+    disable_lookahead_block_hashes: bool = False,
+    connector: Any | None = None,
+) -> HashMode:
+    """The engine's hash mode given its drafter and connector. Pure."""
+    blocker = lookahead_blocker(connector)
+
+    class _Capability:
+        supports_lookahead_block_hashes = blocker is None
+
+    mode = resolve_hash_mode(
+        drafter,
+        enable_prefix_caching=enable_prefix_caching,
+        disable_lookahead_block_hashes=disable_lookahead_block_hashes,
+        connector=_Capability() if connector is not None else None,
+    )
+    if blocker is not None and mode.drops_last_unit and not disable_lookahead_block_hashes:
+        return replace(mode, reason=f"{blocker}: legacy hashes with the last-block drop")
+    return mode

@@ -71,7 +71,11 @@ class ZmqEventPublisher:
 
     def __init__(self, config: PublisherConfig, context: zmq.Context | None = None) -> None:
         self.config = config
-        self._ctx = context if context is not None else zmq.Context.instance()
+        # A context of our own unless the caller shares one: ZeroMQ closes sockets
+        # asynchronously, and only `term()` on the owning context waits until the listening
+        # TCP sockets are really gone, so a restarted publisher can bind the same ports.
+        self._owns_ctx = context is None
+        self._ctx = zmq.Context(io_threads=1) if context is None else context
         self._topic = config.topic.encode("utf-8")
         # queue of (seq, ts, records-or-batch); deque ops are atomic, the lock makes
         # "full? drop oldest, count, append" one step
@@ -101,6 +105,7 @@ class ZmqEventPublisher:
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets()
+            self._term_context()
             raise
         self._thread = threading.Thread(target=self._run, name="speckv-kv-events", daemon=True)
         self._thread.start()
@@ -157,6 +162,7 @@ class ZmqEventPublisher:
         self._thread.join(timeout=self.config.shutdown_timeout_s + 1.0)
         if not self._thread.is_alive():
             self._close_sockets()
+            self._term_context()  # returns once the ports are released
 
     def __enter__(self) -> ZmqEventPublisher:
         return self
@@ -243,3 +249,19 @@ class ZmqEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
+
+    def _term_context(self) -> None:
+        if self._owns_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+
+def publisher_for_endpoints(endpoint: str, replay_endpoint: str | None = None
+                            ) -> ZmqEventPublisher:
+    """The engine's publisher for `EngineConfig.kv_events_endpoint` (bound; defaults else).
+    A busy or malformed endpoint is the user's error: a ValueError naming it."""
+    try:
+        config = PublisherConfig(endpoint=endpoint, replay_endpoint=replay_endpoint)
+        return ZmqEventPublisher(config)
+    except zmq.ZMQError as error:
+        where = endpoint if replay_endpoint is None else f"{endpoint} / {replay_endpoint}"
+        raise ValueError(f"cannot bind the KV-event endpoint {where}: {error}") from None

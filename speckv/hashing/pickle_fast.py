@@ -1,4 +1,8 @@
-"""Fast, bit-exact pickle encoding and chain-hashing of whole runs of blocks.
+"""Fast, bit-exact pickle encoding and chain-hashing of whole runs of blocks (numpy path).
+
+Requests hash through the optional native chain (`_chainhash.c`, same bytes, built by
+setup.py) when it is built; this module is the fallback without a compiler, and the reference
+the native chain's layout constants come from.
 
 Owns the trick that makes `sha256` / `xxhash` block hashing cheap. For an extra-key-free block,
 `pickle.dumps((parent, tokens, tail), protocol=5)` is always
@@ -59,6 +63,8 @@ _SHORT_BINBYTES = b"C"
 _MEMOIZE = b"\x94"
 _TUPLE3_MEMO_STOP = b"\x87\x94."
 _SEPARATOR = b"\xff\xff\xff\xff"
+MEMOIZE_BYTES = _MEMOIZE  # before a piece's layout.open
+TUPLE3_MEMO_STOP_BYTES = _TUPLE3_MEMO_STOP  # after a piece's layout.close
 # Stay well below pickle's 64 KiB frame target, past which CPython splits frames.
 MAX_FAST_PAYLOAD_BYTES = 60_000
 # Worst-case bytes of a piece beyond its token encodings (opcodes, tuple marks): generous.

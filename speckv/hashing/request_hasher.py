@@ -22,7 +22,18 @@ from speckv.hashing import functions as _functions
 from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs
 from speckv.hashing.formats import BlockHashFormat
 from speckv.hashing.functions import BlockHash, Encoding, HashAlgo
-from speckv.hashing.pickle_fast import PieceEncoder, chain_hash, fast_path_fits
+from speckv.hashing.pickle_fast import (
+    MEMOIZE_BYTES,
+    TUPLE3_MEMO_STOP_BYTES,
+    PieceEncoder,
+    chain_hash,
+    fast_path_fits,
+)
+
+try:  # the optional native chain (setup.py builds it; absent: the numpy path, same hashes)
+    from speckv.hashing._chainhash import chain_hash_blocks as _native_chain
+except ImportError:  # pragma: no cover - depends on the build
+    _native_chain = None
 
 # Below this many tokens in one update the plain per-block path is cheaper than the fast
 # encoder's fixed numpy cost (~40 us); decode steps (one block at a time) always take it.
@@ -86,11 +97,33 @@ def _plain_block_ranges(keyed: list[tuple[int, int]], first_block: int, end_bloc
     return plain
 
 
+def native_available() -> bool:
+    """Whether the native chain (`speckv.hashing._chainhash`) is built and enabled."""
+    return _native_chain is not None
+
+
+class _NativeChain:
+    """Arguments of the native chain for one (format, block size, algorithm)."""
+
+    __slots__ = ("call_digest", "digest", "mid", "prefix", "suffix")
+
+    def __init__(self, fmt: BlockHashFormat, block_size: int, algo: HashAlgo) -> None:
+        layout = fmt.pickle_layout(block_size)
+        self.prefix = MEMOIZE_BYTES + layout.open
+        self.mid = layout.mid
+        self.suffix = layout.close + TUPLE3_MEMO_STOP_BYTES
+        if algo.digest is _functions._sha256_digest:
+            # the C constructor, then .digest(): same bytes, no Python wrapper per block
+            self.digest, self.call_digest = hashlib.sha256, True
+        else:
+            self.digest, self.call_digest = algo.digest, False
+
+
 class RequestBlockHasher:
     """Block hashes of one request's real tokens; `update` mutates `block_hashes` only."""
 
-    __slots__ = ("_encoder", "_format", "algo", "block_hashes", "block_size", "inputs",
-                 "none_hash")
+    __slots__ = ("_encoder", "_format", "_native", "algo", "block_hashes", "block_size",
+                 "inputs", "none_hash")
 
     def __init__(
         self,
@@ -116,6 +149,16 @@ class RequestBlockHasher:
             and inputs.prompt_embeds is None
         )
         self._encoder = _encoder_for(fmt, block_size) if fast else None
+        # the native chain has no per-call cost worth avoiding: it takes every pickle block
+        # the numpy encoder could (any size up to one pickle frame), decode steps included
+        native = (
+            _native_chain is not None
+            and algo.encoding is Encoding.PICKLE
+            and fast_path_fits(block_size, fmt.lookahead_tokens)
+            and inputs.lora is None
+            and inputs.prompt_embeds is None
+        )
+        self._native = _NativeChain(fmt, block_size, algo) if native else None
 
     @property
     def lookahead_tokens(self) -> int:
@@ -136,7 +179,9 @@ class RequestBlockHasher:
         end_block = num_hashable_blocks(len(token_ids), block_size, lookahead)
         if end_block <= first_block:
             return 0
-        if (
+        if self._native is not None and type(token_ids) in (list, tuple):
+            self._hash_native(token_ids, first_block, end_block)
+        elif (
             self._encoder is not None
             and (end_block - first_block) * (block_size + lookahead) >= MIN_FAST_TOKENS
         ):
@@ -165,6 +210,35 @@ class RequestBlockHasher:
         for start in range(first_block * block_size, end_block * block_size, block_size):
             parent = algo(key(parent, token_ids, start, start + block_size, inputs))
             hashes.append(parent)
+
+    def _hash_native(self, token_ids: list[int] | tuple[int, ...], first_block: int,
+                     end_block: int) -> None:
+        """Key-free runs through the native chain; blocks with extra keys the plain way."""
+        native = self._native
+        assert native is not None and _native_chain is not None
+        block_size, lookahead = self.block_size, self._format.lookahead_tokens
+        if len(self._parent()) >= _MAX_FAST_PARENT_BYTES:
+            self._hash_plain(token_ids, first_block, first_block + 1)
+            first_block += 1
+        keyed = (
+            [] if self.inputs.is_empty
+            else _keyed_block_ranges(self.inputs, block_size, lookahead, first_block, end_block)
+        )
+        assert keyed is not None  # lora / prompt embeds never get the native chain
+        hashes = self.block_hashes
+        block = first_block
+        for keyed_first, keyed_end in [*keyed, (end_block, end_block)]:
+            if block < keyed_first:
+                try:
+                    _native_chain(token_ids, block * block_size, keyed_first - block, block_size,
+                                  lookahead, native.prefix, native.mid, native.suffix,
+                                  self._parent(), native.digest, native.call_digest, hashes)
+                except OverflowError:
+                    # an id pickle writes another way (bool, >= 2**31, ...): plain from there
+                    self._hash_plain(token_ids, len(hashes), keyed_first)
+            if keyed_first < keyed_end:
+                self._hash_plain(token_ids, keyed_first, keyed_end)
+            block = keyed_end
 
     def _hash_fast(self, token_ids: Sequence[int], first_block: int, end_block: int) -> None:
         encoder = self._encoder

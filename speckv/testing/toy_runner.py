@@ -11,6 +11,12 @@ KV that a cold run of the hitting request would write (`HitMismatch` otherwise).
 after this step's writes by other requests (a hit may take blocks another request computes in
 the same step, as on the real engine, where every layer writes its KV before it attends) and
 before the hitting request rewrites anything itself.
+
+With a KV connector (`toy_core(..., connector=...)` over a `PagedSymbolicKV`, whose facts live
+in real paged tensors), the runner does what `ModelRunner` does: it starts the step's connector
+metadata before writing any KV (saves snapshotted, tier blocks loaded into the tensors), cuts
+the requests whose load failed, and returns the connector's report. The hit check then covers
+the external tokens too: a tier hit must read back exactly what a cold run writes.
 """
 
 from __future__ import annotations
@@ -19,7 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.connectors import KVConnector
 from speckv.engine.core import EngineCore
+from speckv.engine.kv_connector import (
+    RunnerConnector,
+    SchedulerConnector,
+    initialize_connector,
+)
 from speckv.engine.messages import (
     EMPTY_RUNNER_OUTPUT,
     FinishReason,
@@ -80,6 +92,20 @@ class SymbolicKV:
         slot = self.slot(block_ids, position)
         return self.target[slot], self.draft[slot]
 
+    def mismatch(self, block_ids: Sequence[int], tokens: Sequence[int], num_positions: int,
+                 num_draft_positions: int) -> str | None:
+        """Where positions [0, num_positions) do not hold the target KV of `tokens`, or
+        positions [0, num_draft_positions) not the draft KV a cold run writes; None if they
+        all do."""
+        for position in range(max(num_positions, num_draft_positions)):
+            target, draft = self.read(block_ids, position)
+            expected_target, expected_draft = self.expected_at(tokens, position)
+            if position < num_positions and target != expected_target:
+                return f"position {position}: target KV of {target!r}, a cold run {expected_target}"
+            if position < num_draft_positions and draft != expected_draft:
+                return f"position {position}: draft KV of {draft!r}, a cold run {expected_draft}"
+        return None
+
 
 @dataclass
 class _ToyRequest:
@@ -90,8 +116,17 @@ class _ToyRequest:
 
 class ToyRunner:
     def __init__(self, num_spec_tokens: int, vocab_size: int = 32000,
-                 kv: SymbolicKV | None = None, check_draft_kv: bool = True) -> None:
+                 kv: SymbolicKV | None = None, check_draft_kv: bool = True,
+                 connector: RunnerConnector | None = None,
+                 check_computed_kv: bool = False) -> None:
         self.num_spec_tokens = num_spec_tokens
+        self.connector = connector
+        # every step, every scheduled request's positions before its start must hold what a
+        # cold run writes (needs a PagedSymbolicKV): catches a rolled-back load, a resumed
+        # request or a tier block that is wrong even where no hit check looks
+        self.check_computed_kv = check_computed_kv
+        self.num_positions_checked = 0
+        self.num_cut = 0  # requests cut from a step because their load failed
         self.vocab_size = vocab_size
         self.kv = kv
         # Legacy hashes + drop promise only the target KV (a chain stitched from two requests'
@@ -115,9 +150,16 @@ class ToyRunner:
                 state.block_ids = list(item.new_block_ids[0])
             else:
                 state.block_ids.extend(item.new_block_ids[0])
-        if scheduler_output.is_empty:
+        scheduled = scheduler_output.scheduled
+        if self.connector is not None:
+            cut = self.connector.start_step(
+                scheduler_output.kv_connector_metadata, scheduled,
+                {item.request_id: self.requests[item.request_id].block_ids for item in scheduled})
+            scheduled = [item for item in scheduled if item.request_id not in cut]
+            self.num_cut += len(cut)
+        elif scheduler_output.is_empty:
             return EMPTY_RUNNER_OUTPUT
-        items = [(item, self.requests[item.request_id]) for item in scheduler_output.scheduled]
+        items = [(item, self.requests[item.request_id]) for item in scheduled]
         if self.kv is not None:
             # target pass over real tokens + drafts; the drafter's pass writes draft KV from
             # whatever follows (drafts included: garbage where they get rejected)
@@ -125,8 +167,12 @@ class ToyRunner:
                 sequence = [*state.token_ids, *item.draft_token_ids]
                 self.kv.write(state.block_ids, sequence, item.start, item.end, item.start)
             for item, state in items:
-                if item.replaces_block_table and item.num_hit_tokens:
-                    self._check_hit(state, item.num_hit_tokens)
+                if item.replaces_block_table and item.start:
+                    # the local hit and what the connector loaded after it
+                    self._check_hit(state, item.start)
+            if self.check_computed_kv:
+                for item, state in items:
+                    self._check_computed(state, item.start)
         sampled_by_id: dict[str, list[int]] = {}
         drafts_by_id: dict[str, list[int]] = {}
         for item, state in items:
@@ -151,7 +197,9 @@ class ToyRunner:
                 room = min(self.num_spec_tokens, limits.max_tokens - num_output - 1,
                            limits.max_model_len - len(state.token_ids) - 1)
                 drafts_by_id[item.request_id] = self._propose(state.token_ids)[: max(0, room)]
-        return ModelRunnerOutput(sampled_by_id, drafts_by_id)
+        if self.connector is None:
+            return ModelRunnerOutput(sampled_by_id, drafts_by_id)
+        return ModelRunnerOutput(sampled_by_id, drafts_by_id, self.connector.finish_step())
 
     def _verify(self, tokens: list[int], drafts: Sequence[int]) -> list[int]:
         """Drafts matching the toy model, up to `num_accept`, then one bonus token."""
@@ -178,6 +226,15 @@ class ToyRunner:
             context.append(token)
         return drafts
 
+    def _check_computed(self, state: _ToyRequest, num_computed: int) -> None:
+        assert self.kv is not None
+        depth = self.kv.draft_depth
+        num_draft = max(0, num_computed - depth) if self.check_draft_kv else 0
+        problem = self.kv.mismatch(state.block_ids, state.token_ids, num_computed, num_draft)
+        if problem is not None:
+            raise HitMismatch(f"request {state.data.request_id}, computed KV: {problem}")
+        self.num_positions_checked += num_computed
+
     def _check_hit(self, state: _ToyRequest, num_hit_tokens: int) -> None:
         assert self.kv is not None
         for position in range(num_hit_tokens):
@@ -201,10 +258,30 @@ def toy_core(
     check_draft_kv: bool = True,
     max_num_batched_tokens: int = 1 << 20,
     max_num_seqs: int = 256,
+    connector: KVConnector | None = None,
+    check_computed_kv: bool = False,
 ) -> EngineCore:
-    """The real scheduler over `manager`, run by a `ToyRunner` (`core.runner`)."""
-    scheduler = Scheduler(manager, max_num_batched_tokens, max_num_seqs, num_spec_tokens)
-    runner = ToyRunner(num_spec_tokens, vocab_size, kv, check_draft_kv)
+    """The real scheduler over `manager`, run by a `ToyRunner` (`core.runner`).
+
+    `connector` (not yet initialized) needs `kv` to be a `PagedSymbolicKV` (its tensors are
+    what the connector copies) and a single full-attention group; it is initialized here with
+    the manager's hash mode."""
+    scheduler_connector = runner_connector = None
+    if connector is not None:
+        target_cache = getattr(kv, "target_cache", None)
+        if target_cache is None:
+            raise ValueError("a KV connector under the toy runner needs a PagedSymbolicKV")
+        if len(manager.managers) != 1:
+            raise ValueError("a KV connector copies one full-attention group")
+        block_size = manager.managers[0].block_size
+        initialize_connector(connector, target_cache, kv.draft_cache,  # type: ignore[union-attr]
+                             manager.hash_mode, block_size)
+        scheduler_connector = SchedulerConnector(connector, manager)
+        runner_connector = RunnerConnector(connector, block_size)
+    scheduler = Scheduler(manager, max_num_batched_tokens, max_num_seqs, num_spec_tokens,
+                          scheduler_connector)
+    runner = ToyRunner(num_spec_tokens, vocab_size, kv, check_draft_kv, runner_connector,
+                       check_computed_kv)
     return EngineCore(scheduler, runner)
 
 

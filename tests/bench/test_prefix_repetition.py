@@ -42,3 +42,30 @@ def test_three_modes_hit_rates_and_identical_outputs(model_and_drafter, tmp_path
     assert lookahead.acceptance_rate is not None and no_spec.acceptance_rate is None
     write_chart([no_spec, legacy, lookahead], tmp_path / "chart.png")
     assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("tier", ["offload", "disk"])
+def test_a_tier_brings_the_hit_rate_back_to_the_oracle(model_and_drafter, tier, tmp_path):
+    """A local cache that holds about one request: evicted prefixes come back from the tier.
+    Lookahead = oracle = no spec; the legacy drop loses one block per hit; without the tier,
+    the lookahead hit rate falls. Greedy outputs identical across all four."""
+    model, drafter = model_and_drafter
+    # prefix 14: blocks [0, 12) shared, and block [8, 12)'s successor (token 12) is shared too
+    workload = prefix_repetition(
+        PrefixRepetitionConfig(prefix_len=14, suffix_len=5, num_prefixes=3, output_len=4,
+                               num_prompts=9, seed=2), vocab_size=96)
+    options = RunOptions(block_size=4, num_blocks=9, num_spec_tokens=2, max_concurrency=1,
+                         progress=False, kv_connector=tier, kv_offload_gb=0.01,
+                         kv_offload_disk_gb=0.01,
+                         kv_offload_dir=str(tmp_path) if tier == "disk" else None)
+    no_spec, legacy, lookahead, no_tier = run_benchmark(model, drafter, workload, options)
+    assert no_tier.mode == "lookahead, no tier" and no_tier.tier == "-"
+    assert lookahead.tier == tier and lookahead.hash_mode == "lookahead L=1"
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    # per prefix: the first prompt misses, the two others hit 12 tokens (legacy: 8)
+    assert no_spec.hit_rate == pytest.approx(6 * 12 / prompt_tokens)
+    assert lookahead.hit_rate == no_spec.hit_rate == lookahead.oracle_hit_rate
+    assert legacy.hit_rate == pytest.approx(no_spec.hit_rate - 6 * 4 / prompt_tokens)
+    assert no_tier.hit_rate < lookahead.hit_rate
+    assert lookahead.tier_hit_rate > 0 and no_tier.tier_hit_rate == 0
+    assert outputs_identical([no_spec, legacy, lookahead, no_tier])

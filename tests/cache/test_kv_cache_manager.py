@@ -177,3 +177,34 @@ def test_symbolic_draft_kv_of_a_hit_matches_a_cold_run(hash_mode, stale):
     else:
         run_to_completion(core, [second])
         assert core.runner.num_hits_checked == 4
+
+
+def test_external_tokens_are_allocated_but_cached_only_by_the_next_allocation(world_factory):
+    """A connector's external range counts as computed, but no hash names it until the load
+    had its step: a failed load must never leave a hash naming garbage."""
+    world = world_factory(block_size=4, num_blocks=32)
+    manager = world.manager
+    request = world.request(_prompt(22, seed=3))
+    allocation = manager.allocate_slots(request, 2, None, 0, num_external_tokens=20)
+    assert allocation is not None and len(allocation.new_block_ids[0]) == 6
+    request.num_computed_tokens = 22
+    probe = world.request(_prompt(22, seed=3))
+    assert manager.get_computed_blocks(probe).num_computed_tokens == 0  # nothing cached yet
+    # the next step: the external range (and what the step computed) is cached
+    assert manager.allocate_slots(request, 0, None, 1) is not None
+    assert manager.get_computed_blocks(probe).num_computed_tokens == 20
+    manager.check_integrity()
+
+
+def test_a_rolled_back_external_range_is_never_cached(world_factory):
+    world = world_factory(block_size=4, num_blocks=32)
+    manager = world.manager
+    request = world.request(_prompt(22, seed=4))
+    assert manager.allocate_slots(request, 2, None, 0, num_external_tokens=20) is not None
+    request.num_computed_tokens = 8  # the load failed at token 8: blocks 2-4 hold garbage
+    manager.finish(request)
+    probe = world.request(_prompt(22, seed=4))
+    assert manager.get_computed_blocks(probe).num_computed_tokens == 8
+    with pytest.raises(ValueError, match="num_external_tokens"):
+        manager.allocate_slots(probe, 1, None, 0, num_external_tokens=-4)
+    manager.check_integrity()

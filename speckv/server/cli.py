@@ -1,0 +1,240 @@
+"""`speckv serve [MODEL]`: the OpenAI-compatible server, with `vllm serve`'s flag names where
+vLLM has them.
+
+Owns the command's arguments: the engine flags (shared with `speckv bench serve`, which
+launches this command and builds the same engine in process for its comparison), turning them
+into `LLM` keyword arguments, and the server flags. MODEL defaults to the built-in model, which
+gets EAGLE speculation with its shipped head unless `--drafter` says otherwise (as in
+`speckv generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from typing import Any
+
+from speckv.connectors.config import add_connector_arguments, connector_config_from_args
+from speckv.engine.kv_connector import connector_engine_kwargs
+
+DRAFTERS = ("none", "ngram", "eagle", "eagle3", "mtp")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512M', '512MiB', '2G' (powers of 1024, as vLLM reads them)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 512M, 2G)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags of `speckv serve` (and `speckv bench serve --compare-in-process`)."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--hash-seed", default=None,
+                        help="block-hash seed (default: PYTHONHASHSEED, else random); needed "
+                        "by --kv-connector disk / store and by routers")
+    engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
+                        help="KV cache size, e.g. 512M (default 512M)")
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="KV blocks, overriding the memory budget")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens per sequence (default: the model's)")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="running requests, at most")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens per engine step")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="prefix caching (default on)")
+    engine.add_argument("--prefix-caching-hash-algo", default="sha256",
+                        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
+    engine.add_argument("--seed", type=int, default=0, help="base of per-request seeds")
+    engine.add_argument("--speculative-method", "--drafter", dest="speculative_method",
+                        choices=DRAFTERS, default=None,
+                        help="speculative decoding (default: eagle with the built-in head for "
+                        "the built-in model, none otherwise)")
+    engine.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
+                        default=None,
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin'; --draft-model "
+                        "is a deprecated alias")
+    engine.add_argument("--num-spec-tokens", type=int, default=3, help="drafts per step")
+    engine.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='vLLM style, e.g. \'{"method": "eagle", "model": "DIR", '
+                        '"num_speculative_tokens": 3}\' (overrides --speculative-method and '
+                        'friends)')
+    engine.add_argument("--disable-lookahead-block-hashes", action="store_true",
+                        help="legacy block hashes and the last-block drop")
+    engine.add_argument("--kv-events-endpoint", default=None,
+                        help="publish KV events on this ZeroMQ PUB endpoint (tcp://*:5557)")
+    engine.add_argument("--kv-events-replay-endpoint", default=None,
+                        help="answer replay requests on this ZeroMQ ROUTER endpoint")
+    engine.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+    add_connector_arguments(parser)
+
+
+def connector_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineConfig` KV-connector fields from the `--kv-*` flags ({} without a connector)."""
+    connector = connector_config_from_args(args)
+    if connector is None:
+        return {}
+    return connector_engine_kwargs(args.kv_connector, connector)
+
+
+def speculative_kwargs(model: str, drafter: str | None, speculative_model: str | None,
+                       num_spec_tokens: int, speculative_config: dict[str, Any] | None
+                       ) -> dict[str, Any]:
+    """`EngineConfig` speculative fields from the flags (the `speckv generate` defaults)."""
+    if speculative_config is not None:
+        if not isinstance(speculative_config, dict) or "method" not in speculative_config:
+            raise ValueError('--speculative-config needs a JSON object with "method"')
+        unknown = set(speculative_config) - {"method", "model", "num_speculative_tokens"}
+        if unknown:
+            raise ValueError(f"--speculative-config: unsupported keys {sorted(unknown)}")
+        drafter = str(speculative_config["method"])
+        speculative_model = speculative_config.get("model")
+        num_spec_tokens = int(speculative_config.get("num_speculative_tokens", num_spec_tokens))
+        if drafter not in DRAFTERS:
+            raise ValueError(f"--speculative-config method must be one of {DRAFTERS}")
+    from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, builtin_speculation_pays
+
+    if drafter is None:
+        if speculative_model is not None and speculative_model != "builtin":
+            from speckv.drafters.loaders import detect_format
+
+            drafter = detect_format(speculative_model)[0]
+        elif model == "builtin" and (speculative_model == "builtin"
+                                     or builtin_speculation_pays()):
+            # the shipped head only where its recorded benchmark is faster
+            drafter = BUILTIN_DRAFTER_METHOD
+        else:
+            drafter = "none"
+    if drafter == "none":
+        return {}
+    if drafter in ("eagle", "eagle3", "mtp") and speculative_model in (None, "builtin"):
+        if model != "builtin":
+            raise ValueError(f"--speculative-method {drafter} needs --speculative-model DIR "
+                             "for this model")
+        if drafter != BUILTIN_DRAFTER_METHOD:
+            raise ValueError(
+                f"the built-in model has no built-in {drafter.upper()} drafter (it ships an "
+                f"{BUILTIN_DRAFTER_METHOD.upper()} head): use --speculative-method "
+                f"{BUILTIN_DRAFTER_METHOD}, or --speculative-model DIR with a {drafter} drafter")
+        speculative_model = "builtin"
+    return {"speculative_method": drafter, "num_spec_tokens": num_spec_tokens,
+            "speculative_model": speculative_model if drafter != "ngram" else None}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(model, **engine_kwargs(args))` builds the engine the flags describe."""
+    kwargs: dict[str, Any] = {
+        "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+        "num_blocks": args.num_gpu_blocks_override, "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "hash_algo": args.prefix_caching_hash_algo, "seed": args.seed,
+        "disable_lookahead_block_hashes": args.disable_lookahead_block_hashes,
+        "kv_events_endpoint": args.kv_events_endpoint,
+        "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
+    }
+    if args.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.hash_seed is not None:
+        kwargs["hash_seed"] = args.hash_seed
+    kwargs.update(connector_kwargs(args))
+    kwargs.update(speculative_kwargs(args.model, args.speculative_method, args.speculative_model,
+                                     args.num_spec_tokens, args.speculative_config))
+    return kwargs
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags as a command line (to launch `speckv serve` with the same engine)."""
+    flags = [args.model, "--dtype", args.dtype, "--device", args.device,
+             "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--prefix-caching-hash-algo", args.prefix_caching_hash_algo,
+             "--seed", str(args.seed), "--num-spec-tokens", str(args.num_spec_tokens)]
+    optional = {"--kv-cache-memory-bytes": args.kv_cache_memory_bytes,
+                "--num-gpu-blocks-override": args.num_gpu_blocks_override,
+                "--max-model-len": args.max_model_len,
+                "--speculative-method": args.speculative_method,
+                "--speculative-model": args.speculative_model, "--threads": args.threads,
+                "--kv-events-endpoint": args.kv_events_endpoint,
+                "--kv-events-replay-endpoint": args.kv_events_replay_endpoint}
+    optional.update({"--hash-seed": args.hash_seed, "--kv-connector": args.kv_connector,
+                     "--kv-offload-dir": args.kv_offload_dir, "--kv-store-url": args.kv_store_url})
+    if args.kv_connector is not None:
+        optional.update({"--kv-offload-gb": args.kv_offload_gb,
+                         "--kv-offload-disk-gb": args.kv_offload_disk_gb,
+                         "--kv-store-gb": args.kv_store_gb,
+                         "--kv-store-timeout": args.kv_store_timeout})
+        flags += ["--kv-store-cluster"] * args.kv_store_cluster
+        flags += ["--kv-store-optional"] * args.kv_store_optional
+    for flag, value in optional.items():
+        if value is not None:
+            flags += [flag, str(value)]
+    if args.speculative_config is not None:
+        flags += ["--speculative-config", json.dumps(args.speculative_config)]
+    if not args.enable_prefix_caching:
+        flags.append("--no-enable-prefix-caching")
+    if args.disable_lookahead_block_hashes:
+        flags.append("--disable-lookahead-block-hashes")
+    return flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="builtin",
+                        help="'builtin' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: MODEL)")
+    parser.add_argument("--api-key", default=os.environ.get("SPECKV_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $SPECKV_API_KEY)")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="waiting requests before new ones get 503 + Retry-After")
+    parser.add_argument("--max-request-body-bytes", type=parse_size, default="8M",
+                        help="larger bodies get 413 (default 8M)")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    add_engine_arguments(parser)
+
+
+def build_server(args: argparse.Namespace, progress: bool = True):
+    """The engine and server the flags describe (loads the model)."""
+    import torch
+
+    from speckv.engine.llm import LLM
+    from speckv.server.app import OpenAIServer, ServerConfig
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    config = ServerConfig(served_model_name=args.served_model_name or args.model,
+                          api_key=args.api_key,
+                          max_waiting_requests=args.max_waiting_requests,
+                          max_request_body_bytes=args.max_request_body_bytes)
+    llm = LLM(args.model, progress=progress, **engine_kwargs(args))
+    return OpenAIServer(llm.engine, config, model_path=args.model)
+
+
+def run(args: argparse.Namespace) -> int:
+    from speckv.server.launch import bind_socket, serve_forever
+
+    bind_socket(args.host, args.port).close()  # a busy port fails before the model loads
+    server = build_server(args)
+    engine = server.engine
+    print(f"speckv serve: {server.config.served_model_name} on http://{args.host}:{args.port} "
+          f"({engine.model.device}, {engine.num_blocks} KV blocks of {engine.config.block_size}"
+          f", {engine.hash_mode.label} block hashes"
+          + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
+          + ")", flush=True)
+    serve_forever(server, args.host, args.port, args.uvicorn_log_level)
+    return 0

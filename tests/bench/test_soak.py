@@ -1,0 +1,109 @@
+"""`speckv bench soak`: short runs stay clean over group mixes and drafters, and through real
+KV tiers with injected load failures; a run whose cache serves stale draft KV, whose tier
+stores a block before it is written, serves a failed load or drops draft KV is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speckv.bench import soak
+from speckv.cache.hash_mode import HashMode
+from speckv.connectors.host_pool import HostBlockPool
+from speckv.engine import scheduler as scheduler_module
+from speckv.engine.kv_connector import SchedulerConnector
+
+
+@pytest.mark.parametrize("groups,drafter,modules,legacy", [
+    ("full:4", "eagle", 1, False),
+    ("full:4", "mtp", 3, False),
+    ("full:4", "eagle", 1, True),
+    ("full:4,swa:9:4,mamba:16", "eagle", 1, False),
+    ("full:2", "none", 1, False),
+])
+def test_short_soaks_are_clean(groups, drafter, modules, legacy):
+    result = soak.run_soak(soak.SoakConfig(num_ops=3000, seed=1, groups=groups, drafter=drafter,
+                                           num_modules=modules, legacy=legacy), progress=False)
+    assert result.violation is None
+    assert result.num_ops == 3000
+    assert result.num_finished > 100 and result.num_aborted > 10
+    assert result.num_hit_tokens_checked > 0
+
+
+def test_preemption_happens_under_pressure():
+    result = soak.run_soak(soak.SoakConfig(num_ops=5000, seed=2, num_blocks=24),
+                           progress=False)
+    assert result.violation is None and result.num_preemptions > 0
+
+
+def test_stale_draft_kv_is_a_violation(monkeypatch):
+    # legacy hashes without the drop: a hit may carry draft KV from another successor token
+    monkeypatch.setattr(soak, "resolve_hash_mode", lambda *a, **k: HashMode.for_lookahead(0))
+    result = soak.run_soak(soak.SoakConfig(num_ops=20000, seed=0), progress=False)
+    assert result.violation is not None and "draft KV" in result.violation
+    assert result.num_ops < 20000
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="--ops"):
+        soak.SoakConfig(num_ops=0)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        soak.SoakConfig(drafter="medusa")
+
+
+@pytest.mark.parametrize("tiers,drafter,modules,legacy,fault_rate", [
+    ("offload", "eagle", 1, False, 0.05),
+    ("offload,disk", "mtp", 2, False, 0.05),
+    ("disk", "eagle", 1, True, 0.0),
+])
+def test_short_soaks_through_real_tiers_are_clean(tiers, drafter, modules, legacy, fault_rate):
+    result = soak.run_soak(soak.SoakConfig(num_ops=2000, seed=3, drafter=drafter,
+                                           num_modules=modules, legacy=legacy,
+                                           kv_connector=tiers, fault_rate=fault_rate),
+                           progress=False)
+    assert result.violation is None
+    assert result.num_external_hit_tokens > 0 and result.num_tier_evictions > 0
+    assert result.num_tier_stores_checked > 0 and result.num_tier_loads_checked > 0
+    assert result.num_positions_checked > 0
+    if fault_rate:
+        assert result.num_load_failures > 0
+
+
+def test_saving_a_same_step_hit_before_it_is_written_is_caught(monkeypatch):
+    # a request's first step counted its local hit as written: the hit may name blocks
+    # another request computes in that very step, so the tier stored garbage
+    def build_metadata(self, scheduled, requests):
+        return self.connector.build_connector_meta([
+            self._blocks(requests[item.request_id], item.start) for item in scheduled])
+
+    monkeypatch.setattr(SchedulerConnector, "build_metadata", build_metadata)
+    result = soak.run_soak(soak.SoakConfig(num_ops=3000, seed=0, kv_connector="offload"),
+                           progress=False)
+    assert result.violation is not None and "store of block" in result.violation
+
+
+def test_serving_a_failed_load_is_caught(monkeypatch):
+    # the scheduler ignores load failures: the request goes on over garbage blocks
+    monkeypatch.setattr(scheduler_module, "apply_load_failure", lambda *args: None)
+    result = soak.run_soak(soak.SoakConfig(num_ops=3000, seed=0, kv_connector="offload",
+                                           fault_rate=0.2), progress=False)
+    assert result.violation is not None and "KV" in result.violation
+
+
+def test_a_tier_that_keeps_only_target_kv_is_caught(monkeypatch):
+    # SGLang HiCache's bug: the tier restores target KV but not the drafter's
+    put = HostBlockPool.put
+    monkeypatch.setattr(HostBlockPool, "put", lambda self, block, tensors: put(
+        self, block, (tensors[0], torch.zeros_like(tensors[1]))))
+    result = soak.run_soak(soak.SoakConfig(num_ops=3000, seed=0, kv_connector="offload"),
+                           progress=False)
+    assert result.violation is not None and "draft KV" in result.violation
+
+
+def test_tier_arguments_are_checked():
+    with pytest.raises(ValueError, match="unknown connector"):
+        soak.SoakConfig(kv_connector="tape")
+    with pytest.raises(ValueError, match="one full-attention group"):
+        soak.SoakConfig(kv_connector="offload", groups="full:4,mamba:16")
+    with pytest.raises(ValueError, match="--fault-rate needs"):
+        soak.SoakConfig(fault_rate=0.1)

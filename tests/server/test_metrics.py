@@ -1,0 +1,75 @@
+"""/metrics: vLLM's metric names and labels, speculative-decoding counters that add up, and
+the hash-mode gauges (lookahead L vs legacy + drop)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from speckv.drafters.loaders import random_drafter
+from speckv.engine.config import EngineConfig
+from speckv.engine.llm_engine import LLMEngine
+from speckv.server.app import OpenAIServer, ServerConfig
+from speckv.server.launch import ServerThread
+from tests.server.server_test_utils import MODEL_NAME, TOKENIZER, scrape, value
+
+VLLM_NAMES = [
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total", "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_queue_time_seconds_count",
+]
+
+
+@pytest.fixture
+def eagle_server(tiny_chat_model):
+    started = []
+
+    def start(legacy: bool) -> ServerThread:
+        drafter = random_drafter("eagle", tiny_chat_model, init_std=0.2, seed=5)
+        config = EngineConfig(block_size=4, num_blocks=512, speculative_method="eagle",
+                              num_spec_tokens=3, hash_seed="0",
+                              disable_lookahead_block_hashes=legacy)
+        engine = LLMEngine(tiny_chat_model, config, TOKENIZER, drafter=drafter)
+        thread = ServerThread(OpenAIServer(engine, ServerConfig(MODEL_NAME))).start()
+        started.append(thread)
+        return thread
+
+    yield start
+    for thread in started:
+        thread.stop()
+
+
+def test_spec_decode_and_hash_mode_metrics(eagle_server):
+    server = eagle_server(legacy=False)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
+        outs = [client.completions.create(model=MODEL_NAME, prompt=[9, 10, 11, 12] * (3 + i),
+                                          max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+                for i in range(4)]
+    metrics = scrape(server.url)
+    for name in VLLM_NAMES:
+        assert value(metrics, name, model_name=MODEL_NAME, engine="0") >= 0
+    drafts = value(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = value(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [value(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                     position=str(p)) for p in range(3)]
+    assert drafts > 0
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
+    assert value(metrics, "vllm:spec_decode_num_drafts_total") * 3 >= drafts
+    assert value(metrics, "vllm:generation_tokens_total") == sum(
+        o.usage.completion_tokens for o in outs) == 96
+    assert value(metrics, "speckv:lookahead_tokens") == 1
+    assert value(metrics, "speckv:legacy_block_drop") == 0
+    assert value(metrics, "speckv:hash_mode_info", hash_mode="lookahead L=1") == 1
+
+
+def test_legacy_mode_shows_the_block_drop(eagle_server):
+    server = eagle_server(legacy=True)
+    metrics = scrape(server.url)
+    assert value(metrics, "speckv:lookahead_tokens") == 0
+    assert value(metrics, "speckv:legacy_block_drop") == 1
+    assert value(metrics, "speckv:hash_mode_info", hash_mode="legacy+drop") == 1

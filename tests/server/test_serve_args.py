@@ -1,0 +1,85 @@
+"""`speckv serve`'s engine flags: sizes, speculative defaults (as `speckv generate`), vLLM's
+--speculative-config, and the flags -> command line -> flags round trip `bench serve` relies
+on to launch a server with the same engine it builds in process."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from speckv.server.cli import (
+    add_arguments,
+    engine_flags,
+    engine_kwargs,
+    parse_size,
+    speculative_kwargs,
+)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_sizes():
+    assert parse_size("536870912") == 512 * 1024**2
+    assert parse_size("512M") == parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("1.5g") == int(1.5 * 1024**3)
+    for bad in ("", "12Q", "-1M", "M"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+
+
+def test_speculative_defaults_follow_generate():
+    from speckv.drafters.builtin import builtin_speculation_pays
+
+    shipped = {"speculative_method": "eagle3", "num_spec_tokens": 3,
+               "speculative_model": "builtin"}
+    # the shipped head is on by default only where its recorded benchmark is faster
+    assert speculative_kwargs("builtin", None, None, 3, None) == (
+        shipped if builtin_speculation_pays() else {})
+    assert speculative_kwargs("builtin", "eagle3", None, 3, None) == shipped
+    with pytest.raises(ValueError, match="no built-in EAGLE drafter"):
+        speculative_kwargs("builtin", "eagle", None, 3, None)
+    assert speculative_kwargs("/some/dir", None, None, 3, None) == {}
+    assert speculative_kwargs("builtin", "none", None, 3, None) == {}
+    assert speculative_kwargs("/d", "ngram", None, 2, None) == {
+        "speculative_method": "ngram", "num_spec_tokens": 2, "speculative_model": None}
+    with pytest.raises(ValueError, match="needs --speculative-model"):
+        speculative_kwargs("/some/dir", "mtp", None, 3, None)
+    config = {"method": "eagle3", "model": "/heads/e3", "num_speculative_tokens": 5}
+    assert speculative_kwargs("/d", None, None, 3, config) == {
+        "speculative_method": "eagle3", "num_spec_tokens": 5, "speculative_model": "/heads/e3"}
+    for bad in ({"model": "x"}, {"method": "eagle", "temperature": 1}, {"method": "medusa"}):
+        with pytest.raises(ValueError, match="speculative-config"):
+            speculative_kwargs("/d", None, None, 3, bad)
+
+
+def test_engine_flags_round_trip():
+    args = _parse("/models/m", "--port", "9000", "--block-size", "32", "--kv-cache-memory-bytes",
+                  "1G", "--max-model-len", "4096", "--drafter", "ngram", "--num-spec-tokens",
+                  "4", "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "xxhash",
+                  "--kv-events-endpoint", "tcp://*:5557", "--threads", "1",
+                  "--disable-lookahead-block-hashes")
+    again = _parse(*engine_flags(args))
+    assert engine_kwargs(again) == engine_kwargs(args)
+    kwargs = engine_kwargs(args)
+    assert kwargs["kv_cache_memory_bytes"] == 1024**3
+    assert kwargs["enable_prefix_caching"] is False and kwargs["hash_algo"] == "xxhash"
+    assert kwargs["kv_events_endpoint"] == "tcp://*:5557"
+    assert again.threads == 1 and again.model == "/models/m"
+
+
+def test_kv_connector_flags_reach_the_engine_and_round_trip(tmp_path):
+    args = _parse("--kv-connector", "offload,disk", "--kv-offload-dir", str(tmp_path),
+                  "--kv-offload-gb", "0.5", "--hash-seed", "0")
+    kwargs = engine_kwargs(args)
+    assert kwargs["kv_connector"] == "offload,disk" and kwargs["kv_offload_gb"] == 0.5
+    assert kwargs["kv_offload_dir"] == str(tmp_path) and kwargs["hash_seed"] == "0"
+    assert engine_kwargs(_parse(*engine_flags(args))) == kwargs
+    with pytest.raises(ValueError, match="--kv-connector"):
+        engine_kwargs(_parse("--kv-connector", "tape"))
+    with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-connector disk"):
+        engine_kwargs(_parse("--kv-offload-dir", str(tmp_path)))
