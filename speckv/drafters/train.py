@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--install-asset", action="store_true",
                         help=f"also copy the head to {BUILTIN_DRAFTER_DIR} (package asset)")
+    parser.add_argument("--init-from", default="",
+                        help="continue training this EAGLE3 head (its draft vocabulary is "
+                        "kept) instead of starting from the target's last layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a shared CPU)")
@@ -253,6 +256,24 @@ def init_from_target(drafter: Eagle3Drafter, model: LlamaForCausalLM, vocab: lis
         m.d2t.copy_(ids - torch.arange(len(vocab)))
         m.t2d.zero_()
         m.t2d[ids] = True
+
+
+def init_from_head(path: Path, model: LlamaForCausalLM, aux_scale: torch.Tensor
+                   ) -> tuple[Eagle3Drafter, list[int]]:
+    """(a saved EAGLE3 head as an fp32 training start, its draft vocabulary as target ids).
+
+    The saved fc reads raw features; training feeds features divided by `aux_scale`, so fc's
+    columns are multiplied by it (the inverse of `fold_aux_scale`).
+    """
+    drafter = load_drafter(path, model, torch.float32, "cpu")
+    if not isinstance(drafter, Eagle3Drafter) or tuple(drafter.aux_layers) != AUX_LAYERS:
+        raise ValueError(f"--init-from {path}: not an EAGLE3 head on aux layers "
+                         f"{[i + 1 for i in AUX_LAYERS]} (vLLM numbering)")
+    m = drafter.module
+    vocab = (torch.arange(m.d2t.shape[0]) + m.d2t).tolist()
+    with torch.no_grad():
+        drafter.fc.weight.mul_(aux_scale[None, :])
+    return drafter, vocab
 
 
 def aux_feature_scale(data: Sequence[DistillSequence], max_rows: int = 50_000) -> torch.Tensor:
@@ -614,11 +635,16 @@ def run(args: argparse.Namespace) -> int:
     data_seconds = time.monotonic() - t_data
     del model16
     model, tokenizer, _ = load_builtin_model(torch.float32, "cpu", progress=False)
-    vocab = choose_vocab(data, heldout, args, model.config.eos_token_ids, log)
-    drafter = build_drafter("eagle3", model, draft_vocab_size=len(vocab), aux_layers=AUX_LAYERS)
-    assert isinstance(drafter, Eagle3Drafter)
     aux_scale = aux_feature_scale(data)
-    init_from_target(drafter, model, vocab, aux_scale)
+    if args.init_from:
+        drafter, vocab = init_from_head(Path(args.init_from), model, aux_scale)
+        log(f"continuing {args.init_from} (draft vocabulary: {len(vocab)} tokens)")
+    else:
+        vocab = choose_vocab(data, heldout, args, model.config.eos_token_ids, log)
+        drafter = build_drafter("eagle3", model, draft_vocab_size=len(vocab),
+                                aux_layers=AUX_LAYERS)
+        assert isinstance(drafter, Eagle3Drafter)
+        init_from_target(drafter, model, vocab, aux_scale)
     history = train(drafter, model, data, heldout, vocab, args, aux_scale, log)
     fold_aux_scale(drafter, aux_scale)
     save_drafter(drafter, out, dtype=args.save_dtype)
@@ -649,8 +675,12 @@ def run(args: argparse.Namespace) -> int:
         "command": "speckv train-draft " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
             if k in ("data_minutes", "train_minutes", "draft_vocab", "ttt_steps", "lr",
-                     "batch_tokens", "seed")),
+                     "batch_tokens", "seed", "init_from") and v != ""),
     }
+    previous = Path(args.init_from) / "train_summary.json" if args.init_from else None
+    if previous is not None and previous.is_file():
+        # the whole recipe: this run continues that one (its data and training time count)
+        summary["continued_from"] = json.loads(previous.read_text())
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
     (out / "train_log.txt").write_text("\n".join(log_lines) + "\n")
     if args.install_asset:

@@ -57,13 +57,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=0, help="base of per-request seeds")
     engine.add_argument("--speculative-method", "--drafter", dest="speculative_method",
                         choices=DRAFTERS, default=None,
-                        help="speculative decoding (default: eagle with the built-in head for "
-                        "the built-in model, none otherwise)")
+                        help="speculative decoding (default: eagle3 with the built-in head on "
+                        "the built-in model where its recorded benchmark is faster, else none)")
     engine.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
                         default=None,
-                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin'; --draft-model "
-                        "is a deprecated alias")
-    engine.add_argument("--num-spec-tokens", type=int, default=3, help="drafts per step")
+                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (the built-in "
+                        "model's EAGLE3 head); --draft-model is a deprecated alias")
+    engine.add_argument("--num-spec-tokens", type=int, default=3,
+                        help="most drafts per step (the engine drafts fewer or none when that "
+                        "is faster)")
     engine.add_argument("--speculative-config", type=json.loads, default=None,
                         help='vLLM style, e.g. \'{"method": "eagle", "model": "DIR", '
                         '"num_speculative_tokens": 3}\' (overrides --speculative-method and '

