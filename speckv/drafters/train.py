@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-cache", default="",
                         help="safetensors file to reuse generated data from (written when "
                         "missing; its held-out part goes next to it as *.heldout.safetensors)")
-    parser.add_argument("--data-minutes", type=float, default=25.0,
+    parser.add_argument("--data-minutes", type=float, default=45.0,
                         help="wall-clock budget of data generation")
     parser.add_argument("--train-minutes", type=float, default=30.0,
                         help="wall-clock budget of training")
