@@ -258,7 +258,8 @@ def init_from_target(drafter: Eagle3Drafter, model: LlamaForCausalLM, vocab: lis
         m.t2d[ids] = True
 
 
-def init_from_head(path: Path, model: LlamaForCausalLM, aux_scale: torch.Tensor
+def init_from_head(path: Path, model: LlamaForCausalLM, aux_scale: torch.Tensor,
+                   aux_layers: tuple[int, ...] = AUX_LAYERS
                    ) -> tuple[Eagle3Drafter, list[int]]:
     """(a saved EAGLE3 head as an fp32 training start, its draft vocabulary as target ids).
 
@@ -266,9 +267,9 @@ def init_from_head(path: Path, model: LlamaForCausalLM, aux_scale: torch.Tensor
     columns are multiplied by it (the inverse of `fold_aux_scale`).
     """
     drafter = load_drafter(path, model, torch.float32, "cpu")
-    if not isinstance(drafter, Eagle3Drafter) or tuple(drafter.aux_layers) != AUX_LAYERS:
+    if not isinstance(drafter, Eagle3Drafter) or tuple(drafter.aux_layers) != aux_layers:
         raise ValueError(f"--init-from {path}: not an EAGLE3 head on aux layers "
-                         f"{[i + 1 for i in AUX_LAYERS]} (vLLM numbering)")
+                         f"{[i + 1 for i in aux_layers]} (vLLM numbering)")
     m = drafter.module
     vocab = (torch.arange(m.d2t.shape[0]) + m.d2t).tolist()
     with torch.no_grad():

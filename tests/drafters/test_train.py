@@ -17,10 +17,11 @@ from speckv.drafters.distill import (
     draft_vocabulary,
     generate_sequences,
 )
-from speckv.drafters.loaders import build_drafter
+from speckv.drafters.loaders import build_drafter, save_drafter
 from speckv.drafters.train import (
     expected_acceptance_length,
     fold_aux_scale,
+    init_from_head,
     init_from_target,
     ttt_outputs,
 )
@@ -105,3 +106,21 @@ def test_draft_vocabulary_and_coverage():
 def test_expected_acceptance_length():
     assert expected_acceptance_length([]) == 1.0
     assert expected_acceptance_length([0.5, 0.5, 1.0]) == 1.0 + 0.5 + 0.25 + 0.25
+
+
+def test_init_from_head_continues_the_saved_function_on_scaled_features(tmp_path):
+    target = tiny_target()
+    saved = make_drafter("eagle3", {"aux_layers": AUX}, target, seed=5)
+    save_drafter(saved, tmp_path, dtype="float32")
+    scale = torch.rand(3 * target.config.hidden_size) * 5 + 1
+    resumed, vocab = init_from_head(tmp_path, target, scale, AUX)
+    assert vocab == [2 * i for i in range(saved.draft_vocab_size)]  # the saved d2t
+    tokens = [(5 * j + 2) % 61 for j in range(18)]
+    feats = dense_features(target, tokens)[None, :-1]
+    with torch.no_grad():
+        raw = ttt_outputs(saved, torch.tensor([tokens]), feats, 2, torch.ones_like(scale))
+        scaled = ttt_outputs(resumed, torch.tensor([tokens]), feats, 2, scale)
+    for a, b in zip(raw, scaled):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="aux layers"):
+        init_from_head(tmp_path, target, scale, (0, 1, 3))
