@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from speckv.attention import num_blocks_for_budget
+from speckv.attention import bytes_per_block, num_blocks_for_budget
 from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
@@ -103,14 +103,25 @@ class LLMEngine:
         assert model_config.head_dim is not None
         # a drafter's KV layers share the target's blocks (same heads and head size)
         num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
-        self.num_blocks = config.num_blocks or num_blocks_for_budget(
-            config.kv_cache_memory_bytes,
-            model_config.num_hidden_layers + num_draft_layers,
-            block_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            model.dtype,
-        )
+        if config.num_blocks is None and hasattr(model, "kv_cache_bytes_per_block"):
+            # layers of different KV shapes (Gemma 4): the model sizes its own blocks
+            per_block = model.kv_cache_bytes_per_block(block_size) + bytes_per_block(
+                num_draft_layers, block_size, model_config.num_key_value_heads,
+                model_config.head_dim, model.dtype) if num_draft_layers else \
+                model.kv_cache_bytes_per_block(block_size)
+            self.num_blocks = config.kv_cache_memory_bytes // per_block
+            if self.num_blocks < 2:
+                raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} fits "
+                                 f"{self.num_blocks} blocks of {per_block} bytes; need >= 2")
+        else:
+            self.num_blocks = config.num_blocks or num_blocks_for_budget(
+                config.kv_cache_memory_bytes,
+                model_config.num_hidden_layers + num_draft_layers,
+                block_size,
+                model_config.num_key_value_heads,
+                model_config.head_dim,
+                model.dtype,
+            )
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
