@@ -126,7 +126,11 @@ class LLMEngine:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
-        self.layout = layout = layout or model.kv_cache_layout(block_size)
+        layout = layout or model.kv_cache_layout(block_size)
+        if drafter is not None and layout.draft_group is None:
+            # the drafter's KV is full attention: no block of it may be freed
+            layout = layout.as_one_full_group()
+        self.layout = layout
         draft_group = layout.draft_group
         if drafter is not None and draft_group is not None \
                 and layout.specs[draft_group].block_size != block_size:
@@ -136,7 +140,7 @@ class LLMEngine:
         if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
                 and layout.draft_group is None:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
-                             f"has none ({layout.describe()})")
+                             f"has none ({layout.describe()}): pass the drafter as `drafter`")
         if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None):
             raise ValueError(
                 "KV connectors support single-group (full-attention) models only; this model "
