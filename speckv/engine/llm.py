@@ -2,7 +2,7 @@
 
 Owns loading a model by name (None / "builtin": the built-in SmolLM2-135M-Instruct;
 "hybrid-swa": a tiny random-init Gemma 3-style sliding-window model; a directory: an HF
-safetensors dir (Llama family or Gemma 3 text); a `.gguf` file; or an already-built model)
+safetensors dir (Llama family, Gemma 3 or 4 text); a `.gguf` file; or an already-built model)
 onto the configured device and dtype, and driving an `LLMEngine` until the given prompts finish.
 A bad prompt gets an output with `finish_reason == "error"` and `error` set; the others finish.
 """

@@ -105,10 +105,11 @@ class LLMEngine:
         num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
         if config.num_blocks is None and hasattr(model, "kv_cache_bytes_per_block"):
             # layers of different KV shapes (Gemma 4): the model sizes its own blocks
-            per_block = model.kv_cache_bytes_per_block(block_size) + bytes_per_block(
-                num_draft_layers, block_size, model_config.num_key_value_heads,
-                model_config.head_dim, model.dtype) if num_draft_layers else \
-                model.kv_cache_bytes_per_block(block_size)
+            per_block = model.kv_cache_bytes_per_block(block_size)
+            if num_draft_layers:
+                per_block += bytes_per_block(num_draft_layers, block_size,
+                                             model_config.num_key_value_heads,
+                                             model_config.head_dim, model.dtype)
             self.num_blocks = config.kv_cache_memory_bytes // per_block
             if self.num_blocks < 2:
                 raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} fits "
