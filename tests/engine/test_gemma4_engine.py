@@ -79,3 +79,12 @@ def test_hit_reads_cold_run_kv(gemma4):
     cold.step()
     cold_kv = read_group_kv(cold, cold.runner.block_tables("cold"), num_hit, hit.block_indices)
     assert max_abs_diff(hit, cold_kv)[0] == 0.0
+
+
+def test_kv_budget_counts_each_layers_shape(gemma4):
+    per_block = gemma4.kv_cache_bytes_per_block(B)
+    # 3 sliding owners (2 KV heads x 16) + 1 global owner (1 KV head x 32), K and V, fp32
+    assert per_block == 2 * B * 4 * (3 * 2 * 16 + 1 * 32)
+    engine = LLMEngine(gemma4, EngineConfig(block_size=B, kv_cache_memory_bytes=100 * per_block))
+    assert engine.num_blocks == 100
+    assert engine.runner.kv_cache.nbytes == 100 * per_block
