@@ -9,6 +9,12 @@ Owns turning user input into scheduler requests (tokenization, validation agains
         a stop string ends its request in the core (its last block cached, then freed)
     publish the step's KV events (optional): the local cache's, then the KV connector's tiers'
 
+The KV cache groups come from the model (`model.kv_cache_layout(block_size)`: full attention,
+sliding window, ...): the cache manager gets one group per entry (the alignment unit follows
+from their block sizes, the hash mode from the drafter), the runner one block table per group.
+Every layer keeps a `[num_blocks, ...]` tensor, so a block id costs the bytes of all layers
+whichever group holds it (simple, over-provisioned for multi-group models).
+
 With `EngineConfig.kv_connector`, the engine builds the connector (`kv_connector.py`), resolves
 its hash mode from the drafter AND the connector's lookahead capability (`hash_mode.reason`
 says why; logged at start-up), and binds the connector to the target's and drafter's caches.
@@ -27,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from speckv.attention import num_blocks_for_budget
-from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
@@ -98,6 +104,16 @@ class LLMEngine:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
+        self.layout = layout = model.kv_cache_layout(block_size)
+        if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
+                and layout.draft_group is None:
+            raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
+                             f"has none ({layout.describe()})")
+        if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None):
+            raise ValueError(
+                "KV connectors support single-group (full-attention) models only; this model "
+                f"has {layout.num_groups} KV cache groups ({layout.describe()}): drop "
+                "--kv-connector")
         if connector is not None and not config.enable_prefix_caching:
             raise ValueError("a KV connector needs enable_prefix_caching: tiers are keyed by "
                              "the prefix cache's block hashes")
@@ -114,7 +130,7 @@ class LLMEngine:
         self.event_publisher = event_publisher
         algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
-            [FullAttentionSpec(block_size)],
+            layout.specs,
             self.num_blocks,
             self.hash_mode,
             enable_caching=config.enable_prefix_caching,
@@ -130,6 +146,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.num_blocks, block_size, proposer,
             RunnerConnector(connector, block_size) if connector is not None else None,
+            layout,
         )
         if connector is not None:
             initialize_connector(connector, self.runner.kv_cache,
@@ -197,7 +214,8 @@ class LLMEngine:
             sampling_params=params,
             sampling_seed=seed,
         )
-        capacity = (self.num_blocks - 1) * self.config.block_size
+        # every KV cache group holds its own blocks of a prefill chunk
+        capacity = (self.num_blocks - 1) // self.layout.num_groups * self.config.block_size
         if request.num_prompt_tokens + 1 + self.num_spec_tokens > capacity:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds "

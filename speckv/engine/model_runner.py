@@ -1,9 +1,11 @@
 """ModelRunner: turns one SchedulerOutput into one forward, sampled tokens and next drafts.
 
 Owns the model, its `PagedKVCache`, the proposer (with the drafter's own KV cache) and, per
-request, what it needs across steps: real token ids (it appends what it samples), its block
-table (kept from the scheduler's deltas; the runner never reads the cache manager) and its
-sampling generator. One step:
+request, what it needs across steps: real token ids (it appends what it samples), one block
+table per KV cache group of the model's `KVCacheLayout` (kept from the scheduler's deltas; the
+runner never reads the cache manager) and its sampling generator. Each forward gets one
+`AttentionMetadata` per group (`GroupedAttentionMetadata`; each layer reads its group's); the
+drafter's KV follows the block table of the layout's `draft_group` (full attention). One step:
 
     forward     every scheduled request's new tokens (real, then drafts) at positions
                 [start, end), flattened on one token axis, no padding; logits only at the
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speckv.attention import AttentionMetadata, PagedKVCache
+from speckv.attention import AttentionMetadata, GroupedAttentionMetadata, PagedKVCache
 from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
     EMPTY_RUNNER_OUTPUT,
@@ -35,6 +37,7 @@ from speckv.engine.messages import (
 )
 from speckv.engine.sampler import make_generator, verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
+from speckv.models.kv_layout import KVCacheLayout
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.spec.proposer import Proposer, ProposerInput
 
@@ -45,7 +48,7 @@ class _RunnerRequest:
 
     data: NewRequestData
     token_ids: list[int]  # real tokens: prompt + sampled
-    block_ids: list[int]  # group 0 block table
+    block_ids: list[list[int]]  # one block table per KV cache group
     generator: torch.Generator | None
 
 
@@ -57,7 +60,8 @@ class _Forward:
     token_offsets: list[int]  # batch index -> first row of that request on the token axis
     logits: torch.Tensor  # [num_sample_rows, vocab] fp32
     logit_offsets: dict[int, tuple[int, int]]  # batch index -> [start, end) rows in `logits`
-    slot_mapping: torch.Tensor  # [num_tokens] int64 physical slot of every computed token
+    # [num_tokens] int64 physical slot of every computed token in the drafter's group
+    slot_mapping: torch.Tensor
 
 
 class ModelRunner:
@@ -68,10 +72,21 @@ class ModelRunner:
         block_size: int,
         proposer: Proposer | None = None,
         connector: RunnerConnector | None = None,
+        layout: KVCacheLayout | None = None,
     ) -> None:
+        """`layout`: the model's KV cache groups (default `model.kv_cache_layout`)."""
         self.model = model
         self.connector = connector
         self.block_size = block_size
+        self.layout = layout if layout is not None else model.kv_cache_layout(block_size)
+        self.group_block_sizes = tuple(spec.block_size for spec in self.layout.specs)
+        self.layer_to_group = self.layout.layer_to_group
+        draft_group = self.layout.draft_group
+        if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
+                and draft_group is None:
+            raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
+                             f"has none ({self.layout.describe()})")
+        self.draft_group = draft_group if draft_group is not None else 0
         self.device = model.device
         self.kv_cache: PagedKVCache = model.make_kv_cache(num_blocks, block_size)
         self.proposer = proposer
@@ -79,9 +94,13 @@ class ModelRunner:
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
         self.requests: dict[str, _RunnerRequest] = {}
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The runner's block table of a request it holds (group 0)."""
-        return self.requests[request_id].block_ids
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """The runner's block table of a request it holds, for one KV cache group."""
+        return self.requests[request_id].block_ids[group]
+
+    def block_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """The runner's block tables of a request it holds, one per KV cache group."""
+        return tuple(self.requests[request_id].block_ids)
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -91,7 +110,8 @@ class ModelRunner:
         if self.connector is not None:
             cut = self.connector.start_step(
                 scheduler_output.kv_connector_metadata, scheduled,
-                {item.request_id: self.requests[item.request_id].block_ids for item in scheduled})
+                {item.request_id: self.requests[item.request_id].block_ids[0]
+                 for item in scheduled})
             if cut:
                 scheduled = [item for item in scheduled if item.request_id not in cut]
         elif scheduler_output.is_empty:
@@ -116,20 +136,24 @@ class ModelRunner:
             if data.sampling_seed is not None:
                 generator = make_generator(data.sampling_seed, self.device)
             self.requests[data.request_id] = _RunnerRequest(
-                data, list(data.prompt_token_ids), [], generator
+                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes],
+                generator
             )
         for item in scheduler_output.scheduled:
             state = self.requests[item.request_id]
-            if item.replaces_block_table:
-                state.block_ids = list(item.new_block_ids[0])
-            else:
-                state.block_ids.extend(item.new_block_ids[0])
+            if len(item.new_block_ids) != len(self.group_block_sizes):
+                raise ValueError(f"the scheduler sent {len(item.new_block_ids)} block-id "
+                                 f"groups; the model has {len(self.group_block_sizes)}")
+            for table, new in zip(state.block_ids, item.new_block_ids):
+                if item.replaces_block_table:
+                    table[:] = new
+                else:
+                    table.extend(new)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> _Forward:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
         token_offsets: list[int] = []
         sample_rows: list[int] = []
         logit_offsets: dict[int, tuple[int, int]] = {}
@@ -147,15 +171,21 @@ class ModelRunner:
             input_ids.extend(tokens)
             query_lens.append(item.num_new_tokens)
             seq_lens.append(item.end)
-            block_tables.append(state.block_ids)
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, self.block_size, self.device
+        groups = tuple(
+            AttentionMetadata.build(
+                query_lens, seq_lens,
+                [self.requests[item.request_id].block_ids[g] for item in scheduled],
+                block_size, self.device)
+            for g, block_size in enumerate(self.group_block_sizes)
         )
+        metadata = (groups[0] if len(groups) == 1
+                    else GroupedAttentionMetadata(groups, self.layer_to_group))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
         output = self.model(ids, metadata.positions(), self.kv_cache, metadata, self.aux_layers)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(output.hidden_states.index_select(0, rows))
-        return _Forward(output, token_offsets, logits, logit_offsets, metadata.slot_mapping)
+        return _Forward(output, token_offsets, logits, logit_offsets,
+                        groups[self.draft_group].slot_mapping)
 
     def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward
                 ) -> tuple[dict[str, list[int]], set[str]]:
@@ -215,7 +245,7 @@ class ModelRunner:
                 hidden_states=output.hidden_states[rows],
                 prenorm_hidden=output.prenorm_hidden[rows],
                 aux_hidden_states=tuple(h[rows] for h in output.aux_hidden_states),
-                block_table=state.block_ids,
+                block_table=state.block_ids[self.draft_group],
                 slot_mapping=forward.slot_mapping[rows],
                 wants_drafts=sampled is not None and item.request_id not in stopped,
                 max_drafts=max(0, room),

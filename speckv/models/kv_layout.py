@@ -1,0 +1,101 @@
+"""KVCacheLayout: the KV cache groups a model declares, and which layers each group holds.
+
+Owns the typed answer to "what state does this model keep per block id": a tuple of groups,
+each a `KVCacheSpec` (full attention, sliding window W, Mamba / linear-attention state) with
+the indices of the layers that keep that kind of state. The engine builds its
+`KVCacheManager` from `layout.specs` (one manager per group, the alignment unit from their
+block sizes), the runner keeps one block table per group and builds one `AttentionMetadata`
+per group; each layer reads the metadata of its group (`GroupedAttentionMetadata`).
+
+    group g:  spec (what a hit needs, the block size)  +  layer_indices (who reads its blocks)
+
+Every group draws block ids from the one pool; a block id held by group g addresses state of
+group g's layers only. A drafter (EAGLE/EAGLE3/MTP) has full-attention layers: its KV follows
+the block table of `draft_group` (the first full-attention group), so it lives as long as a
+full-attention block does; a model without a full-attention group cannot host one.
+
+A Mamba / GDN state group fits the same shape: `MambaSpec(block_size)` plus the state layers'
+indices; how a model keeps its state per block id is the model's business (its cache object).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from speckv.cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    spec: KVCacheSpec
+    layer_indices: tuple[int, ...]  # model layer indices whose state uses this group's blocks
+
+    def __post_init__(self) -> None:
+        if not self.layer_indices:
+            raise ValueError("a KV cache group needs at least one layer")
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    groups: tuple[KVCacheGroup, ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a model needs at least one KV cache group")
+        seen: set[int] = set()
+        for group in self.groups:
+            overlap = seen & set(group.layer_indices)
+            if overlap:
+                raise ValueError(f"layers {sorted(overlap)} are in two KV cache groups")
+            seen.update(group.layer_indices)
+
+    @property
+    def specs(self) -> list[KVCacheSpec]:
+        """One spec per group, in group order (what `KVCacheManager` takes)."""
+        return [group.spec for group in self.groups]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def layer_to_group(self) -> dict[int, int]:
+        """Layer index -> group index."""
+        return {layer: g for g, group in enumerate(self.groups) for layer in group.layer_indices}
+
+    @property
+    def draft_group(self) -> int | None:
+        """The group whose block table addresses a drafter's KV: the first full-attention
+        group (None: the model has none, so no EAGLE/MTP drafter can run on it)."""
+        for g, group in enumerate(self.groups):
+            if isinstance(group.spec, FullAttentionSpec):
+                return g
+        return None
+
+    def describe(self) -> str:
+        """e.g. `full:16 x2 layers, swa(W=32):16 x4 layers`."""
+        parts = []
+        for group in self.groups:
+            spec = group.spec
+            if isinstance(spec, SlidingWindowSpec):
+                kind = f"swa(W={spec.sliding_window})"
+            elif isinstance(spec, MambaSpec):
+                kind = "mamba"
+            else:
+                kind = "full"
+            parts.append(f"{kind}:{spec.block_size} x{len(group.layer_indices)} layers")
+        return ", ".join(parts)
+
+
+def attention_layout(layer_windows: Sequence[int | None], block_size: int) -> KVCacheLayout:
+    """The layout of an attention-only model from each layer's sliding window (None: full):
+    one full-attention group (if any full layer) first, then one group per window size."""
+    full = tuple(i for i, w in enumerate(layer_windows) if w is None)
+    groups: list[KVCacheGroup] = []
+    if full:
+        groups.append(KVCacheGroup(FullAttentionSpec(block_size), full))
+    for window in sorted({w for w in layer_windows if w is not None}):
+        layers = tuple(i for i, w in enumerate(layer_windows) if w == window)
+        groups.append(KVCacheGroup(SlidingWindowSpec(block_size, window), layers))
+    return KVCacheLayout(tuple(groups))
