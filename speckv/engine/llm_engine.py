@@ -104,7 +104,9 @@ class LLMEngine:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
-        self.layout = layout = model.kv_cache_layout(block_size)
+        self.layout = layout = (
+            model.kv_cache_layout(block_size, config.mamba_block_size)
+            if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
         if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
                 and layout.draft_group is None:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "

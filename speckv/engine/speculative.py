@@ -61,7 +61,15 @@ def load_configured_drafter(config: EngineConfig, model: LlamaForCausalLM) -> Dr
 
 
 def load_drafter_model(speculative_model: str, model: LlamaForCausalLM) -> Drafter:
-    """A drafter dir (layout detected) or "builtin" (the shipped SmolLM2 EAGLE head)."""
+    """A drafter dir (layout detected), "builtin" (the shipped SmolLM2 EAGLE head) or, on a
+    GDN hybrid, "random-mtp" (a seeded random-init Qwen3-Next-style MTP drafter)."""
+    if getattr(model, "is_hybrid", False):
+        from speckv.drafters.hybrid_mtp import RANDOM_MTP, random_hybrid_mtp
+
+        if speculative_model != RANDOM_MTP:
+            raise ValueError(f"speculative_model {speculative_model!r}: on a GDN hybrid only "
+                             f"{RANDOM_MTP!r} (a random-init MTP drafter) is supported")
+        return random_hybrid_mtp(model)
     if speculative_model == "builtin":
         from speckv.drafters.builtin import load_builtin_eagle
 

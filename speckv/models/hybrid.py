@@ -17,18 +17,28 @@ import torch
 from torch import nn
 
 from speckv.attention import (
+    AnyAttentionMetadata,
     AttentionBackend,
-    AttentionMetadata,
     PagedKVCache,
     get_attention_backend,
+    metadata_for_layer,
     resolve_dtype,
 )
 from speckv.attention.state_cache import PagedStateCache, StatePlan, StateSegment
+from speckv.cache.specs import FullAttentionSpec, MambaSpec
 from speckv.models.gated_deltanet import GatedDeltaNet
 from speckv.models.hybrid_config import HybridConfig
+from speckv.models.kv_layout import KVCacheGroup, KVCacheLayout
 from speckv.models.layers import SwiGLUMLP
 from speckv.models.llama import ModelOutput
 from speckv.models.rope import RotaryEmbedding, apply_rope
+
+DEFAULT_STATE_UNIT_TOKENS = 544
+
+
+def default_state_block_size(block_size: int) -> int:
+    """The smallest multiple of `block_size` that is >= 544 tokens."""
+    return -(-DEFAULT_STATE_UNIT_TOKENS // block_size) * block_size
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -48,8 +58,10 @@ class ZeroCenteredRMSNorm(nn.Module):
 class GatedAttention(nn.Module):
     """Full attention with an output gate and partial RoPE (Qwen3NextAttention), paged."""
 
-    def __init__(self, config: HybridConfig, kv_layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: HybridConfig, layer_idx: int, kv_layer: int,
+                 backend: AttentionBackend) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # model layer index (picks its KV cache group's metadata)
         self.kv_layer = kv_layer  # this layer's index in the PagedKVCache
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -76,8 +88,9 @@ class GatedAttention(nn.Module):
         hidden: torch.Tensor,  # [n, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [n, 1, rotary_dim]
         kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
+        metadata: AnyAttentionMetadata,
     ) -> torch.Tensor:  # [n, hidden]
+        metadata = metadata_for_layer(metadata, self.layer_idx)
         n, d = hidden.shape[0], self.head_dim
         q, gate = torch.chunk(self.q_proj(hidden).view(n, self.num_heads, 2 * d), 2, dim=-1)
         q = self.q_norm(q)
@@ -101,7 +114,7 @@ class HybridDecoderLayer(nn.Module):
                 config, layer_idx, config.linear_layers.index(layer_idx))
         else:
             self.self_attn = GatedAttention(
-                config, config.attention_layers.index(layer_idx), backend)
+                config, layer_idx, config.attention_layers.index(layer_idx), backend)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size,
@@ -171,6 +184,22 @@ class HybridForCausalLM(nn.Module):
     def num_kv_layers(self) -> int:
         return len(self.config.attention_layers)
 
+    def kv_cache_layout(self, block_size: int, state_block_size: int | None = None
+                        ) -> KVCacheLayout:
+        """Two groups: full attention (blocks of `block_size` tokens) and the GDN state
+        (`MambaSpec`: one checkpoint every `state_block_size` tokens, the alignment unit;
+        default: the smallest multiple of `block_size` >= 544, vLLM's unit for Qwen3-Next)."""
+        unit = state_block_size or default_state_block_size(block_size)
+        if unit % block_size:
+            raise ValueError(f"the GDN state block size ({unit} tokens) must be a multiple of "
+                             f"the KV block size ({block_size})")
+        groups = []
+        if self.config.attention_layers:
+            groups.append(KVCacheGroup(FullAttentionSpec(block_size),
+                                       self.config.attention_layers))
+        groups.append(KVCacheGroup(MambaSpec(unit), self.config.linear_layers))
+        return KVCacheLayout(tuple(groups))
+
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """KV blocks for the full-attention layers only."""
         return PagedKVCache(max(1, self.num_kv_layers), num_blocks, block_size,
@@ -190,7 +219,7 @@ class HybridForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
+        metadata: AnyAttentionMetadata,
         aux_layers: Sequence[int] = (),
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
         state: StatePlan | None = None,
