@@ -21,7 +21,8 @@ from speckv.engine.kv_connector import connector_engine_kwargs
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default="builtin",
-                        help="'builtin' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file")
+                        help="'builtin' (SmolLM2-135M-Instruct), 'hybrid-swa' (tiny random-init "
+                        "Gemma-3-style sliding-window model), an HF model dir or a .gguf file")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -81,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,
               hash_seed=args.hash_seed, **speculative, **tiers)
+    if args.model == "hybrid-swa":  # say it every time: its text is noise
+        from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
+
+        print(f"[{RANDOM_INIT_NOTE}; KV groups {llm.engine.layout.describe()}]",
+              file=sys.stderr)
     with llm:
         return _generate(llm, args, params, connector is not None)
 
