@@ -40,6 +40,7 @@ from speckv.cache.hash_mode import HashMode
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
+from speckv.engine.hybrid_state import hybrid_num_blocks
 from speckv.engine.kv_connector import (
     RunnerConnector,
     SchedulerConnector,
@@ -92,7 +93,12 @@ class LLMEngine:
         assert model_config.head_dim is not None
         # a drafter's KV layers share the target's blocks (same heads and head size)
         num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
-        self.num_blocks = config.num_blocks or num_blocks_for_budget(
+        if config.mamba_block_size is not None and not getattr(model, "is_hybrid", False):
+            raise ValueError("EngineConfig.mamba_block_size applies to models with a GDN / "
+                             "Mamba state group only")
+        self.num_blocks = config.num_blocks or (
+            hybrid_num_blocks(config.kv_cache_memory_bytes, model, block_size, num_draft_layers)
+            if getattr(model, "is_hybrid", False) else None) or num_blocks_for_budget(
             config.kv_cache_memory_bytes,
             model_config.num_hidden_layers + num_draft_layers,
             block_size,
