@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from speckv.drafters.base import Drafter
 from speckv.drafters.loaders import random_drafter
 from speckv.drafters.mtp import MTPDrafter
 
@@ -41,3 +42,11 @@ def random_hybrid_mtp(model, num_modules: int = 1, seed: int = 0,
                              num_modules=num_modules)
     assert isinstance(drafter, MTPDrafter)
     return drafter
+
+
+def random_hybrid_drafter(method: str, model, num_modules: int = 1, seed: int = 0,
+                          init_std: float = 0.2) -> Drafter:
+    """A seeded random EAGLE / EAGLE3 / MTP drafter on a GDN hybrid (Llama-shaped layers)."""
+    if method == "mtp":
+        return random_hybrid_mtp(model, num_modules, seed, init_std)
+    return random_drafter(method, _DraftTarget(model), init_std, seed)

@@ -148,7 +148,7 @@ class HybridConfig:
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            num_hidden_layers=1,
+            num_hidden_layers=self.num_hidden_layers,  # EAGLE3 picks aux layers from it
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
