@@ -8,6 +8,7 @@ from speckv.attention.backend import (
 from speckv.attention.grouped import (
     AnyAttentionMetadata,
     GroupedAttentionMetadata,
+    GroupedKVCache,
     metadata_for_layer,
 )
 from speckv.attention.kv_cache import (
@@ -25,6 +26,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "GroupedAttentionMetadata",
+    "GroupedKVCache",
     "LayerKVCache",
     "PagedKVCache",
     "SDPABackend",

@@ -7,15 +7,19 @@ out-of-window blocks were freed) and therefore in slot mappings.
 
 A plain `AttentionMetadata` still works wherever a grouped one does (one group: every layer
 reads it), so single-group models and the drafters' own layers are unchanged.
+
+Also `GroupedKVCache`: the paged KV when groups differ in block size (e.g. full attention in
+blocks of 32, sliding window in blocks of 16), one `PagedKVCache` per group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from speckv.attention.kv_cache import LayerKVCache, PagedKVCache
 from speckv.attention.metadata import AttentionMetadata
 
 
@@ -44,3 +48,26 @@ def metadata_for_layer(metadata: AnyAttentionMetadata, layer_idx: int) -> Attent
     if isinstance(metadata, GroupedAttentionMetadata):
         return metadata.for_layer(layer_idx)
     return metadata
+
+
+class GroupedKVCache:
+    """Paged KV for models whose KV cache groups have different block sizes: one
+    `PagedKVCache` per group (its own block size, only its layers), addressed by MODEL layer
+    index like a `PagedKVCache`. (Groups of one block size share one `PagedKVCache`.)"""
+
+    def __init__(self, caches: Sequence[PagedKVCache],
+                 layer_to_slot: Mapping[int, tuple[int, int]]) -> None:
+        self.caches = tuple(caches)  # one per group
+        self._slots = dict(layer_to_slot)  # model layer -> (group, layer index in its cache)
+        self.num_layers = len(self._slots)
+        self.num_blocks = self.caches[0].num_blocks
+        self.dtype = self.caches[0].dtype
+        self.device = self.caches[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for cache in self.caches)
+
+    def layer(self, layer_idx: int) -> LayerKVCache:
+        group, local = self._slots[layer_idx]
+        return self.caches[group].layer(local)

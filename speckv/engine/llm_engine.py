@@ -37,6 +37,7 @@ from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
+from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
@@ -57,6 +58,7 @@ from speckv.engine.scheduler import Scheduler
 from speckv.engine.speculative import Drafter, make_proposer, resolve_connector_hash_mode
 from speckv.engine.stats import SchedulerStats
 from speckv.hashing.functions import get_hash_algo
+from speckv.models.kv_layout import KVCacheLayout
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
 from speckv.spec.policy import NO_DRAFTER, DrafterPolicy
@@ -78,9 +80,18 @@ class LLMEngine:
         detokenize: bool = True,
         drafter: Drafter | None = None,
         connector: KVConnector | None = None,
+        *,
+        layout: KVCacheLayout | None = None,
+        retention_interval: int | None = None,
+        tail_widening: TailWidening = TailWidening.UNIT,
     ) -> None:
         """`connector`: a KV connector to use instead of the one `config.kv_connector` names
-        (not yet initialized; the engine initializes it and closes it)."""
+        (not yet initialized; the engine initializes it and closes it).
+
+        Cache-policy overrides (benches, tests): `layout` replaces the model's KV cache groups
+        (e.g. other block sizes per group; the drafter's group keeps `config.block_size`);
+        `retention_interval` / `tail_widening` go to the `KVCacheManager` (sliding-window
+        tails kept only at multiples of the interval, and how they widen)."""
         self.config = config = config or EngineConfig()
         if connector is not None and config.kv_connector is not None:
             raise ValueError("pass a connector or set EngineConfig.kv_connector, not both")
@@ -110,9 +121,15 @@ class LLMEngine:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
-        self.layout = layout = (
+        self.layout = layout = layout or (
             model.kv_cache_layout(block_size, config.mamba_block_size)
             if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
+        draft_group = layout.draft_group
+        if drafter is not None and draft_group is not None \
+                and layout.specs[draft_group].block_size != block_size:
+            raise ValueError(f"the drafter's KV group has blocks of "
+                             f"{layout.specs[draft_group].block_size} tokens; block_size is "
+                             f"{block_size}: they must be equal")
         if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
                 and layout.draft_group is None:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
@@ -144,6 +161,8 @@ class LLMEngine:
             enable_caching=config.enable_prefix_caching,
             hit_check=hit_check_for(algo),
             event_sink=KVEventSink() if event_publisher is not None else None,
+            retention_interval=retention_interval,
+            tail_widening=tail_widening,
         )
         self.hashing = self.manager.block_hashing(algo, config.hash_seed)
         connector = self.connector

@@ -39,7 +39,7 @@ from speckv.engine.messages import (
 )
 from speckv.engine.sampler import make_generator, verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
-from speckv.models.kv_layout import KVCacheLayout
+from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.spec.proposer import Proposer, ProposerInput
 
@@ -91,8 +91,9 @@ class ModelRunner:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
                              f"has none ({self.layout.describe()})")
         self.draft_group = draft_group if draft_group is not None else 0
+        # one tensor for all layers, or one per group when their block sizes differ
+        self.kv_cache: PagedKVCache = make_layout_kv_cache(model, self.layout, num_blocks)
         self.device = model.device
-        self.kv_cache: PagedKVCache = model.make_kv_cache(num_blocks, block_size)
         # GDN / Mamba state per block id of the model's state group (hybrid models only)
         self.states: RunnerStates | None = (
             RunnerStates(model, num_blocks, self.layout)

@@ -200,6 +200,14 @@ class HybridForCausalLM(nn.Module):
         groups.append(KVCacheGroup(MambaSpec(unit), self.config.linear_layers))
         return KVCacheLayout(tuple(groups))
 
+    def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int) -> PagedKVCache:
+        """The engine's paged KV for `layout`: the full-attention group's blocks (the state
+        group's blocks live in `make_state_cache`)."""
+        sizes = {g.spec.block_size for g in layout.groups if not isinstance(g.spec, MambaSpec)}
+        if len(sizes) != 1:
+            raise ValueError(f"a GDN hybrid needs exactly one attention block size, got {sizes}")
+        return self.make_kv_cache(num_blocks, sizes.pop())
+
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """KV blocks for the full-attention layers only."""
         return PagedKVCache(max(1, self.num_kv_layers), num_blocks, block_size,

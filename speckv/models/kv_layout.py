@@ -99,3 +99,27 @@ def attention_layout(layer_windows: Sequence[int | None], block_size: int) -> KV
         layers = tuple(i for i, w in enumerate(layer_windows) if w == window)
         groups.append(KVCacheGroup(SlidingWindowSpec(block_size, window), layers))
     return KVCacheLayout(tuple(groups))
+
+
+def make_layout_kv_cache(model, layout: KVCacheLayout, num_blocks: int):
+    """The paged KV of `model` for `layout`: the model's own `make_kv_cache` when every group
+    has one block size (one tensor for all layers), else a `GroupedKVCache` with one
+    `PagedKVCache` per group (its block size, its layers). A model with state groups (Mamba)
+    provides `make_layout_kv_cache(layout, num_blocks)` itself."""
+    if hasattr(model, "make_layout_kv_cache"):
+        return model.make_layout_kv_cache(layout, num_blocks)
+    sizes = {spec.block_size for spec in layout.specs}
+    if len(sizes) == 1:
+        return model.make_kv_cache(num_blocks, sizes.pop())
+    from speckv.attention import GroupedKVCache, PagedKVCache
+
+    config = model.config
+    caches, slots = [], {}
+    for g, group in enumerate(layout.groups):
+        if isinstance(group.spec, MambaSpec):
+            raise ValueError("Mamba state groups need the model's make_layout_kv_cache")
+        caches.append(PagedKVCache(len(group.layer_indices), num_blocks, group.spec.block_size,
+                                   config.num_key_value_heads, config.head_dim, model.dtype,
+                                   model.device))
+        slots.update({layer: (g, local) for local, layer in enumerate(group.layer_indices)})
+    return GroupedKVCache(caches, slots)

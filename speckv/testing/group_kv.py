@@ -29,7 +29,7 @@ def read_group_kv(engine, block_tables: Sequence[Sequence[int]], num_tokens: int
     """The KV in the first `num_tokens // B` blocks of each group's table: every non-null
     block, or the logical `block_indices` given per group (e.g. the ones a hit holds)."""
     layout = engine.layout
-    storage = engine.runner.kv_cache.storage  # [layers, 2, blocks, B, kv_heads, head_dim]
+    cache = engine.runner.kv_cache  # PagedKVCache or GroupedKVCache: read by layer
     indices_out, target = [], []
     for g, group in enumerate(layout.groups):
         size = group.spec.block_size
@@ -39,8 +39,10 @@ def read_group_kv(engine, block_tables: Sequence[Sequence[int]], num_tokens: int
         else:
             indices = tuple(block_indices[g])
         blocks = [table[i] for i in indices]
-        layers = torch.tensor(group.layer_indices)
-        target.append(storage[layers][:, :, blocks].clone())
+        index = torch.tensor(blocks, dtype=torch.long)
+        target.append(torch.stack([
+            torch.stack([cache.layer(i).key[index], cache.layer(i).value[index]])
+            for i in group.layer_indices]))
         indices_out.append(indices)
     draft = None
     proposer_cache = getattr(engine.proposer, "kv_cache", None)
