@@ -99,12 +99,15 @@ class PerfRow:
     decode_tokens_per_s: float
 
 
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
+def _best(fns: dict, repeats: int) -> dict:
+    """Best wall time of each function, the functions interleaved round by round (a shared,
+    noisy CPU then slows all of them alike rather than whichever ran during a spike)."""
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -131,10 +134,6 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
         while engine.has_unfinished_requests():
             engine.step()
 
-    prefill_s = _best(lambda: engine_run(1), repeats)
-    total_s = _best(lambda: engine_run(params.max_tokens), repeats)
-    ours = PerfRow("speckv (paged, GDN state checkpoints)", prompt_tokens / prefill_s,
-                   (decode_tokens - 1) / max(total_s - prefill_s, 1e-9))
     # transformers on the same weights
     hf_cfg = model.config.to_hf_config()
     hf_config = transformers.Qwen3NextConfig(**{k: v for k, v in hf_cfg.items()
@@ -157,11 +156,15 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
             hf.generate(ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens,
                         do_sample=False)
 
-    hf_prefill_s = _best(hf_prefill, repeats)
-    hf_total_s = _best(hf_generate, repeats)
+    times = _best({"ours_prefill": lambda: engine_run(1),
+                   "ours_total": lambda: engine_run(params.max_tokens),
+                   "hf_prefill": hf_prefill, "hf_total": hf_generate}, repeats)
+    ours = PerfRow("speckv engine (paged, GDN state checkpoints)",
+                   prompt_tokens / times["ours_prefill"],
+                   (decode_tokens - 1) / max(times["ours_total"] - times["ours_prefill"], 1e-9))
     theirs = PerfRow("transformers Qwen3NextForCausalLM (torch fallbacks)",
-                     prompt_tokens / hf_prefill_s,
-                     (decode_tokens - 1) / max(hf_total_s - hf_prefill_s, 1e-9))
+                     prompt_tokens / times["hf_prefill"],
+                     (decode_tokens - 1) / max(times["hf_total"] - times["hf_prefill"], 1e-9))
     # checkpoint cost: the same one-request prefill forward, every unit vs none
     kv = model.make_kv_cache(prompt_tokens // BLOCK + 2, BLOCK)
     states = model.make_state_cache(prompt_tokens // UNIT + 2)
@@ -176,8 +179,9 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
             model(ids, md.positions(), kv, md, state=plan)
 
     big = -(-prompt_tokens // BLOCK) * BLOCK  # one segment: no checkpoint before the end
-    with_ckpt = _best(lambda: forward(UNIT), repeats + 2)
-    without = _best(lambda: forward(big), repeats + 2)
+    ckpt = _best({"with": lambda: forward(UNIT), "without": lambda: forward(big)},
+                 3 * repeats)
+    with_ckpt, without = ckpt["with"], ckpt["without"]
     return [ours, theirs], with_ckpt, without
 
 
