@@ -31,6 +31,7 @@ from speckv.models.hybrid_config import HybridConfig
 from speckv.models.kv_layout import KVCacheGroup, KVCacheLayout
 from speckv.models.layers import SwiGLUMLP
 from speckv.models.llama import ModelOutput
+from speckv.models.moe import SparseMoeBlock
 from speckv.models.rope import RotaryEmbedding, apply_rope
 
 DEFAULT_STATE_UNIT_TOKENS = 544
@@ -115,7 +116,14 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(
                 config, layer_idx, config.attention_layers.index(layer_idx), backend)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.mlp: nn.Module
+        if layer_idx in config.moe_layers:
+            self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts,
+                                      config.num_experts_per_tok, config.moe_intermediate_size,
+                                      config.shared_expert_intermediate_size,
+                                      config.norm_topk_prob)
+        else:
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size,
                                                             config.rms_norm_eps)

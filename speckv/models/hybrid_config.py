@@ -4,8 +4,8 @@ Owns the description of a decoder whose layers are either linear attention (Gate
 a fixed-size recurrent state) or full gated attention (partial RoPE, q/k norms, an output
 gate), each followed by a dense SwiGLU MLP, and its parsing from a Hugging Face `config.json`
 (`qwen3_next`, `qwen3_5_text`, and the text part of `qwen3_5`). What we do not run is refused
-with a ValueError naming the layer type: sparse MoE MLPs (Qwen3-Next's default, `qwen3_5_moe`),
-other token mixers, rope scalings other than default.
+with a ValueError naming the layer type: other token mixers (e.g. Mamba2), rope scalings other
+than default. Sparse MoE MLPs (Qwen3-Next's experts, `qwen3_5_moe`) run (`moe.py`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ _HF_HYBRID: dict[str, str] = {
     "qwen3_5forcausallm": "qwen3_5",
     "qwen3_5forconditionalgeneration": "qwen3_5",
 }
-_HF_MOE = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe")
+_HF_HYBRID.update({"qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+                   "qwen3_5moeforcausallm": "qwen3_5"})
 
 
 def is_hybrid_hf_config(cfg: Mapping[str, Any]) -> bool:
     """True when `cfg` names a GDN hybrid family (even one we refuse, e.g. its MoE variant)."""
-    key = str(cfg.get("model_type") or "").lower()
-    return key in _HF_HYBRID or (key in _HF_MOE and "linear_num_value_heads" in (
-        cfg.get("text_config") or cfg))
+    return str(cfg.get("model_type") or "").lower() in _HF_HYBRID
 
 
 def _positive(name: str, value: object) -> None:
@@ -71,6 +70,13 @@ class HybridConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # sparse MoE MLPs: the layers that have one (the others a dense MLP of intermediate_size)
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +109,16 @@ class HybridConfig:
                              f"{self.rotary_dim}) must be even")
         if self.linear_conv_kernel_dim < 2:
             raise ValueError("linear_conv_kernel_dim must be >= 2")
+        object.__setattr__(self, "moe_layers", tuple(sorted(set(self.moe_layers))))
+        if self.moe_layers:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "shared_expert_intermediate_size"):
+                _positive(name, getattr(self, name))
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError("num_experts_per_tok must be <= num_experts")
+            if self.moe_layers[0] < 0 or self.moe_layers[-1] >= self.num_hidden_layers:
+                raise ValueError(f"moe_layers must be in [0, {self.num_hidden_layers}), got "
+                                 f"{self.moe_layers}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         for v in self.eos_token_ids:
             if not isinstance(v, int) or not 0 <= v < self.vocab_size:
@@ -170,19 +186,16 @@ class HybridConfig:
         """Parse a HF `config.json` dict of Qwen3-Next or Qwen3.5 (text, or the text part of
         the multimodal checkpoint; the vision tower is not loaded)."""
         key = str(cfg.get("model_type") or "").lower()
-        if key in _HF_MOE:
-            raise ValueError(f"model_type {key!r}: the sparse MoE MLP layer type is not "
-                             "supported (dense-MLP Qwen3.5 and Qwen3-Next configs with "
-                             "mlp_only_layers covering every layer are)")
         if key not in _HF_HYBRID:
             raise ValueError(f"model_type {key!r} is not a Gated DeltaNet hybrid "
                              f"(supported: qwen3_next, qwen3_5_text, qwen3_5)")
         arch = _HF_HYBRID[key]
-        if key == "qwen3_5" and isinstance(cfg.get("text_config"), Mapping):
+        if key in ("qwen3_5", "qwen3_5_moe") and isinstance(cfg.get("text_config"), Mapping):
             cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get(
                 "tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", False))}
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads"):
+        moe_family = key.startswith("qwen3_5_moe")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     *(() if moe_family else ("intermediate_size",))):
             if name not in cfg:
                 raise ValueError(f"{name} is missing from the HF config")
         num_layers = int(cfg["num_hidden_layers"])
@@ -194,16 +207,25 @@ class HybridConfig:
             interval = int(cfg.get("full_attention_interval", 4))
             layer_types = ["linear_attention" if (i + 1) % interval else "full_attention"
                            for i in range(num_layers)]
-        if arch == "qwen3_next":
+        if moe_family:  # every layer sparse MoE
+            num_experts = int(cfg.get("num_experts", 256) or 0)
+            moe_layers = list(range(num_layers)) if num_experts > 0 else []
+        elif arch == "qwen3_next":
             num_experts = int(cfg.get("num_experts", 512) or 0)
             step = int(cfg.get("decoder_sparse_step", 1) or 1)
             dense_only = set(cfg.get("mlp_only_layers") or ())
-            for i in range(num_layers):
-                if i not in dense_only and num_experts > 0 and (i + 1) % step == 0:
-                    raise ValueError(
-                        f"layer {i}: the sparse MoE MLP layer type (Qwen3NextSparseMoeBlock: "
-                        "router, experts, shared expert) is not supported; only dense-MLP "
-                        "layers run (set num_experts=0 or list every layer in mlp_only_layers)")
+            moe_layers = [i for i in range(num_layers)
+                          if i not in dense_only and num_experts > 0 and (i + 1) % step == 0]
+        else:
+            num_experts, moe_layers = 0, []
+        moe: dict[str, Any] = {}
+        if moe_layers:
+            moe = dict(moe_layers=tuple(moe_layers), num_experts=num_experts,
+                       num_experts_per_tok=int(cfg.get("num_experts_per_tok", 10)),
+                       moe_intermediate_size=int(cfg.get("moe_intermediate_size", 512)),
+                       shared_expert_intermediate_size=int(
+                           cfg.get("shared_expert_intermediate_size", 512)),
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) or moe_family)
         theta, partial = _parse_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
@@ -211,7 +233,8 @@ class HybridConfig:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size")
+                                  or cfg.get("moe_intermediate_size", 1)),
             num_hidden_layers=num_layers,
             num_attention_heads=int(cfg["num_attention_heads"]),
             num_key_value_heads=int(cfg.get("num_key_value_heads")
@@ -233,6 +256,7 @@ class HybridConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            **moe,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -266,8 +290,18 @@ class HybridConfig:
                              else self.eos_token_ids[0]),
             "torch_dtype": self.torch_dtype,
         }
+        moe = dict(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                   moe_intermediate_size=self.moe_intermediate_size,
+                   shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                   norm_topk_prob=self.norm_topk_prob)
         if self.architecture == "qwen3_next":
-            out.update(num_experts=0, mlp_only_layers=list(range(self.num_hidden_layers)))
+            out.update(moe, decoder_sparse_step=1, mlp_only_layers=[
+                i for i in range(self.num_hidden_layers) if i not in self.moe_layers])
+        elif self.moe_layers:
+            if len(self.moe_layers) != self.num_hidden_layers:
+                raise ValueError("Qwen3.5-MoE configs have a sparse MoE MLP on every layer")
+            out.update(moe, model_type="qwen3_5_moe_text",
+                       architectures=["Qwen3_5MoeForCausalLM"])
         return out
 
 

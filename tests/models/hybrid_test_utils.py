@@ -31,7 +31,8 @@ TINY_HF: dict[str, Any] = dict(
 
 
 def hf_hybrid(family: str, seed: int = 0, **overrides: Any) -> Any:
-    """A tiny random transformers model of `family` (qwen3_next | qwen3_5), widened init so
+    """A tiny random transformers model of `family` (qwen3_next | qwen3_5 | qwen3_5_moe; MoE
+    via overrides like num_experts=4 for qwen3_next), widened init so
     logits are far from zero, with non-trivial norm weights."""
     import transformers
 
@@ -40,6 +41,10 @@ def hf_hybrid(family: str, seed: int = 0, **overrides: Any) -> Any:
         params.setdefault("num_experts", 0)
         config = transformers.Qwen3NextConfig(**params)
         model_cls = transformers.Qwen3NextForCausalLM
+    elif family == "qwen3_5_moe":
+        params.pop("intermediate_size", None)
+        config = transformers.Qwen3_5MoeTextConfig(**params)
+        model_cls = transformers.Qwen3_5MoeForCausalLM
     else:
         config = transformers.Qwen3_5TextConfig(**params)
         model_cls = transformers.Qwen3_5ForCausalLM

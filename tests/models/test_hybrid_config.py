@@ -34,13 +34,22 @@ def test_partial_rotary_and_roundtrip():
     assert HybridConfig.from_hf_config(tiny.to_hf_config()) == tiny
 
 
-def test_moe_layers_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"layer 0: the sparse MoE MLP layer type"):
-        HybridConfig.from_hf_config(_next(num_experts=8))
-    # every layer dense via mlp_only_layers: loads
-    HybridConfig.from_hf_config(_next(num_experts=8, mlp_only_layers=[0, 1, 2, 3]))
-    with pytest.raises(ValueError, match="sparse MoE MLP layer type"):
-        HybridConfig.from_hf_config({"model_type": "qwen3_5_moe", **TINY_HF})
+def test_moe_layers_from_the_config():
+    cfg = HybridConfig.from_hf_config(_next(num_experts=8, num_experts_per_tok=2,
+                                            decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert cfg.moe_layers == (1,) and cfg.num_experts == 8  # (i + 1) % 2 == 0, minus layer 3
+    assert HybridConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    dense = HybridConfig.from_hf_config(_next(num_experts=8, mlp_only_layers=[0, 1, 2, 3]))
+    assert dense.moe_layers == ()
+    everywhere = HybridConfig.from_hf_config(
+        {"model_type": "qwen3_5_moe_text", **{k: v for k, v in TINY_HF.items()
+                                              if k != "intermediate_size"},
+         "num_experts": 4, "num_experts_per_tok": 2})
+    assert everywhere.moe_layers == (0, 1, 2, 3) and everywhere.architecture == "qwen3_5"
+    assert HybridConfig.from_hf_config(everywhere.to_hf_config()) == everywhere
+    with pytest.raises(ValueError, match="num_experts_per_tok must be <= num_experts"):
+        tiny_hybrid_config(moe_layers=(0,), num_experts=2, num_experts_per_tok=3,
+                           moe_intermediate_size=8, shared_expert_intermediate_size=8)
 
 
 def test_other_refusals():

@@ -94,3 +94,24 @@ def test_bad_weights_are_named(tmp_path: Path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="A_log"):
         load_hybrid_dir(tmp_path)
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48)
+
+
+@pytest.mark.parametrize(("family", "extra"), [
+    ("qwen3_next", {"mlp_only_layers": [1]}),  # layers 0, 2, 3 sparse MoE, layer 1 dense
+    ("qwen3_5_moe", {}),  # every layer sparse MoE
+])
+def test_sparse_moe_layers_match_transformers(family, extra, tmp_path):
+    hf = hf_hybrid(family, seed=7, **MOE, **extra)
+    hf.save_pretrained(tmp_path)
+    model, config = load_hybrid_dir(tmp_path)
+    assert config.moe_layers == ((0, 2, 3) if family == "qwen3_next" else (0, 1, 2, 3))
+    ids = _ids(70, seed=8)
+    ref = _hf_logits(hf, ids)
+    torch.testing.assert_close(OneRequest(model).forward(ids), ref, atol=1e-4, rtol=1e-4)
+    step = OneRequest(model)
+    torch.testing.assert_close(torch.cat([step.forward([t]) for t in ids]), ref, atol=1e-4,
+                               rtol=1e-4)
