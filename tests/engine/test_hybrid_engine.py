@@ -124,3 +124,20 @@ def test_kv_connector_and_foreign_drafters_refused(hybrid):
     with pytest.raises(ValueError, match="KV connectors support single-group"):
         LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=64,
                                        kv_connector="offload"))
+
+
+def test_llm_serves_hybrid_gdn_by_name_with_mtp():
+    from speckv.engine.llm import LLM
+
+    llm = LLM("hybrid-gdn", progress=False, kv_cache_memory_bytes=64 << 20,
+              mamba_block_size=64, speculative_method="mtp", num_spec_tokens=2,
+              speculative_model="random-mtp")
+    assert llm.engine.layout.describe() == "full:16 x2 layers, mamba:64 x4 layers"
+    prompt = list(range(5, 300))
+    first, second = (llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+                     for _ in range(2))
+    assert second.num_cached_tokens == (len(prompt) - 1) // 64 * 64
+    assert first.token_ids == second.token_ids
+    with pytest.raises(ValueError, match="only 'random-mtp'"):
+        LLM("hybrid-gdn", progress=False, kv_cache_memory_bytes=64 << 20,
+            speculative_method="mtp", num_spec_tokens=1, speculative_model="builtin")
