@@ -100,7 +100,19 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(hidden.shape[0], self.num_v_heads, self.head_v_dim,
                            dtype=hidden.dtype, device=hidden.device)
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
+        # Single-token decodes run as one batch, first: each reads only its own running block
+        # (written by nobody else), and a same-step hit may read the checkpoint one completes.
+        singles = [i for i, seg in enumerate(plan.segments)
+                   if seg.num_tokens == 1 and not seg.record]
+        if len(singles) > 1:
+            rows = torch.tensor([plan.segments[i].row_start for i in singles],
+                                device=hidden.device)
+            core[rows] = self._decode_batch([plan.segments[i] for i in singles], plan,
+                                            mixed[rows], g[rows], beta[rows], weight)
+        batched = set(singles) if len(singles) > 1 else set()
         for index in plan.order():
+            if index in batched:
+                continue
             segment = plan.segments[index]
             rows = slice(segment.row_start, segment.row_start + segment.num_tokens)
             core[rows] = self._segment(segment, index, plan, mixed[rows], g[rows], beta[rows],
@@ -141,6 +153,32 @@ class GatedDeltaNet(nn.Module):
                 cache.write(layer, writes[hi], conv_state, rec[0])
             outs.append(out[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode_batch(self, segments: list[StateSegment], plan: StatePlan, mixed: torch.Tensor,
+                      g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """R one-token segments at once: mixed [R, C], g / beta [R, Hv] -> core [R, Hv, dv]."""
+        cache, layer = plan.cache, self.state_layer
+        kernel = self.conv_kernel
+        reads = [seg.read_block for seg in segments]
+        conv = torch.zeros(len(segments), self.conv_dim, kernel - 1, dtype=weight.dtype,
+                           device=mixed.device)
+        rec = torch.zeros(len(segments), self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                          dtype=torch.float32, device=mixed.device)
+        have = [i for i, block in enumerate(reads) if block is not None]
+        if have:
+            index = torch.tensor([reads[i] for i in have], device=mixed.device)
+            at = torch.tensor(have, device=mixed.device)
+            conv[at] = cache.conv[layer, index].to(weight.dtype)
+            rec[at] = cache.recurrent[layer, index]
+        padded = torch.cat((conv, mixed.to(weight.dtype).unsqueeze(-1)), dim=-1)  # [R, C, K]
+        conv_out = F.silu(F.conv1d(padded, weight.unsqueeze(1), groups=self.conv_dim))
+        q, k, v = self._split(conv_out[:, :, 0].to(mixed.dtype))  # each [R, heads, dim]
+        out, rec = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
+                                              beta[:, None], rec)
+        writes = torch.tensor([seg.checkpoints[-1][1] for seg in segments], device=mixed.device)
+        cache.conv[layer, writes] = padded[:, :, 1:].to(cache.conv.dtype)
+        cache.recurrent[layer, writes] = rec
+        return out[:, 0]
 
     def _split(self, conv_out: torch.Tensor):
         """[T, conv_dim] -> q, k [T, Hk, dk], v [T, Hv, dv]."""

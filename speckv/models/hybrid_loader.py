@@ -2,8 +2,9 @@
 Qwen3-Next or Qwen3.5 -> `HybridForCausalLM`, and the random-init tiny hybrid the engine serves
 as `--model hybrid-gdn`.
 
-Owns the HF name mapping of these families (hub per-expert MoE names load as they are): "model." (Qwen3-Next, Qwen3.5 text) or
-"model.language_model." (the Qwen3.5 multimodal checkpoint) is dropped; the vision tower
+Owns the HF name mapping of these families (hub per-expert MoE names load as they are):
+"model." (Qwen3-Next, Qwen3.5 text) or "model.language_model." (the Qwen3.5 multimodal
+checkpoint) is dropped; the vision tower
 (`model.visual.*`) and the MTP head (`mtp.*`) are skipped (text only; speckv's MTP drafter
 is built separately). Never unpickles (.bin files are refused by the shared file lister).
 """
