@@ -141,3 +141,13 @@ def test_llm_serves_hybrid_gdn_by_name_with_mtp():
     with pytest.raises(ValueError, match="only 'random-mtp'"):
         LLM("hybrid-gdn", progress=False, kv_cache_memory_bytes=64 << 20,
             speculative_method="mtp", num_spec_tokens=1, speculative_model="builtin")
+
+
+def test_chunked_prefill_off_the_unit_grid_gives_the_same_tokens(hybrid):
+    prompt = [random.Random(11).randrange(128) for _ in range(45)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    whole = _engine(hybrid)
+    whole.add_request(prompt, params, "r")
+    chunked = _engine(hybrid, max_num_batched_tokens=7)  # chunks end off the unit grid
+    chunked.add_request(prompt, params, "r")
+    assert run_all(chunked)["r"].token_ids == run_all(whole)["r"].token_ids
