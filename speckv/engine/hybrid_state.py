@@ -24,30 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from speckv.attention.state_cache import PagedStateCache, StatePlan
 from speckv.cache.specs import MambaSpec
 from speckv.engine.messages import ScheduledRequest
 from speckv.models.hybrid import plan_for
 from speckv.models.kv_layout import KVCacheLayout
-
-
-def hybrid_num_blocks(memory_bytes: int, model, block_size: int, num_draft_layers: int) -> int:
-    """Block ids that fit `memory_bytes` when each costs the KV of the attention layers (and
-    the drafter's layers) plus one conv + recurrent state per linear layer."""
-    c = model.config
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    kv = 2 * (len(c.attention_layers) + num_draft_layers) * block_size \
-        * c.num_key_value_heads * c.head_dim * elem
-    state = len(c.linear_layers) * (c.conv_dim * (c.linear_conv_kernel_dim - 1) * elem
-                                    + c.linear_num_value_heads * c.linear_key_head_dim
-                                    * c.linear_value_head_dim * 4)
-    num_blocks = memory_bytes // (kv + state)
-    if num_blocks < 2:
-        raise ValueError(f"kv_cache_memory_bytes={memory_bytes} fits {num_blocks} blocks of "
-                         f"{kv + state} bytes (KV + GDN state); need >= 2")
-    return int(num_blocks)
 
 
 def state_group(layout: KVCacheLayout) -> int | None:

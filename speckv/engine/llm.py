@@ -3,10 +3,10 @@
 Owns loading a model by name (None / "builtin": the built-in SmolLM2-135M-Instruct;
 "hybrid-swa": a tiny random-init Gemma 3-style sliding-window model; "hybrid-gdn": a small
 random-init Qwen3-Next-style Gated DeltaNet hybrid; a directory: an HF safetensors dir
-(Llama family, Gemma 3 text, Qwen3-Next / Qwen3.5 text); a `.gguf` file; or an already-built
-model) onto the configured device and dtype, and driving an `LLMEngine` until the given
-prompts finish. A bad prompt gets an output with `finish_reason == "error"` and `error` set;
-the others finish.
+(Llama family, Gemma 3 or 4 text, Qwen3-Next / Qwen3.5 text); a `.gguf` file; or an
+already-built model) onto the configured device and dtype, and driving an `LLMEngine` until
+the given prompts finish. A bad prompt gets an output with `finish_reason == "error"` and
+`error` set; the others finish.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from speckv.attention import num_blocks_for_budget
+from speckv.attention import bytes_per_block, num_blocks_for_budget
 from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
@@ -41,7 +41,6 @@ from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
-from speckv.engine.hybrid_state import hybrid_num_blocks
 from speckv.engine.kv_connector import (
     RunnerConnector,
     SchedulerConnector,
@@ -107,23 +106,38 @@ class LLMEngine:
         if config.mamba_block_size is not None and not getattr(model, "is_hybrid", False):
             raise ValueError("EngineConfig.mamba_block_size applies to models with a GDN / "
                              "Mamba state group only")
-        self.num_blocks = config.num_blocks or (
-            hybrid_num_blocks(config.kv_cache_memory_bytes, model, block_size, num_draft_layers)
-            if getattr(model, "is_hybrid", False) else None) or num_blocks_for_budget(
-            config.kv_cache_memory_bytes,
-            model_config.num_hidden_layers + num_draft_layers,
-            block_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            model.dtype,
-        )
+        if config.num_blocks is None and hasattr(model, "kv_cache_bytes_per_block"):
+            # layers of different KV shapes (Gemma 4), KV + GDN state (hybrids): the model
+            # sizes its own blocks
+            per_block = model.kv_cache_bytes_per_block(block_size)
+            if num_draft_layers:
+                per_block += bytes_per_block(num_draft_layers, block_size,
+                                             model_config.num_key_value_heads,
+                                             model_config.head_dim, model.dtype)
+            self.num_blocks = config.kv_cache_memory_bytes // per_block
+            if self.num_blocks < 2:
+                raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} fits "
+                                 f"{self.num_blocks} blocks of {per_block} bytes; need >= 2")
+        else:
+            self.num_blocks = config.num_blocks or num_blocks_for_budget(
+                config.kv_cache_memory_bytes,
+                model_config.num_hidden_layers + num_draft_layers,
+                block_size,
+                model_config.num_key_value_heads,
+                model_config.head_dim,
+                model.dtype,
+            )
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
-        self.layout = layout = layout or (
+        layout = layout or (
             model.kv_cache_layout(block_size, config.mamba_block_size)
             if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
+        if drafter is not None and layout.draft_group is None:
+            # the drafter's KV is full attention: no block of it may be freed
+            layout = layout.as_one_full_group()
+        self.layout = layout
         draft_group = layout.draft_group
         if drafter is not None and draft_group is not None \
                 and layout.specs[draft_group].block_size != block_size:
@@ -133,7 +147,7 @@ class LLMEngine:
         if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
                 and layout.draft_group is None:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
-                             f"has none ({layout.describe()})")
+                             f"has none ({layout.describe()}): pass the drafter as `drafter`")
         if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None):
             raise ValueError(
                 "KV connectors support single-group (full-attention) models only; this model "

@@ -20,7 +20,7 @@ Parameter names equal Hugging Face's minus the leading "model.".
 
 Not supported (refused with an error naming it): attention logit soft-capping (Gemma 2),
 bidirectional attention, multimodal towers (`Gemma3ForConditionalGeneration`: vision), MoE /
-MLA layers of other families.
+MLA layers of other families. Gemma 4 is `gemma4.py`.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class GemmaConfig:
             raise ValueError("Gemma3ForConditionalGeneration: the vision tower (multimodal) is "
                              "not supported; use a text-only Gemma3ForCausalLM checkpoint")
         if model_type.startswith("gemma4") or any(a.startswith("Gemma4") for a in archs):
-            raise ValueError("Gemma 4: its per-layer input embeddings, KV-shared layers and "
-                             "global head size are not supported yet (Gemma 3 text only)")
+            raise ValueError("a Gemma 4 config: parse it with Gemma4Config (load_gemma_dir "
+                             "picks the right one)")
         if model_type not in GEMMA3_MODEL_TYPES and not set(archs) & set(GEMMA3_ARCHITECTURES):
             raise ValueError(f"model_type {model_type!r}: not a Gemma 3 text model "
                              f"(supported: {GEMMA3_MODEL_TYPES}, {GEMMA3_ARCHITECTURES})")

@@ -208,6 +208,18 @@ class HybridForCausalLM(nn.Module):
         groups.append(KVCacheGroup(MambaSpec(unit), self.config.linear_layers))
         return KVCacheLayout(tuple(groups))
 
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """What one block id costs (the engine's KV budget): the K/V of `block_size` tokens of
+        every attention layer plus one conv + recurrent state of every linear layer (every
+        block id has both rows; see state_cache.py)."""
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        kv = 2 * len(c.attention_layers) * block_size * c.num_key_value_heads * c.head_dim * elem
+        state = len(c.linear_layers) * (
+            c.conv_dim * (c.linear_conv_kernel_dim - 1) * elem
+            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
+        return kv + state
+
     def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int) -> PagedKVCache:
         """The engine's paged KV for `layout`: the full-attention group's blocks (the state
         group's blocks live in `make_state_cache`)."""

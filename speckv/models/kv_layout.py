@@ -73,6 +73,16 @@ class KVCacheLayout:
                 return g
         return None
 
+    def as_one_full_group(self) -> KVCacheLayout:
+        """Every layer in one full-attention group: what a drafter needs on a model without
+        full-attention layers (e.g. Mistral-style all-sliding). Sliding layers keep their
+        window in the attention mask; only no block is freed behind it."""
+        if any(isinstance(spec, MambaSpec) for spec in self.specs):
+            raise ValueError("a model with Mamba state groups has no full-attention form")
+        layers = tuple(sorted(self.layer_to_group))
+        return KVCacheLayout((KVCacheGroup(FullAttentionSpec(self.specs[0].block_size),
+                                           layers),))
+
     def describe(self) -> str:
         """e.g. `full:16 x2 layers, swa(W=32):16 x4 layers`."""
         parts = []

@@ -100,3 +100,19 @@ def test_multi_group_model_refuses_a_kv_connector(swa_llama):
     config = EngineConfig(block_size=B, num_blocks=64, kv_connector="offload")
     with pytest.raises(ValueError, match="single-group"):
         LLMEngine(swa_llama, config)
+
+
+def test_all_sliding_model_with_a_drafter_runs_one_full_group():
+    from speckv.drafters.loaders import random_drafter
+
+    model = tiny_model(seed=6, num_hidden_layers=2, layer_types=["sliding_attention"] * 2,
+                       sliding_window=WINDOW)
+    assert model.kv_cache_layout(B).draft_group is None
+    drafter = random_drafter("eagle", model, init_std=0.2, seed=1)
+    engine = LLMEngine(model, EngineConfig(block_size=B, num_blocks=64,
+                                           speculative_method="eagle", num_spec_tokens=2),
+                       drafter=drafter)
+    assert engine.layout.specs == [FullAttentionSpec(B)]
+    prompt = [random.Random(4).randrange(96) for _ in range(27)]
+    outputs = run_engine(engine, [prompt], SamplingParams(max_tokens=8))
+    assert outputs["r0"].token_ids == greedy_generate(model, prompt, 8, block_size=B)

@@ -113,3 +113,14 @@ def test_llm_runs_hybrid_swa_by_name():
                      for _ in range(2))
     assert second.num_cached_tokens == (len(prompt) - 1) // 16 * 16
     assert first.token_ids == second.token_ids
+
+
+def test_llm_loads_a_gemma_checkpoint_directory(gemma, tmp_path):
+    from speckv.models.gemma_loader import save_gemma_dir
+
+    save_gemma_dir(tmp_path, gemma)
+    llm = LLM(str(tmp_path), progress=False, block_size=B, num_blocks=64)
+    assert type(llm.engine.model) is GemmaForCausalLM
+    prompt = list(range(3, 40))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert out.token_ids == greedy_generate(gemma, prompt, 6, block_size=B)
