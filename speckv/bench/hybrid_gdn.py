@@ -75,9 +75,9 @@ def _first_step(engine: LLMEngine, prompt: list[int], hit: int | None, unit: int
 
 
 def run_scenario(model, prompt: list[int], unit: int = UNIT) -> list[ScenarioRow]:
-    from speckv.drafters.hybrid_mtp import random_hybrid_mtp
+    from speckv.drafters.gated_mtp import random_gated_mtp
 
-    drafter = random_hybrid_mtp(model)
+    drafter = random_gated_mtp(model)
     rows = []
     for case, d, legacy in (("no drafter", None, False),
                             ("MTP, lookahead hashes", drafter, False),

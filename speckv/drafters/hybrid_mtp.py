@@ -1,27 +1,26 @@
-"""A Qwen3-Next-style MTP drafter for a Gated DeltaNet hybrid target (random init).
+"""Drafters on a Gated DeltaNet hybrid target: which one a name means, and random-init ones.
 
-Owns building speckv's k-module MTP drafter (`mtp.py`, Qwen layout: one shared enorm / hnorm /
-eh_proj / final norm, one decoder layer per module) on a `HybridForCausalLM`: the drafter
-shares the hybrid's embedding and LM head and gets full-attention layers with the hybrid's
-attention shapes (`HybridConfig.drafter_base_config`), so its draft KV lives in the hybrid's
-full-attention block table. Draft modules have no linear-attention layers, so speculation never
-touches the target's recurrent state; the runner commits only verified states
-(`speckv.engine.hybrid_state`).
-
-Random init only: a real Qwen3-Next `mtp.*` checkpoint has a gated-attention layer (q_proj
-with an output gate, partial RoPE, zero-centred norms) that speckv's Llama-layer MTP module
-does not load yet.
+Owns the dispatch for `speculative_model` on a `HybridForCausalLM`: "random-mtp" is a seeded
+random-init Qwen3-Next MTP head (`gated_mtp.py`: the checkpoint format's gated-attention MTP
+layer), a directory is a Qwen3-Next / Qwen3.5 checkpoint whose own `mtp.*` head is loaded.
+Also seeded random EAGLE / EAGLE3 drafters on a hybrid (speckv's Llama-layer drafters with the
+hybrid's attention shapes, `HybridConfig.drafter_base_config`) for the draft-KV checks.
+Drafters have attention layers only: their KV follows the hybrid's full-attention block table
+and speculation never touches the target's recurrent state (the runner commits only verified
+states, `speckv.engine.hybrid_state`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from speckv.drafters.base import Drafter
+from speckv.drafters.gated_mtp import GatedMTPDrafter, load_gated_mtp, random_gated_mtp
 from speckv.drafters.loaders import random_drafter
-from speckv.drafters.mtp import MTPDrafter
 
-RANDOM_MTP = "random-mtp"  # the speculative_model name of this drafter
+RANDOM_MTP = "random-mtp"  # the speculative_model name of a random-init MTP head
 
 
 class _DraftTarget:
@@ -35,18 +34,20 @@ class _DraftTarget:
         self.device: torch.device = model.device
 
 
-def random_hybrid_mtp(model, num_modules: int = 1, seed: int = 0,
-                      init_std: float = 0.2) -> MTPDrafter:
-    """A seeded random MTP drafter (Qwen layout, `num_modules` modules) on a GDN hybrid."""
-    drafter = random_drafter("mtp", _DraftTarget(model), init_std, seed, layout="qwen",
-                             num_modules=num_modules)
-    assert isinstance(drafter, MTPDrafter)
-    return drafter
-
-
 def random_hybrid_drafter(method: str, model, num_modules: int = 1, seed: int = 0,
                           init_std: float = 0.2) -> Drafter:
-    """A seeded random EAGLE / EAGLE3 / MTP drafter on a GDN hybrid (Llama-shaped layers)."""
+    """A seeded random EAGLE / EAGLE3 / MTP (Qwen3-Next format) drafter on a GDN hybrid."""
     if method == "mtp":
-        return random_hybrid_mtp(model, num_modules, seed, init_std)
+        return random_gated_mtp(model, num_modules, seed, init_std)
     return random_drafter(method, _DraftTarget(model), init_std, seed)
+
+
+def load_hybrid_drafter(speculative_model: str, model) -> GatedMTPDrafter:
+    """`speculative_model` on a GDN hybrid: "random-mtp", or a checkpoint dir with `mtp.*`."""
+    if speculative_model == RANDOM_MTP:
+        return random_gated_mtp(model)
+    if Path(speculative_model).is_dir():
+        return load_gated_mtp(speculative_model, model)
+    raise ValueError(f"speculative_model {speculative_model!r}: on a GDN hybrid use "
+                     f"{RANDOM_MTP!r} (a random-init MTP head) or a Qwen3-Next / Qwen3.5 "
+                     "checkpoint directory whose mtp.* head to load")

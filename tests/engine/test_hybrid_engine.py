@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from speckv.drafters.hybrid_mtp import random_hybrid_mtp
+from speckv.drafters.gated_mtp import random_gated_mtp
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
@@ -80,7 +80,7 @@ def test_greedy_speculative_output_equals_greedy(hybrid):
     base = run()
     reference = {rid: prompts[int(rid[1:])] + out.token_ids for rid, out in base.items()}
     # random MTP drafter: (almost) every draft rejected
-    mtp = run(drafter=random_hybrid_mtp(hybrid), speculative_method="mtp", num_spec_tokens=3)
+    mtp = run(drafter=random_gated_mtp(hybrid), speculative_method="mtp", num_spec_tokens=3)
     assert {r: o.token_ids for r, o in mtp.items()} == {r: o.token_ids for r, o in base.items()}
     # oracle drafts with one wrong token every third window: windows accepted in part
     oracle = OracleProposer(reference, 3)
@@ -138,7 +138,7 @@ def test_llm_serves_hybrid_gdn_by_name_with_mtp():
                      for _ in range(2))
     assert second.num_cached_tokens == (len(prompt) - 1) // 64 * 64
     assert first.token_ids == second.token_ids
-    with pytest.raises(ValueError, match="only 'random-mtp'"):
+    with pytest.raises(ValueError, match="use 'random-mtp'"):
         LLM("hybrid-gdn", progress=False, kv_cache_memory_bytes=64 << 20,
             speculative_method="mtp", num_spec_tokens=1, speculative_model="builtin")
 
