@@ -131,7 +131,7 @@ def run_hybrid_gdn(args: argparse.Namespace) -> int:
         raise ValueError("--mamba-block-size must be a multiple of --block-size")
     torch.set_num_threads(1)
     model = hybrid_gdn_model(vocab_size=4096)
-    prompt_len = max(args.prompt_len, 2 * unit + 2)
+    prompt_len = max(args.prompt_len or 100, 2 * unit + 2)
     prompt = torch.randint(1, 4096, (prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     rows = []

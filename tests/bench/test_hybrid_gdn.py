@@ -36,3 +36,17 @@ def test_draft_kv_on_the_hybrid_exact_and_stale_control_caught():
         assert hit.target_max_abs_diff == hit.draft_max_abs_diff == 0.0
         assert hit.state_max_abs_diff == 0.0
         assert control.hit_tokens == 32 and control.draft_max_abs_diff > 1e-3
+
+
+def test_cli_draft_kv_on_hybrid_gdn_prints_zero_diffs(capsys):
+    import json
+
+    from speckv.cli import main
+
+    assert main(["bench", "draft-kv", "--model", "hybrid-gdn", "--drafters", "mtp",
+                 "--mtp-num-modules", "1", "--dtypes", "float32", "--json"]) == 0
+    hit, control = json.loads(capsys.readouterr().out)
+    assert hit["hit_tokens"] == 128  # two units of 64 (4 blocks of 16) in 130 tokens
+    assert hit["target_max_abs_diff"] == hit["draft_max_abs_diff"] == 0.0
+    assert hit["state_max_abs_diff"] == 0.0
+    assert control["draft_max_abs_diff"] > 0
