@@ -226,11 +226,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "offload, disk or offload,disk")
     parser.add_argument("--kv-offload-dir", default=None,
                         help="disk tier directory (default: a temporary one)")
+    parser.add_argument("--mamba-block-size", type=int, default=None,
+                        help="--model hybrid-gdn: GDN state unit, tokens (default: 4 blocks)")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     from speckv.engine.llm import load_model
+
+    if args.model == "hybrid-gdn":  # KV and recurrent state of a GDN hybrid
+        from speckv.bench.draft_kv_hybrid import run_hybrid_gdn
+
+        return run_hybrid_gdn(args)
 
     names = [name.strip() for name in args.drafters.split(",")]
     unknown = [name for name in names if name not in DRAFTERS]

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default="builtin",
                         help="'builtin' (SmolLM2-135M-Instruct), 'hybrid-swa' (tiny random-init "
-                        "Gemma-3-style sliding-window model), an HF model dir or a .gguf file")
+                        "Gemma-3-style sliding-window model), 'hybrid-gdn' (small random-init "
+                        "Qwen3-Next-style GDN hybrid), an HF model dir or a .gguf file")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     speculative_model = args.speculative_model
     if method is None:
         method = "eagle" if args.model == "builtin" or speculative_model else "none"
+    if method == "mtp" and speculative_model is None and args.model == "hybrid-gdn":
+        speculative_model = "random-mtp"  # a random-init MTP drafter on the random hybrid
     if method in ("eagle", "eagle3", "mtp") and speculative_model is None:
         if args.model != "builtin":
             raise ValueError(
@@ -87,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"[{RANDOM_INIT_NOTE}; KV groups {llm.engine.layout.describe()}]",
               file=sys.stderr)
+    if args.model == "hybrid-gdn":  # say it every time: its text is noise
+        from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE as GDN_NOTE
+
+        print(f"[{GDN_NOTE}; KV groups {llm.engine.layout.describe()}]", file=sys.stderr)
     with llm:
         return _generate(llm, args, params, connector is not None)
 

@@ -1,10 +1,12 @@
 """LLM: the user-facing API. `LLM(model=...)`, `generate(...)`, and `stream(...)` for deltas.
 
 Owns loading a model by name (None / "builtin": the built-in SmolLM2-135M-Instruct;
-"hybrid-swa": a tiny random-init Gemma 3-style sliding-window model; a directory: an HF
-safetensors dir (Llama family, Gemma 3 or 4 text); a `.gguf` file; or an already-built model)
-onto the configured device and dtype, and driving an `LLMEngine` until the given prompts finish.
-A bad prompt gets an output with `finish_reason == "error"` and `error` set; the others finish.
+"hybrid-swa": a tiny random-init Gemma 3-style sliding-window model; "hybrid-gdn": a small
+random-init Qwen3-Next-style Gated DeltaNet hybrid; a directory: an HF safetensors dir
+(Llama family, Gemma 3 or 4 text, Qwen3-Next / Qwen3.5 text); a `.gguf` file; or an
+already-built model) onto the configured device and dtype, and driving an `LLMEngine` until
+the given prompts finish. A bad prompt gets an output with `finish_reason == "error"` and
+`error` set; the others finish.
 """
 
 from __future__ import annotations
@@ -40,7 +42,17 @@ def load_model(
         from speckv.models.hybrid_swa import load_hybrid_swa
 
         return load_hybrid_swa(dtype, device, progress)  # type: ignore[return-value]
+    if str(model) == "hybrid-gdn":
+        from speckv.models.hybrid_gdn import load_hybrid_gdn
+
+        return load_hybrid_gdn(dtype, device, progress)  # type: ignore[return-value]
     path = Path(model)
+    if path.is_dir() and _hf_config_is(path, "hybrid"):
+        from speckv.models.hybrid_loader import load_hybrid_dir
+        from speckv.models.loader import load_hf_tokenizer
+
+        gdn, gdn_config = load_hybrid_dir(path, dtype, device)
+        return gdn, load_hf_tokenizer(path, gdn_config)  # type: ignore[return-value,arg-type]
     if path.is_dir() and _is_gemma_dir(path):
         from speckv.models.gemma_loader import load_gemma_dir
         from speckv.models.loader import load_hf_tokenizer
@@ -60,6 +72,16 @@ def load_model(
     raise FileNotFoundError(
         f"model {str(model)!r}: not 'builtin', an HF model directory or a .gguf file"
     )
+
+
+def _hf_config_is(path: Path, family: str) -> bool:
+    """Whether the HF dir's config.json is of a family ("hybrid": Qwen3-Next / Qwen3.5)."""
+    import json
+
+    from speckv.models.hybrid_config import is_hybrid_hf_config
+
+    config = path / "config.json"
+    return config.is_file() and is_hybrid_hf_config(json.loads(config.read_text()))
 
 
 def _is_gemma_dir(path: Path) -> bool:

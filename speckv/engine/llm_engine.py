@@ -103,8 +103,12 @@ class LLMEngine:
         assert model_config.head_dim is not None
         # a drafter's KV layers share the target's blocks (same heads and head size)
         num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
+        if config.mamba_block_size is not None and not getattr(model, "is_hybrid", False):
+            raise ValueError("EngineConfig.mamba_block_size applies to models with a GDN / "
+                             "Mamba state group only")
         if config.num_blocks is None and hasattr(model, "kv_cache_bytes_per_block"):
-            # layers of different KV shapes (Gemma 4): the model sizes its own blocks
+            # layers of different KV shapes (Gemma 4), KV + GDN state (hybrids): the model
+            # sizes its own blocks
             per_block = model.kv_cache_bytes_per_block(block_size)
             if num_draft_layers:
                 per_block += bytes_per_block(num_draft_layers, block_size,
@@ -127,7 +131,9 @@ class LLMEngine:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
-        layout = layout or model.kv_cache_layout(block_size)
+        layout = layout or (
+            model.kv_cache_layout(block_size, config.mamba_block_size)
+            if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
         if drafter is not None and layout.draft_group is None:
             # the drafter's KV is full attention: no block of it may be freed
             layout = layout.as_one_full_group()

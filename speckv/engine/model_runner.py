@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from speckv.attention import AttentionMetadata, GroupedAttentionMetadata, PagedKVCache
+from speckv.attention.state_cache import StatePlan
+from speckv.engine.hybrid_state import RunnerStates, state_group
 from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
     EMPTY_RUNNER_OUTPUT,
@@ -62,6 +64,8 @@ class _Forward:
     logit_offsets: dict[int, tuple[int, int]]  # batch index -> [start, end) rows in `logits`
     # [num_tokens] int64 physical slot of every computed token in the drafter's group
     slot_mapping: torch.Tensor
+    # linear-attention layers' plan (hybrid models only): recorded verification windows
+    state_plan: StatePlan | None = None
 
 
 class ModelRunner:
@@ -90,6 +94,10 @@ class ModelRunner:
         # one tensor for all layers, or one per group when their block sizes differ
         self.kv_cache: PagedKVCache = make_layout_kv_cache(model, self.layout, num_blocks)
         self.device = model.device
+        # GDN / Mamba state per block id of the model's state group (hybrid models only)
+        self.states: RunnerStates | None = (
+            RunnerStates(model, num_blocks, self.layout)
+            if state_group(self.layout) is not None else None)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
@@ -122,6 +130,10 @@ class ModelRunner:
         if scheduled:
             forward = self._forward(scheduled)
             sampled, stopped = self._sample(scheduled, forward)
+            if self.states is not None and forward.state_plan is not None:
+                # rejected drafts must not advance the recurrent state
+                self.states.commit(forward.state_plan, scheduled, self._state_tables(scheduled),
+                                   sampled)
             drafts = self._propose(scheduled, forward, sampled, stopped)
         if self.connector is None:
             return ModelRunnerOutput(sampled, drafts)
@@ -182,11 +194,24 @@ class ModelRunner:
         metadata = (groups[0] if len(groups) == 1
                     else GroupedAttentionMetadata(groups, self.layer_to_group))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
-        output = self.model(ids, metadata.positions(), self.kv_cache, metadata, self.aux_layers)
+        state_plan = None
+        if self.states is None:
+            output = self.model(ids, metadata.positions(), self.kv_cache, metadata,
+                                self.aux_layers)
+        else:
+            state_plan = self.states.plan(scheduled, self._state_tables(scheduled))
+            output = self.model(ids, metadata.positions(), self.kv_cache, metadata,
+                                self.aux_layers, state=state_plan)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(output.hidden_states.index_select(0, rows))
         return _Forward(output, token_offsets, logits, logit_offsets,
-                        groups[self.draft_group].slot_mapping)
+                        groups[self.draft_group].slot_mapping, state_plan)
+
+    def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
+        """The state group's block table of each scheduled request (hybrid models)."""
+        assert self.states is not None
+        return [self.requests[item.request_id].block_ids[self.states.group]
+                for item in scheduled]
 
     def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward
                 ) -> tuple[dict[str, list[int]], set[str]]:

@@ -61,7 +61,13 @@ def load_configured_drafter(config: EngineConfig, model: LlamaForCausalLM) -> Dr
 
 
 def load_drafter_model(speculative_model: str, model: LlamaForCausalLM) -> Drafter:
-    """A drafter dir (layout detected) or "builtin" (the shipped SmolLM2 EAGLE head)."""
+    """A drafter dir (layout detected), "builtin" (the shipped SmolLM2 EAGLE head) or, on a
+    GDN hybrid, "random-mtp" (a seeded random-init Qwen3-Next MTP head) or the checkpoint
+    directory whose own `mtp.*` head to load."""
+    if getattr(model, "is_hybrid", False):
+        from speckv.drafters.hybrid_mtp import load_hybrid_drafter
+
+        return load_hybrid_drafter(speculative_model, model)
     if speculative_model == "builtin":
         from speckv.drafters.builtin import load_builtin_eagle
 
