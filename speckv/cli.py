@@ -33,6 +33,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "engine vs transformers on the built-in model: prefill, decode, cached TTFT"),
     (("bench", "prefix-repetition"), "speckv.bench.prefix_repetition",
      "end to end on a prefix_repetition workload: no spec / legacy drop / lookahead"),
+    (("bench", "hybrid-gdn"), "speckv.bench.hybrid_gdn",
+     "GDN hybrid on tensors: unit-544 hit scenario vs cold (logits, state); --perf vs HF"),
     (("bench", "draft-kv"), "speckv.bench.draft_kv",
      "a hit's target and draft KV vs a cold run, with a stale-successor negative control"),
     (("bench", "spec-decode"), "speckv.bench.spec_decode",

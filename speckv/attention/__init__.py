@@ -5,6 +5,12 @@ from speckv.attention.backend import (
     fused_kernels_available,
     get_attention_backend,
 )
+from speckv.attention.grouped import (
+    AnyAttentionMetadata,
+    GroupedAttentionMetadata,
+    GroupedKVCache,
+    metadata_for_layer,
+)
 from speckv.attention.kv_cache import (
     LayerKVCache,
     PagedKVCache,
@@ -16,14 +22,18 @@ from speckv.attention.metadata import AttentionMetadata
 from speckv.attention.sdpa import SDPABackend
 
 __all__ = [
+    "AnyAttentionMetadata",
     "AttentionBackend",
     "AttentionMetadata",
+    "GroupedAttentionMetadata",
+    "GroupedKVCache",
     "LayerKVCache",
     "PagedKVCache",
     "SDPABackend",
     "bytes_per_block",
     "fused_kernels_available",
     "get_attention_backend",
+    "metadata_for_layer",
     "num_blocks_for_budget",
     "resolve_dtype",
 ]

@@ -15,6 +15,11 @@ tier: the first request is stored in the tier, the local prefix cache is reset, 
 request's hit then comes from the tier (the table's "tier" column counts those tokens). The
 tier keeps target and draft KV, so a tier hit must equal a cold run exactly like a local hit,
 and the negative control must still be caught through the tier.
+
+Multi-group models (`--model hybrid-swa`, or a Gemma 3 directory): each layer's KV is read
+through its own group's block table; a sliding-window layer is compared over the blocks a hit
+at h must hold (the `ceil((W - 1) / B)` blocks before h; older ones are freed), a global layer
+over [0, h), and the drafter's KV (full attention) over [0, h) on the draft group's table.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.cache.hash_mode import HashMode
+from speckv.cache.specs import SlidingWindowSpec
 from speckv.engine.llm_engine import LLMEngine
 from speckv.spec.policy import DrafterPolicy, drafter_policy
 
@@ -62,18 +68,22 @@ class HitKV:
 
     num_tokens: int
     num_external_tokens: int  # of the request's hit, loaded from a KV tier
-    target: torch.Tensor  # [num_layers, 2, num_tokens, num_kv_heads, head_dim] fp32
+    # single group: [num_layers, 2, num_tokens, num_kv_heads, head_dim] fp32; several
+    # groups: each group's [group layers, 2, compared tokens, ...] flattened and concatenated
+    target: torch.Tensor
     draft: torch.Tensor  # [num_draft_layers, 2, num_tokens, num_kv_heads, head_dim] fp32
 
 
-def kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
-    """Every layer's K and V at positions [0, num_tokens) through a block table.
-    # [num_layers, 2, num_tokens, num_kv_heads, head_dim]"""
-    positions = torch.arange(num_tokens)
+def kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int,
+          layer_indices: list[int] | tuple[int, ...] | None = None, start: int = 0
+          ) -> torch.Tensor:
+    """K and V of the layers (default: all) at positions [start, num_tokens) through a
+    block table. # [num_layers, 2, num_tokens - start, num_kv_heads, head_dim]"""
+    positions = torch.arange(start, num_tokens)
     blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
     offsets = positions % block_size
     layers = []
-    for layer_idx in range(cache.num_layers):
+    for layer_idx in (range(cache.num_layers) if layer_indices is None else layer_indices):
         layer = cache.layer(layer_idx)
         layers.append(torch.stack([layer.key[blocks, offsets], layer.value[blocks, offsets]]))
     return torch.stack(layers).float()
@@ -104,14 +114,33 @@ def first_step_kv(engine, prompt: list[int], num_tokens: int | None = None) -> H
     engine.step()
     request = engine.get_request(request_id)
     length = request.num_cached_tokens if num_tokens is None else num_tokens
-    block_ids = engine.runner.block_table(request_id)
     block_size = engine.config.block_size
-    target = kv_at(engine.runner.kv_cache, block_ids, length, block_size)
-    draft = kv_at(engine.proposer.kv_cache, block_ids, length, block_size)
+    target = target_kv(engine, request_id, length)
+    draft_ids = engine.runner.block_table(request_id, engine.runner.draft_group)
+    draft = kv_at(engine.proposer.kv_cache, draft_ids, length, block_size)
     external = request.num_external_cached_tokens
     while engine.has_unfinished_requests():
         engine.step()
     return HitKV(length, external, target, draft)
+
+
+def target_kv(engine, request_id: str, num_tokens: int) -> torch.Tensor:
+    """The target KV a hit of `num_tokens` must hold, each layer through its group's table
+    (see the module docstring for sliding-window layers)."""
+    layout = engine.layout
+    if layout.num_groups == 1:
+        return kv_at(engine.runner.kv_cache, engine.runner.block_table(request_id),
+                     num_tokens, engine.config.block_size)
+    parts = []
+    for g, group in enumerate(layout.groups):
+        spec = group.spec
+        start = 0
+        if isinstance(spec, SlidingWindowSpec):
+            num_blocks = max(0, num_tokens // spec.block_size - spec.num_window_blocks)
+            start = num_blocks * spec.block_size
+        parts.append(kv_at(engine.runner.kv_cache, engine.runner.block_table(request_id, g),
+                           num_tokens, spec.block_size, group.layer_indices, start).flatten())
+    return torch.cat(parts)
 
 
 def _send_twice(engine, first: list[int], second: list[int]) -> HitKV:
@@ -166,8 +195,9 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
         drafter.to(model_dtype)
 
 
-def make_drafter(policy: DrafterPolicy, model):
-    """The built-in EAGLE3 head where it exists, else a random drafter of `policy`."""
+def make_drafter(policy: DrafterPolicy, model, builtin_model: bool = True):
+    """The built-in EAGLE3 head where it exists (on the built-in model), else a random
+    drafter of `policy`."""
     from speckv.drafters.builtin import (
         BUILTIN_DRAFTER_METHOD,
         builtin_drafter_available,
@@ -175,7 +205,7 @@ def make_drafter(policy: DrafterPolicy, model):
     )
     from speckv.drafters.loaders import random_drafter
 
-    if policy.name == BUILTIN_DRAFTER_METHOD and builtin_drafter_available():
+    if policy.name == BUILTIN_DRAFTER_METHOD and builtin_model and builtin_drafter_available():
         return load_builtin_drafter(model)
     if policy.name == "mtp":
         return random_drafter("mtp", model, seed=0, num_modules=policy.num_modules)
@@ -183,25 +213,35 @@ def make_drafter(policy: DrafterPolicy, model):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="builtin")
+    parser.add_argument("--model", default="builtin",
+                        help="builtin, hybrid-swa (tiny random-init sliding-window model), an "
+                        "HF dir or a .gguf file")
     parser.add_argument("--drafters", default=",".join(DRAFTERS),
                         help="comma-separated: eagle, eagle3, mtp (default: %(default)s)")
     parser.add_argument("--mtp-num-modules", default="1,4",
                         help="module counts to run mtp with, comma-separated "
                         "(default: %(default)s)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="default 100; 300 on hybrid-swa (past its 128-token window)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-connector", default=None, metavar="NAMES",
                         help="serve the hit from these KV tiers instead of the local cache: "
                         "offload, disk or offload,disk")
     parser.add_argument("--kv-offload-dir", default=None,
                         help="disk tier directory (default: a temporary one)")
+    parser.add_argument("--mamba-block-size", type=int, default=None,
+                        help="--model hybrid-gdn: GDN state unit, tokens (default: 4 blocks)")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     from speckv.engine.llm import load_model
+
+    if args.model == "hybrid-gdn":  # KV and recurrent state of a GDN hybrid
+        from speckv.bench.draft_kv_hybrid import run_hybrid_gdn
+
+        return run_hybrid_gdn(args)
 
     names = [name.strip() for name in args.drafters.split(",")]
     unknown = [name for name in names if name not in DRAFTERS]
@@ -216,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     dtypes = [dtype.strip() for dtype in args.dtypes.split(",")]
     if any(dtype not in ("float32", "bfloat16", "float16") for dtype in dtypes):
         raise ValueError("--dtypes: float32, bfloat16 or float16")
+    if args.prompt_len is None:
+        args.prompt_len = 300 if args.model == "hybrid-swa" else 100
     if args.prompt_len < 2 * args.block_size + 2:
         raise ValueError("--prompt-len must cover at least two blocks plus two tokens")
     torch.set_num_threads(1)
@@ -227,13 +269,13 @@ def run(args: argparse.Namespace) -> int:
         text = tokenizer.apply_chat_template([{"role": "user", "content": (
             "Explain, step by step, how a prefix cache lets a language model server reuse the "
             "attention keys and values of a shared prompt, and why speculative decoding "
-            "complicates it. " * 4)}])
+            "complicates it. " * max(4, args.prompt_len // 30))}])
         prompt = tokenizer.encode(text)[: args.prompt_len]
     rows = []
     with tempfile.TemporaryDirectory(prefix="speckv-draft-kv-") as scratch:
         directory = args.kv_offload_dir or scratch
         for policy in policies:
-            drafter = make_drafter(policy, model)
+            drafter = make_drafter(policy, model, args.model == "builtin")
             for dtype in dtypes:
                 rows.extend(measure(model, drafter, dtype, prompt, args.block_size,
                                     args.kv_connector, tempfile.mkdtemp(dir=directory)))
@@ -252,4 +294,9 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(label, row.dtype, row.case, str(row.hit_tokens), str(row.external_tokens),
                       f"{row.target_max_abs_diff:.3g}", f"{row.draft_max_abs_diff:.3g}")
     Console().print(table)
+    if args.model == "hybrid-swa":
+        from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
+
+        print(f"{RANDOM_INIT_NOTE}; drafters random-init; KV groups "
+              f"{model.kv_cache_layout(args.block_size).describe()}")
     return 0

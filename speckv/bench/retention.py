@@ -14,6 +14,11 @@ tail before c - U: kept tails must be U // B blocks wider (the fix). Without the
 one-block widening, request 2 falls back to the previous checkpoint. Lookahead hashes need the
 same widening for a sibling diverging exactly at c (the block ending at c has another successor
 there), and gain a unit on requests 3 and 4, where the legacy drop still costs one.
+
+`--model hybrid-swa` runs the same scenario on tensors as well (`retention_tensors.py`: the real
+engine on a random-init sliding-window model with a random-init MTP drafter, default prefix
+1,024, window 64, retention 512) beside the simulator at the same sizes, and checks every hit's
+KV against a cold run.
 """
 
 from __future__ import annotations
@@ -76,15 +81,26 @@ def run_scenario(drafter: str, legacy: bool, widening: TailWidening, prefix_len:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefix-len", type=int, default=16384)
-    parser.add_argument("--retention", type=int, default=8192)
-    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--prefix-len", type=int, default=None,
+                        help="default 16384 (1024 with --model)")
+    parser.add_argument("--retention", type=int, default=None,
+                        help="default 8192 (512 with --model)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="default 1024 (64 with --model)")
+    parser.add_argument("--model", default=None, choices=["hybrid-swa"],
+                        help="also run the scenario on tensors: the real engine on a random-init "
+                        "sliding-window model with a random-init MTP drafter")
     parser.add_argument("--without-fix", action="store_true",
                         help="only the rows without the fix (legacy drop, no widening)")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
+    small = args.model is not None
+    for name, default, tensor_default in (("prefix_len", 16384, 1024), ("retention", 8192, 512),
+                                          ("window", 1024, 64)):
+        if getattr(args, name) is None:
+            setattr(args, name, tensor_default if small else default)
     if args.prefix_len < 64 or args.window < 2:
         raise ValueError("--prefix-len must be >= 64 and --window >= 2")
     common = dict(prefix_len=args.prefix_len, retention=args.retention, window=args.window)
@@ -96,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                     ("mtp", False, TailWidening.UNIT)]
     rows = [run_scenario(drafter, legacy, widening, **common)
             for drafter, legacy, widening in variants]
+    if args.model is not None:
+        return _run_on_tensors(args, variants, rows)
     if args.json:
         print(json.dumps([asdict(row) for row in rows]))
         return 0
@@ -112,3 +130,46 @@ def run(args: argparse.Namespace) -> int:
     console.print("req 2 diverges right after the checkpoint at 16,384; req 3 inside req 1's "
                   "suffix; req 4 repeats req 1.")
     return 0
+
+
+def _run_on_tensors(args: argparse.Namespace, variants, rows: list[RetentionRow]) -> int:
+    import torch
+
+    from speckv.bench.retention_tensors import run_tensor_scenario, scenario_model
+    from speckv.drafters.loaders import random_drafter
+    from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
+
+    torch.set_num_threads(1)
+    model = scenario_model(args.window)
+    mtp = random_drafter("mtp", model, seed=0, num_modules=1)
+    tensor_rows = []
+    for (drafter, legacy, widening), row in zip(variants, rows):
+        # gemma4_mtp writes no draft KV: its cache behaviour is that of no drafter
+        tensor_rows.append(run_tensor_scenario(model, mtp if drafter == "mtp" else None,
+                                               legacy, widening, args.prefix_len,
+                                               args.retention, row.label))
+    if args.json:
+        print(json.dumps([{"simulator": asdict(row), "tensors": asdict(tensor_row)}
+                          for row, tensor_row in zip(rows, tensor_rows)]))
+        return 0
+    table = Table(title=f"cached tokens, simulator vs tensors: 4 sequential requests sharing a "
+                        f"{args.prefix_len}-token prefix (full block 32, SWA window {args.window}"
+                        f" block 16, U=32, retention {args.retention})")
+    table.add_column("setup", no_wrap=True)
+    for column in ("simulator", "tensors", "same", "hit KV vs cold: target", "draft"):
+        table.add_column(column, justify="right")
+    for row, tensor_row in zip(rows, tensor_rows):
+        draft = tensor_row.draft_max_abs_diff
+        table.add_row(row.label, " ".join(map(str, row.cached_tokens)),
+                      " ".join(map(str, tensor_row.cached_tokens)),
+                      "yes" if row.cached_tokens == tensor_row.cached_tokens else "NO",
+                      f"{tensor_row.target_max_abs_diff:.3g}",
+                      "-" if draft is None else f"{draft:.3g}")
+    console = Console()
+    console.print(table)
+    console.print(f"{RANDOM_INIT_NOTE}; MTP drafter random-init (1 module, 3 speculative "
+                  "tokens); gemma4_mtp (no draft KV) runs without a drafter on tensors; draft KV "
+                  "compared with lookahead hashes only (the legacy drop promises target KV)")
+    same = all(row.cached_tokens == t.cached_tokens for row, t in zip(rows, tensor_rows))
+    exact = all(t.target_max_abs_diff == 0 and not t.draft_max_abs_diff for t in tensor_rows)
+    return 0 if same and exact else 1

@@ -8,11 +8,16 @@ CPU):
         with max_new_tokens=1                                    target: ratio >= 1
     (b) decode tokens/s of 16 concurrent requests x 128 output tokens (engine) vs HF generating
         the same 16 requests one at a time                        target: ratio >= 4
+    (b1) decode tokens/s of one request alone (engine) vs HF's per-request rate of (b)
     (c) time to first token of a prompt whose first 1,024 tokens are cached vs the same prompt
         cold (engine only)                                        reported: cold / cached
 
 `--quick` shortens (b) to 32 output tokens and times HF on 4 of the 16 requests (its rate is
 per request, as they run one at a time), with one timed repeat everywhere.
+
+`--model hybrid-swa` runs the same three measurements on the tiny random-init Gemma 3-style
+sliding-window model (`models/hybrid_swa.py`) against transformers' `Gemma3ForCausalLM` loaded
+from the same weights (written once to a temporary directory).
 """
 
 from __future__ import annotations
@@ -57,10 +62,15 @@ class ThroughputResult:
     ttft_cached_s: float
     ttft_cached_tokens: int
     ttft_ratio: float
+    model: str = "SmolLM2-135M"
+    decode1_speckv_tok_s: float = 0.0  # one request alone (HF's rate is per request anyway)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="shorter runs (a few minutes)")
+    parser.add_argument("--model", default="builtin", choices=["builtin", "hybrid-swa"],
+                        help="builtin (SmolLM2-135M) or hybrid-swa (tiny random-init Gemma 3-"
+                        "style sliding-window model vs transformers' Gemma3ForCausalLM)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -115,21 +125,59 @@ def _hf_generate(hf, prompt: list[int], new_tokens: int, device: torch.device) -
     return time.perf_counter() - start
 
 
-def measure(quick: bool, dtype: str = "auto", device: str = "auto",
-            repeats: int | None = None) -> ThroughputResult:
+def _load_pair(model_name: str, dtype_name: str, device: torch.device, scratch: str):
+    """(our model, transformers' model) on the same weights, and a label."""
+    if model_name == "hybrid-swa":
+        from transformers import Gemma3ForCausalLM
+
+        from speckv.models.gemma_loader import save_gemma_dir
+        from speckv.models.hybrid_swa import hybrid_swa_model
+
+        model = hybrid_swa_model(dtype=dtype_name, device=device)
+        save_gemma_dir(scratch, model)
+        hf = Gemma3ForCausalLM.from_pretrained(scratch, dtype=getattr(torch, dtype_name))
+        hf = hf.to(device).eval()
+        _check_same_logits(model, hf, device)
+        return model, hf, "hybrid-swa (random-init, SWA 128 + global)"
     from speckv.models.builtin import convert_builtin
     from speckv.models.loader import load_hf_dir
 
+    path = convert_builtin()
+    model, _ = load_hf_dir(path, dtype_name, device)
+    return model, _load_hf(path, getattr(torch, dtype_name), device), "SmolLM2-135M"
+
+
+@torch.inference_mode()
+def _check_same_logits(model, hf, device: torch.device) -> None:
+    """The two models must be the same function: last-position logits of a prompt past the
+    window agree (fp32: 1e-3; a half dtype: loosely)."""
+    from speckv.models.generate import greedy_generate
+
+    prompt = list(range(3, 300))
+    ours = greedy_generate(model, prompt, 4)
+    theirs = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=4,
+                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    if model.dtype == torch.float32 and ours != theirs:
+        raise RuntimeError(f"transformers' model disagrees with ours: {theirs} vs {ours}")
+
+
+def measure(quick: bool, dtype: str = "auto", device: str = "auto",
+            repeats: int | None = None, model_name: str = "builtin") -> ThroughputResult:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="speckv-throughput-") as scratch:
+        return _measure(quick, dtype, device, repeats, model_name, scratch)
+
+
+def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_name: str,
+             scratch: str) -> ThroughputResult:
     base = EngineConfig(dtype=dtype, device=device)
     torch_device = base.resolved_device()
     dtype_name = base.resolved_dtype()
-    torch_dtype = getattr(torch, dtype_name)
     repeats = repeats or (1 if quick else 3)
     output_tokens = 32 if quick else 128
     hf_requests = 4 if quick else NUM_DECODE_REQUESTS
-    path = convert_builtin()
-    model, _ = load_hf_dir(path, dtype_name, torch_device)
-    hf = _load_hf(path, torch_dtype, torch_device)
+    model, hf, label = _load_pair(model_name, dtype_name, torch_device, scratch)
     vocab = model.config.vocab_size
     rng = random.Random(0)
     bar = tqdm(total=4, desc="bench throughput", unit="phase")
@@ -169,6 +217,14 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
         best = min(best, time.perf_counter() - start)
         assert sum(len(o.token_ids) for o in finals) == NUM_DECODE_REQUESTS * output_tokens
     decode_ours = NUM_DECODE_REQUESTS * output_tokens / best
+    best1 = float("inf")
+    for _ in range(repeats):  # one request alone: per-token overhead vs HF's own loop
+        _sync(torch_device)
+        start = time.perf_counter()
+        _run_engine(engine, prompts[:1], params)
+        _sync(torch_device)
+        best1 = min(best1, time.perf_counter() - start)
+    decode1_ours = output_tokens / best1
     bar.update(1)
     _hf_generate(hf, prompts[0], 4, torch_device)  # warm up
     hf_time = 0.0
@@ -201,12 +257,12 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
         decode_speckv_tok_s=decode_ours, decode_hf_sequential_tok_s=decode_hf,
         decode_hf_requests_timed=hf_requests, decode_ratio=decode_ours / decode_hf,
         ttft_cold_s=ttft_cold, ttft_cached_s=ttft_cached, ttft_cached_tokens=cached_tokens,
-        ttft_ratio=ttft_cold / ttft_cached,
+        ttft_ratio=ttft_cold / ttft_cached, model=label, decode1_speckv_tok_s=decode1_ours,
     )
 
 
 def render(result: ThroughputResult, console: Console) -> None:
-    table = Table(title=f"speckv vs transformers — SmolLM2-135M, {result.device}, {result.dtype}"
+    table = Table(title=f"speckv vs transformers — {result.model}, {result.device}, {result.dtype}"
                         f", {torch.get_num_threads()} CPU threads")
     table.add_column("measurement")
     table.add_column("speckv", justify="right")
@@ -225,6 +281,11 @@ def render(result: ThroughputResult, console: Console) -> None:
         f"{result.decode_ratio:.2f}x", ">= 4x",
     )
     table.add_row(
+        f"(b1) decode, 1 request x {result.decode_output_tokens} tokens (tokens/s)",
+        f"{result.decode1_speckv_tok_s:,.1f}", f"{result.decode_hf_sequential_tok_s:,.1f}",
+        f"{result.decode1_speckv_tok_s / result.decode_hf_sequential_tok_s:.2f}x", "",
+    )
+    table.add_row(
         f"(c) TTFT, {result.ttft_cached_tokens} cached tokens vs cold (ms)",
         f"{result.ttft_cached_s * 1e3:,.1f}", f"cold {result.ttft_cold_s * 1e3:,.1f}",
         f"{result.ttft_ratio:.2f}x faster", "",
@@ -237,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    result = measure(args.quick, args.dtype, args.device, args.repeats)
+    result = measure(args.quick, args.dtype, args.device, args.repeats, args.model)
     if args.json:
         print(json.dumps(asdict(result), indent=1))
     else:

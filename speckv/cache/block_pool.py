@@ -181,23 +181,13 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: only {len(self.free_queue)} free"
             )
         blocks = self.free_queue.popleft_n(num_blocks)
-        cached = self._cached
-        removed: dict[int, list[bytes]] = {}
+        cached_blocks = []
         for block in blocks:
             block.ref_cnt = 1
-            block_hash = block.block_hash
-            if block_hash is not None:  # evict: inlined, a miss may evict 8K blocks
-                group_id = block.group_id
-                del cached[group_id][block_hash]
-                block.block_hash = None
-                block.content = None
-                hashes = removed.get(group_id)
-                if hashes is None:
-                    removed[group_id] = [block_hash]
-                else:
-                    hashes.append(block_hash)
-        if removed:
-            self._record_removed(removed)
+            if block.block_hash is not None:
+                cached_blocks.append(block)
+        if cached_blocks:  # free cached blocks are reused in LRU order: evict their hashes
+            self._record_removed(self._evict(cached_blocks))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

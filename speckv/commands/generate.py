@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default="builtin",
-                        help="'builtin' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file")
+                        help="'builtin' (SmolLM2-135M-Instruct), 'hybrid-swa' (tiny random-init "
+                        "Gemma-3-style sliding-window model), 'hybrid-gdn' (small random-init "
+                        "Qwen3-Next-style GDN hybrid), an HF model dir or a .gguf file")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens, at most")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + output tokens, at most (default: the model's context)")
@@ -75,8 +77,12 @@ def speculation_choice(args: argparse.Namespace) -> tuple[str, str | None, str]:
     builtin = args.model == "builtin"
     method, model = args.speculative_method, args.speculative_model
     measured = measured_speedup() if builtin else None
+    if args.model == "hybrid-gdn" and model is None and method == "mtp":
+        model = "random-mtp"  # a random-init MTP drafter on the random hybrid
     if method is None:
-        if model is not None and model != "builtin":
+        if model == "random-mtp":
+            method = "mtp"
+        elif model is not None and model != "builtin":
             from speckv.drafters.loaders import detect_format
 
             method = detect_format(model)[0]
@@ -147,6 +153,15 @@ def run(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len,
               disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,
               hash_seed=args.hash_seed, **speculative, **tiers)
+    if args.model == "hybrid-swa":  # say it every time: its text is noise
+        from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
+
+        print(f"[{RANDOM_INIT_NOTE}; KV groups {llm.engine.layout.describe()}]",
+              file=sys.stderr)
+    if args.model == "hybrid-gdn":  # say it every time: its text is noise
+        from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE as GDN_NOTE
+
+        print(f"[{GDN_NOTE}; KV groups {llm.engine.layout.describe()}]", file=sys.stderr)
     with llm:
         return _generate(llm, args, params, connector is not None)
 

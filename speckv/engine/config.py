@@ -77,6 +77,10 @@ class EngineConfig:
     kv_store_cluster: bool = False  # the store URL names a Redis Cluster node
     kv_store_optional: bool = False  # start without the store when it is unreachable
     kv_store_timeout_s: float = 1.0  # per store call, then a miss
+    # tokens per Mamba / GDN state block of a hybrid model: the state checkpoint interval and
+    # so the alignment unit of prefix hits (a multiple of block_size); None: the model's
+    # default (544 with block_size 16)
+    mamba_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.draft_model is not None:
@@ -150,6 +154,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.adaptive_speculation must be a bool")
         if not isinstance(self.disable_lookahead_block_hashes, bool):
             raise ValueError("EngineConfig.disable_lookahead_block_hashes must be a bool")
+        _check_positive_int("mamba_block_size", self.mamba_block_size, allow_none=True)
+        if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:
+            raise ValueError(f"EngineConfig.mamba_block_size ({self.mamba_block_size}) must be a "
+                             f"multiple of block_size ({self.block_size})")
         _check_positive_int("prompt_lookup_min", self.prompt_lookup_min)
         _check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_max < self.prompt_lookup_min:

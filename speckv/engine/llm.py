@@ -1,9 +1,12 @@
 """LLM: the user-facing API. `LLM(model=...)`, `generate(...)`, and `stream(...)` for deltas.
 
-Owns loading a model by name (None / "builtin": the built-in SmolLM2-135M-Instruct; a
-directory: an HF safetensors dir; a `.gguf` file; or an already-built `LlamaForCausalLM`) onto
-the configured device and dtype, and driving an `LLMEngine` until the given prompts finish.
-A bad prompt gets an output with `finish_reason == "error"` and `error` set; the others finish.
+Owns loading a model by name (None / "builtin": the built-in SmolLM2-135M-Instruct;
+"hybrid-swa": a tiny random-init Gemma 3-style sliding-window model; "hybrid-gdn": a small
+random-init Qwen3-Next-style Gated DeltaNet hybrid; a directory: an HF safetensors dir
+(Llama family, Gemma 3 or 4 text, Qwen3-Next / Qwen3.5 text); a `.gguf` file; or an
+already-built model) onto the configured device and dtype, and driving an `LLMEngine` until
+the given prompts finish. A bad prompt gets an output with `finish_reason == "error"` and
+`error` set; the others finish.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
@@ -33,7 +38,27 @@ def load_model(
 
         loaded, tokenizer, _ = load_builtin_model(dtype, device, progress=progress)
         return loaded, tokenizer
+    if str(model) == "hybrid-swa":
+        from speckv.models.hybrid_swa import load_hybrid_swa
+
+        return load_hybrid_swa(dtype, device, progress)  # type: ignore[return-value]
+    if str(model) == "hybrid-gdn":
+        from speckv.models.hybrid_gdn import load_hybrid_gdn
+
+        return load_hybrid_gdn(dtype, device, progress)  # type: ignore[return-value]
     path = Path(model)
+    if path.is_dir() and _hf_config_is(path, "hybrid"):
+        from speckv.models.hybrid_loader import load_hybrid_dir
+        from speckv.models.loader import load_hf_tokenizer
+
+        gdn, gdn_config = load_hybrid_dir(path, dtype, device)
+        return gdn, load_hf_tokenizer(path, gdn_config)  # type: ignore[return-value,arg-type]
+    if path.is_dir() and _is_gemma_dir(path):
+        from speckv.models.gemma_loader import load_gemma_dir
+        from speckv.models.loader import load_hf_tokenizer
+
+        gemma = load_gemma_dir(path, dtype, device)
+        return gemma, load_hf_tokenizer(path, gemma.config)  # type: ignore[return-value]
     if path.is_dir():
         from speckv.models.loader import load_hf_dir, load_hf_tokenizer
 
@@ -49,6 +74,25 @@ def load_model(
     )
 
 
+def _hf_config_is(path: Path, family: str) -> bool:
+    """Whether the HF dir's config.json is of a family ("hybrid": Qwen3-Next / Qwen3.5)."""
+    import json
+
+    from speckv.models.hybrid_config import is_hybrid_hf_config
+
+    config = path / "config.json"
+    return config.is_file() and is_hybrid_hf_config(json.loads(config.read_text()))
+
+
+def _is_gemma_dir(path: Path) -> bool:
+    import json
+
+    from speckv.models.gemma import is_gemma_config
+
+    config = path / "config.json"
+    return config.is_file() and is_gemma_config(json.loads(config.read_text()))
+
+
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
@@ -61,14 +105,14 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 class LLM:
     def __init__(
         self,
-        model: str | Path | LlamaForCausalLM | None = None,
+        model: str | Path | torch.nn.Module | None = None,
         tokenizer: Tokenizer | None = None,
         *,
         progress: bool = True,
         **engine_args: Any,
     ) -> None:
         config = EngineConfig(**engine_args)
-        if isinstance(model, LlamaForCausalLM):
+        if isinstance(model, torch.nn.Module):  # LlamaForCausalLM, GemmaForCausalLM
             loaded = model
         else:
             loaded, loaded_tokenizer = load_model(

@@ -9,6 +9,12 @@ Owns turning user input into scheduler requests (tokenization, validation agains
         a stop string ends its request in the core (its last block cached, then freed)
     publish the step's KV events (optional): the local cache's, then the KV connector's tiers'
 
+The KV cache groups come from the model (`model.kv_cache_layout(block_size)`: full attention,
+sliding window, ...): the cache manager gets one group per entry (the alignment unit follows
+from their block sizes, the hash mode from the drafter), the runner one block table per group.
+Every layer keeps a `[num_blocks, ...]` tensor, so a block id costs the bytes of all layers
+whichever group holds it (simple, over-provisioned for multi-group models).
+
 With `EngineConfig.kv_connector`, the engine builds the connector (`kv_connector.py`), resolves
 its hash mode from the drafter AND the connector's lookahead capability (`hash_mode.reason`
 says why; logged at start-up), and binds the connector to the target's and drafter's caches.
@@ -26,11 +32,12 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from speckv.attention import num_blocks_for_budget
-from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.attention import bytes_per_block, num_blocks_for_budget
+from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
+from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
@@ -50,6 +57,7 @@ from speckv.engine.scheduler import Scheduler
 from speckv.engine.speculative import Drafter, make_proposer, resolve_connector_hash_mode
 from speckv.engine.stats import SchedulerStats
 from speckv.hashing.functions import get_hash_algo
+from speckv.models.kv_layout import KVCacheLayout
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
 from speckv.spec.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation, SpecDecodeStats
@@ -72,9 +80,18 @@ class LLMEngine:
         detokenize: bool = True,
         drafter: Drafter | None = None,
         connector: KVConnector | None = None,
+        *,
+        layout: KVCacheLayout | None = None,
+        retention_interval: int | None = None,
+        tail_widening: TailWidening = TailWidening.UNIT,
     ) -> None:
         """`connector`: a KV connector to use instead of the one `config.kv_connector` names
-        (not yet initialized; the engine initializes it and closes it)."""
+        (not yet initialized; the engine initializes it and closes it).
+
+        Cache-policy overrides (benches, tests): `layout` replaces the model's KV cache groups
+        (e.g. other block sizes per group; the drafter's group keeps `config.block_size`);
+        `retention_interval` / `tail_widening` go to the `KVCacheManager` (sliding-window
+        tails kept only at multiples of the interval, and how they widen)."""
         self.config = config = config or EngineConfig()
         if connector is not None and config.kv_connector is not None:
             raise ValueError("pass a connector or set EngineConfig.kv_connector, not both")
@@ -87,18 +104,56 @@ class LLMEngine:
         assert model_config.head_dim is not None
         # a drafter's KV layers share the target's blocks (same heads and head size)
         num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
-        self.num_blocks = config.num_blocks or num_blocks_for_budget(
-            config.kv_cache_memory_bytes,
-            model_config.num_hidden_layers + num_draft_layers,
-            block_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            model.dtype,
-        )
+        if config.mamba_block_size is not None and not getattr(model, "is_hybrid", False):
+            raise ValueError("EngineConfig.mamba_block_size applies to models with a GDN / "
+                             "Mamba state group only")
+        if config.num_blocks is None and hasattr(model, "kv_cache_bytes_per_block"):
+            # layers of different KV shapes (Gemma 4), KV + GDN state (hybrids): the model
+            # sizes its own blocks
+            per_block = model.kv_cache_bytes_per_block(block_size)
+            if num_draft_layers:
+                per_block += bytes_per_block(num_draft_layers, block_size,
+                                             model_config.num_key_value_heads,
+                                             model_config.head_dim, model.dtype)
+            self.num_blocks = config.kv_cache_memory_bytes // per_block
+            if self.num_blocks < 2:
+                raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} fits "
+                                 f"{self.num_blocks} blocks of {per_block} bytes; need >= 2")
+        else:
+            self.num_blocks = config.num_blocks or num_blocks_for_budget(
+                config.kv_cache_memory_bytes,
+                model_config.num_hidden_layers + num_draft_layers,
+                block_size,
+                model_config.num_key_value_heads,
+                model_config.head_dim,
+                model.dtype,
+            )
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
+        layout = layout or (
+            model.kv_cache_layout(block_size, config.mamba_block_size)
+            if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
+        if drafter is not None and layout.draft_group is None:
+            # the drafter's KV is full attention: no block of it may be freed
+            layout = layout.as_one_full_group()
+        self.layout = layout
+        draft_group = layout.draft_group
+        if drafter is not None and draft_group is not None \
+                and layout.specs[draft_group].block_size != block_size:
+            raise ValueError(f"the drafter's KV group has blocks of "
+                             f"{layout.specs[draft_group].block_size} tokens; block_size is "
+                             f"{block_size}: they must be equal")
+        if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
+                and layout.draft_group is None:
+            raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
+                             f"has none ({layout.describe()}): pass the drafter as `drafter`")
+        if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None):
+            raise ValueError(
+                "KV connectors support single-group (full-attention) models only; this model "
+                f"has {layout.num_groups} KV cache groups ({layout.describe()}): drop "
+                "--kv-connector")
         if connector is not None and not config.enable_prefix_caching:
             raise ValueError("a KV connector needs enable_prefix_caching: tiers are keyed by "
                              "the prefix cache's block hashes")
@@ -115,12 +170,14 @@ class LLMEngine:
         self.event_publisher = event_publisher
         algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
-            [FullAttentionSpec(block_size)],
+            layout.specs,
             self.num_blocks,
             self.hash_mode,
             enable_caching=config.enable_prefix_caching,
             hit_check=hit_check_for(algo),
             event_sink=KVEventSink() if event_publisher is not None else None,
+            retention_interval=retention_interval,
+            tail_widening=tail_widening,
         )
         self.hashing = self.manager.block_hashing(algo, config.hash_seed)
         connector = self.connector
@@ -134,6 +191,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.num_blocks, block_size, proposer,
             RunnerConnector(connector, block_size) if connector is not None else None,
+            layout,
             spec_policy=self.spec_policy,
         )
         if connector is not None:
@@ -202,7 +260,8 @@ class LLMEngine:
             sampling_params=params,
             sampling_seed=seed,
         )
-        capacity = (self.num_blocks - 1) * self.config.block_size
+        # every KV cache group holds its own blocks of a prefill chunk
+        capacity = (self.num_blocks - 1) // self.layout.num_groups * self.config.block_size
         if request.num_prompt_tokens + 1 + self.num_spec_tokens > capacity:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds "

@@ -1,9 +1,11 @@
 """ModelRunner: turns one SchedulerOutput into one forward, sampled tokens and next drafts.
 
 Owns the model, its `PagedKVCache`, the proposer (with the drafter's own KV cache) and, per
-request, what it needs across steps: real token ids (it appends what it samples), its block
-table (kept from the scheduler's deltas; the runner never reads the cache manager) and its
-sampling seed. One step:
+request, what it needs across steps: real token ids (it appends what it samples), one block
+table per KV cache group of the model's `KVCacheLayout` (kept from the scheduler's deltas; the
+runner never reads the cache manager) and its sampling seed. Each forward gets one
+`AttentionMetadata` per group (`GroupedAttentionMetadata`; each layer reads its group's); the
+drafter's KV follows the block table of the layout's `draft_group` (full attention). One step:
 
     forward     every scheduled request's new tokens (real, then drafts) at positions
                 [start, end), flattened on one token axis, no padding; logits only at the
@@ -25,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from speckv.attention import AttentionMetadata, PagedKVCache
+from speckv.attention import AttentionMetadata, GroupedAttentionMetadata, PagedKVCache
+from speckv.attention.state_cache import StatePlan
+from speckv.engine.hybrid_state import RunnerStates, state_group
 from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
     EMPTY_RUNNER_OUTPUT,
@@ -36,9 +40,10 @@ from speckv.engine.messages import (
 )
 from speckv.engine.sampler import verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
+from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.spec.adaptive import AdaptiveSpeculation, StepCost, Verification
-from speckv.spec.proposer import Proposer, ProposerInput
+from speckv.spec.proposer import Proposer, ProposerInput, ProposeTiming
 
 
 @dataclass
@@ -47,7 +52,7 @@ class _RunnerRequest:
 
     data: NewRequestData
     token_ids: list[int]  # real tokens: prompt + sampled
-    block_ids: list[int]  # group 0 block table
+    block_ids: list[list[int]]  # one block table per KV cache group
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,10 @@ class _Forward:
     token_offsets: list[int]  # batch index -> first row of that request on the token axis
     logits: torch.Tensor  # [num_sample_rows, vocab] fp32
     logit_offsets: dict[int, tuple[int, int]]  # batch index -> [start, end) rows in `logits`
-    slot_mapping: torch.Tensor  # [num_tokens] int64 physical slot of every computed token
+    # [num_tokens] int64 physical slot of every computed token in the drafter's group
+    slot_mapping: torch.Tensor
+    # linear-attention layers' plan (hybrid models only): recorded verification windows
+    state_plan: StatePlan | None = None
 
 
 class ModelRunner:
@@ -69,13 +77,29 @@ class ModelRunner:
         block_size: int,
         proposer: Proposer | None = None,
         connector: RunnerConnector | None = None,
+        layout: KVCacheLayout | None = None,
         spec_policy: AdaptiveSpeculation | None = None,
     ) -> None:
+        """`layout`: the model's KV cache groups (default `model.kv_cache_layout`)."""
         self.model = model
         self.connector = connector
         self.block_size = block_size
+        self.layout = layout if layout is not None else model.kv_cache_layout(block_size)
+        self.group_block_sizes = tuple(spec.block_size for spec in self.layout.specs)
+        self.layer_to_group = self.layout.layer_to_group
+        draft_group = self.layout.draft_group
+        if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
+                and draft_group is None:
+            raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
+                             f"has none ({self.layout.describe()})")
+        self.draft_group = draft_group if draft_group is not None else 0
+        # one tensor for all layers, or one per group when their block sizes differ
+        self.kv_cache: PagedKVCache = make_layout_kv_cache(model, self.layout, num_blocks)
         self.device = model.device
-        self.kv_cache: PagedKVCache = model.make_kv_cache(num_blocks, block_size)
+        # GDN / Mamba state per block id of the model's state group (hybrid models only)
+        self.states: RunnerStates | None = (
+            RunnerStates(model, num_blocks, self.layout)
+            if state_group(self.layout) is not None else None)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
@@ -83,9 +107,13 @@ class ModelRunner:
         # the draft length per step (speckv/spec/adaptive.py); None: always num_spec_tokens
         self.spec_policy = spec_policy
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The runner's block table of a request it holds (group 0)."""
-        return self.requests[request_id].block_ids
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """The runner's block table of a request it holds, for one KV cache group."""
+        return self.requests[request_id].block_ids[group]
+
+    def block_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """The runner's block tables of a request it holds, one per KV cache group."""
+        return tuple(self.requests[request_id].block_ids)
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -95,7 +123,8 @@ class ModelRunner:
         if self.connector is not None:
             cut = self.connector.start_step(
                 scheduler_output.kv_connector_metadata, scheduled,
-                {item.request_id: self.requests[item.request_id].block_ids for item in scheduled})
+                {item.request_id: self.requests[item.request_id].block_ids[0]
+                 for item in scheduled})
             if cut:
                 scheduled = [item for item in scheduled if item.request_id not in cut]
         elif scheduler_output.is_empty:
@@ -106,6 +135,10 @@ class ModelRunner:
             start = time.perf_counter()
             forward = self._forward(scheduled)
             sampled, stopped = self._sample(scheduled, forward)
+            if self.states is not None and forward.state_plan is not None:
+                # rejected drafts must not advance the recurrent state
+                self.states.commit(forward.state_plan, scheduled, self._state_tables(scheduled),
+                                   sampled)
             target_s = time.perf_counter() - start
             drafts = self._propose(scheduled, forward, sampled, stopped, target_s)
         if self.connector is None:
@@ -119,20 +152,23 @@ class ModelRunner:
                 self.proposer.free(request_id)
         for data in scheduler_output.new_requests:
             self.requests[data.request_id] = _RunnerRequest(
-                data, list(data.prompt_token_ids), []
+                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes]
             )
         for item in scheduler_output.scheduled:
             state = self.requests[item.request_id]
-            if item.replaces_block_table:
-                state.block_ids = list(item.new_block_ids[0])
-            else:
-                state.block_ids.extend(item.new_block_ids[0])
+            if len(item.new_block_ids) != len(self.group_block_sizes):
+                raise ValueError(f"the scheduler sent {len(item.new_block_ids)} block-id "
+                                 f"groups; the model has {len(self.group_block_sizes)}")
+            for table, new in zip(state.block_ids, item.new_block_ids):
+                if item.replaces_block_table:
+                    table[:] = new
+                else:
+                    table.extend(new)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> _Forward:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
         token_offsets: list[int] = []
         sample_rows: list[int] = []
         logit_offsets: dict[int, tuple[int, int]] = {}
@@ -150,15 +186,34 @@ class ModelRunner:
             input_ids.extend(tokens)
             query_lens.append(item.num_new_tokens)
             seq_lens.append(item.end)
-            block_tables.append(state.block_ids)
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, self.block_size, self.device
+        groups = tuple(
+            AttentionMetadata.build(
+                query_lens, seq_lens,
+                [self.requests[item.request_id].block_ids[g] for item in scheduled],
+                block_size, self.device)
+            for g, block_size in enumerate(self.group_block_sizes)
         )
+        metadata = (groups[0] if len(groups) == 1
+                    else GroupedAttentionMetadata(groups, self.layer_to_group))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
-        output = self.model(ids, metadata.positions(), self.kv_cache, metadata, self.aux_layers)
+        state_plan = None
+        if self.states is None:
+            output = self.model(ids, metadata.positions(), self.kv_cache, metadata,
+                                self.aux_layers)
+        else:
+            state_plan = self.states.plan(scheduled, self._state_tables(scheduled))
+            output = self.model(ids, metadata.positions(), self.kv_cache, metadata,
+                                self.aux_layers, state=state_plan)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(output.hidden_states.index_select(0, rows))
-        return _Forward(output, token_offsets, logits, logit_offsets, metadata.slot_mapping)
+        return _Forward(output, token_offsets, logits, logit_offsets,
+                        groups[self.draft_group].slot_mapping, state_plan)
+
+    def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
+        """The state group's block table of each scheduled request (hybrid models)."""
+        assert self.states is not None
+        return [self.requests[item.request_id].block_ids[self.states.group]
+                for item in scheduled]
 
     def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward
                 ) -> tuple[dict[str, list[int]], set[str]]:
@@ -229,14 +284,15 @@ class ModelRunner:
                 hidden_states=output.hidden_states[rows],
                 prenorm_hidden=output.prenorm_hidden[rows],
                 aux_hidden_states=tuple(h[rows] for h in output.aux_hidden_states),
-                block_table=state.block_ids,
+                block_table=state.block_ids[self.draft_group],
                 slot_mapping=forward.slot_mapping[rows],
                 wants_drafts=sampled is not None and item.request_id not in stopped,
                 max_drafts=max(0, room),
             ))
         drafts = self.proposer.propose(inputs)
         if self.spec_policy is not None:
-            timing = self.proposer.last_timing
+            # a proposer that does not time itself (a test oracle) counts as free to run
+            timing = getattr(self.proposer, "last_timing", None) or ProposeTiming()
             proposed = max((len(d) for d in drafts.values()), default=0)  # k actually drafted
             self.spec_policy.observe_step(StepCost(
                 sum(item.num_new_tokens for item in scheduled), target_s, num_decode, proposed,

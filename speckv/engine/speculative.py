@@ -62,8 +62,14 @@ def load_configured_drafter(config: EngineConfig, model: LlamaForCausalLM) -> Dr
 
 def load_drafter_model(speculative_model: str, model: LlamaForCausalLM,
                        method: str | None = None) -> Drafter:
-    """A drafter dir (layout detected) or "builtin" (the built-in SmolLM2's shipped EAGLE3
-    head); `method`, when given, must be the drafter's."""
+    """A drafter dir (layout detected), "builtin" (the built-in SmolLM2's shipped EAGLE3
+    head; `method`, when given, must be the drafter's) or, on a GDN hybrid, "random-mtp" (a
+    seeded random-init Qwen3-Next MTP head) or the checkpoint directory whose own `mtp.*` head
+    to load."""
+    if getattr(model, "is_hybrid", False):
+        from speckv.drafters.hybrid_mtp import load_hybrid_drafter
+
+        return load_hybrid_drafter(speculative_model, model)
     if speculative_model == "builtin":
         from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, load_builtin_drafter
 

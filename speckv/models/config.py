@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")

@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 from speckv.attention import (
+    AnyAttentionMetadata,
     AttentionBackend,
-    AttentionMetadata,
     PagedKVCache,
     get_attention_backend,
+    metadata_for_layer,
     resolve_dtype,
 )
 from speckv.models.config import ModelConfig
+from speckv.models.kv_layout import KVCacheLayout, attention_layout
 from speckv.models.layers import Linear, RMSNorm, SwiGLUMLP
 from speckv.models.rope import RotaryEmbedding, apply_rope
 
@@ -71,7 +73,7 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden]
         cos_sin: CosSin,  # each [num_tokens, 1, head_dim]
         kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
+        metadata: AnyAttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         n = hidden.shape[0]
         q = self.q_proj(hidden).view(n, self.num_heads, self.head_dim)
@@ -82,19 +84,19 @@ class LlamaAttention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = kv_cache.layer(self.layer_idx)
+        metadata = metadata_for_layer(metadata, self.layer_idx)  # its KV cache group's
         self.backend.write_kv(cache, k, v, metadata.slot_mapping)
         o = self.backend.forward(
             q, cache.key, cache.value, metadata, self.scale, self.sliding_window
         )  # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
-
     def write_kv(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden] (the attention input, normed)
         cos_sin: CosSin,  # each [num_tokens, 1, head_dim]
         kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
+        metadata: AnyAttentionMetadata,
     ) -> None:
         """Only the K/V `forward` writes (no query, no attention): for a drafter's catch-up
         of positions whose outputs nobody reads."""
@@ -104,6 +106,7 @@ class LlamaAttention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         cos, sin = cos_sin
+        metadata = metadata_for_layer(metadata, self.layer_idx)  # its KV cache group's
         self.backend.write_kv(kv_cache.layer(self.layer_idx), apply_rope(k, cos, sin), v,
                               metadata.slot_mapping)
 
@@ -141,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
+        metadata: AnyAttentionMetadata,
         cos_sin: CosSin | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         if cos_sin is None:
@@ -200,6 +203,13 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def kv_cache_layout(self, block_size: int) -> KVCacheLayout:
+        """The KV cache groups of this model: one full-attention group, plus one
+        sliding-window group per window size when the config has sliding layers."""
+        config = self.config
+        return attention_layout(
+            [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)], block_size)
+
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """A PagedKVCache shaped for this model, in its dtype and on its device."""
         assert self.config.head_dim is not None
@@ -218,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
+        metadata: AnyAttentionMetadata,
         aux_layers: Sequence[int] = (),
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden] overrides input_ids
     ) -> ModelOutput:

@@ -50,6 +50,61 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+@dataclass(frozen=True)
+class _Metric:
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str  # vLLM's name
+    doc: str  # vLLM's help text
+    buckets: tuple[float, ...] = ()  # histograms only
+
+
+# ServerMetrics attribute -> metric; each carries the `model_name` and `engine` labels
+_LABELLED_METRICS: dict[str, _Metric] = {
+    "running": _Metric(
+        Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."),
+    "waiting": _Metric(
+        Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    "kv_usage": _Metric(
+        Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    "queries": _Metric(
+        Counter, "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens."),
+    "hits": _Metric(
+        Counter, "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens."),
+    "preemptions": _Metric(
+        Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+    "prompt_tokens": _Metric(
+        Counter, "vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens": _Metric(
+        Counter, "vllm:generation_tokens", "Number of generation tokens processed."),
+    "ttft": _Metric(
+        Histogram, "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "itl": _Metric(
+        Histogram, "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "e2e": _Metric(
+        Histogram, "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    "queue_time": _Metric(
+        Histogram, "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
+    "num_drafts": _Metric(
+        Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "num_draft_tokens": _Metric(
+        Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "num_accepted": _Metric(
+        Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    "lookahead_tokens": _Metric(
+        Gauge, "speckv:lookahead_tokens",
+        "L: successor tokens hashed into each block hash (0: legacy hashes)."),
+    "legacy_block_drop": _Metric(
+        Gauge, "speckv:legacy_block_drop",
+        "1 while the legacy last-block drop is on (hits lose their last matched block), else 0."),
+}
+
+
 @dataclass
 class _Timing:
     arrival_s: float
@@ -58,6 +113,9 @@ class _Timing:
 
 
 class ServerMetrics:
+    """One server's metrics: the `_LABELLED_METRICS` keys are its attributes (`self.ttft`, ...),
+    plus `success` per finish reason and `accepted_per_pos` per draft position."""
+
     def __init__(self, model_name: str, hash_mode: HashMode, num_spec_tokens: int,
                  engine_index: int = 0) -> None:
         disable_created_metrics()  # vLLM exposes no *_created series either
@@ -66,49 +124,12 @@ class ServerMetrics:
         values = (model_name, str(engine_index))
         r = self.registry
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(*values)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(*values)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
-
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model "
-                             "execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be "
-                             "processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 "
-                              "percent usage.")
-        self.queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms "
-                               "of number of queried tokens.")
-        self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number "
-                            "of cached tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption "
-                                   "from the engine.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens "
-                                     "processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation "
-                                         "tokens processed.")
+        for attr, m in _LABELLED_METRICS.items():
+            extra = {"buckets": m.buckets} if m.buckets else {}
+            setattr(self, attr, m.kind(m.name, m.doc, labels, registry=r, **extra).labels(*values))
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*labels, "finished_reason"], registry=r)
         self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first "
-                              "token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token "
-                             "latency in seconds.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request "
-                             "latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time "
-                                    "spent in WAITING phase for request.",
-                                    REQUEST_LATENCY_BUCKETS)
-        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding "
-                                  "drafts.")
-        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft "
-                                        "tokens.")
-        self.num_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of "
-                                    "accepted tokens.")
         per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per "
                           "draft position.", [*labels, "position"], registry=r)
         self.accepted_per_pos = [per_pos.labels(*values, str(p)) for p in range(num_spec_tokens)]
@@ -116,10 +137,8 @@ class ServerMetrics:
                      "hashes with or without the last-block drop); the value is always 1.",
                      [*labels, "hash_mode", "reason"], registry=r)
         info.labels(*values, hash_mode.label, hash_mode.reason).set(1)
-        gauge("speckv:lookahead_tokens", "L: successor tokens hashed into each block hash "
-              "(0: legacy hashes).").set(hash_mode.lookahead_tokens)
-        gauge("speckv:legacy_block_drop", "1 while the legacy last-block drop is on (hits "
-              "lose their last matched block), else 0.").set(int(hash_mode.drops_last_unit))
+        self.lookahead_tokens.set(hash_mode.lookahead_tokens)
+        self.legacy_block_drop.set(int(hash_mode.drops_last_unit))
         self._timings: dict[str, _Timing] = {}
 
     def render(self) -> bytes:

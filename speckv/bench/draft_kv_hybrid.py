@@ -1,0 +1,157 @@
+"""`speckv bench draft-kv --model hybrid-gdn`: on a Gated DeltaNet hybrid, a hit reads the same
+target KV, draft KV AND recurrent state as a cold run.
+
+Owns the hybrid variant of the draft-KV check (`draft_kv.py`): the `hybrid-gdn` model (RANDOM
+weights, said in the title) with a random-init drafter, an engine whose GDN state unit is
+`--mamba-block-size`, and three diffs per case: the target KV of the attention layers over the
+hit, the drafter's KV over the hit, and every linear layer's conv + recurrent state at the hit
+(the checkpoint block the hit restores) against the state a cold run checkpoints there.
+Negative control as in `draft_kv.py`: legacy hashes with the drop off and a different token
+after the shared units; its draft KV is stale (caught), its state is not (the state at h does
+not depend on tokens after h, which is why Mamba groups keep legacy hashes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from speckv.bench.draft_kv import DRAFTERS, _StaleHashesEngine, kv_at
+from speckv.engine.llm_engine import LLMEngine
+from speckv.spec.policy import drafter_policy
+
+
+@dataclass(frozen=True)
+class HybridDraftKVRow:
+    drafter: str
+    num_modules: int
+    dtype: str
+    case: str
+    hit_tokens: int
+    target_max_abs_diff: float
+    draft_max_abs_diff: float
+    state_max_abs_diff: float
+
+
+@dataclass(frozen=True)
+class _HitState:
+    num_tokens: int
+    target: torch.Tensor  # [attn_layers, 2, num_tokens, kv_heads, head_dim] fp32
+    draft: torch.Tensor  # [draft_layers, 2, num_tokens, kv_heads, head_dim] fp32
+    state: torch.Tensor  # every linear layer's conv and recurrent state, flattened, fp32
+
+
+def _engine(model, drafter, dtype, block_size, unit, engine_type=LLMEngine):
+    from speckv.engine.config import EngineConfig
+    from speckv.engine.speculative import speculative_args
+
+    config = EngineConfig(block_size=block_size, mamba_block_size=unit, num_blocks=256,
+                          dtype=dtype, hash_seed="0", **speculative_args(drafter, 3))
+    return engine_type(model, config, drafter=drafter, detokenize=False)
+
+
+def _first_step(engine: LLMEngine, prompt: list[int], num_tokens: int | None = None
+                ) -> _HitState:
+    from speckv.engine.sampling_params import SamplingParams
+
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    length = engine.get_request(rid).num_cached_tokens if num_tokens is None else num_tokens
+    tables = engine.runner.block_tables(rid)
+    bs = engine.config.block_size
+    draft_table = tables[engine.layout.draft_group or 0]
+    target = kv_at(engine.runner.kv_cache, draft_table, length, bs)
+    draft = kv_at(engine.proposer.kv_cache, draft_table, length, bs)
+    states = engine.runner.states
+    if length:
+        conv, rec = states.cache.snapshot(tables[states.group][(length - 1) // states.unit])
+        state = torch.cat([conv.float().flatten(), rec.flatten()])
+    else:
+        state = torch.zeros(1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return _HitState(length, target, draft, state)
+
+
+def measure_hybrid(model, drafter, dtype: str, prompt: list[int], block_size: int, unit: int
+                   ) -> list[HybridDraftKVRow]:
+    policy = drafter.policy
+    original = model.dtype
+    model.to(getattr(torch, dtype))
+    drafter.to(getattr(torch, dtype))
+
+    def row(case: str, warm: _HitState, cold: _HitState) -> HybridDraftKVRow:
+        return HybridDraftKVRow(
+            policy.name, policy.num_modules, dtype, case, warm.num_tokens,
+            (warm.target - cold.target).abs().max().item(),
+            (warm.draft - cold.draft).abs().max().item(),
+            (warm.state - cold.state).abs().max().item())
+
+    try:
+        warm_engine = _engine(model, drafter, dtype, block_size, unit)
+        _first_step(warm_engine, prompt, 0)
+        warm = _first_step(warm_engine, prompt)
+        cold = _first_step(_engine(model, drafter, dtype, block_size, unit), prompt,
+                           warm.num_tokens)
+        rows = [row("lookahead hit", warm, cold)]
+        shared = (len(prompt) - 2) // unit * unit
+        successor = prompt[shared]
+        first = prompt[:shared] + [successor] + prompt[shared + 1:]
+        second = prompt[:shared] + [(successor + 1) % model.config.vocab_size] \
+            + prompt[shared + 1:]
+        stale_engine = _engine(model, drafter, dtype, block_size, unit, _StaleHashesEngine)
+        _first_step(stale_engine, first, 0)
+        stale = _first_step(stale_engine, second)
+        rows.append(row("negative control", stale, _first_step(
+            _engine(model, drafter, dtype, block_size, unit), second, stale.num_tokens)))
+        return rows
+    finally:
+        model.to(original)
+        drafter.to(original)
+
+
+def run_hybrid_gdn(args: argparse.Namespace) -> int:
+    """The `--model hybrid-gdn` path of `speckv bench draft-kv`."""
+    from speckv.drafters.hybrid_mtp import random_hybrid_drafter
+    from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE, hybrid_gdn_model
+
+    names = [name.strip() for name in args.drafters.split(",")]
+    unknown = [name for name in names if name not in DRAFTERS]
+    if unknown:
+        raise ValueError(f"--drafters: unknown {unknown}; choose from {list(DRAFTERS)}")
+    module_counts = [int(k) for k in args.mtp_num_modules.split(",")]
+    dtypes = [dtype.strip() for dtype in args.dtypes.split(",")]
+    unit = args.mamba_block_size or 4 * args.block_size
+    if unit % args.block_size:
+        raise ValueError("--mamba-block-size must be a multiple of --block-size")
+    torch.set_num_threads(1)
+    model = hybrid_gdn_model(vocab_size=4096)
+    prompt_len = max(args.prompt_len or 100, 2 * unit + 2)
+    prompt = torch.randint(1, 4096, (prompt_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    for name in names:
+        for k in module_counts if name == "mtp" else [1]:
+            drafter = random_hybrid_drafter(name, model, k)
+            for dtype in dtypes:
+                rows.extend(measure_hybrid(model, drafter, dtype, prompt, args.block_size, unit))
+    if args.json:
+        print(json.dumps([asdict(row) for row in rows]))
+        return 0
+    table = Table(title=f"[{RANDOM_INIT_NOTE}] hit vs a cold run, max |diff| ({prompt_len}-token "
+                        f"prompt, KV block {args.block_size}, GDN state unit {unit}): target KV "
+                        "(attention layers), draft KV, GDN conv + recurrent state at the hit")
+    numeric = ("hit tokens", "target KV", "draft KV", "GDN state")
+    for column in ("drafter", "dtype", "case", *numeric):
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for row in rows:
+        table.add_row(drafter_policy(row.drafter, row.num_modules).label, row.dtype, row.case,
+                      str(row.hit_tokens), f"{row.target_max_abs_diff:.3g}",
+                      f"{row.draft_max_abs_diff:.3g}", f"{row.state_max_abs_diff:.3g}")
+    Console().print(table)
+    return 0

@@ -1,0 +1,117 @@
+"""The sliding-window retention scenario of `speckv bench retention` on real tensors.
+
+Owns running `retention.py`'s four requests through the real engine (`LLMEngine`, the real
+runner and paged KV) on a `hybrid-swa`-shaped model (random-init Gemma 3 style: global layers
+in a full-attention group of block 32, sliding layers in a window group of block 16, window W,
+so U = 32) with a random-init MTP drafter (1 module, 3 speculative tokens), and checking every
+hit: right after a request's first step, the KV its hit holds (each group's layers over the
+blocks the group keeps; the drafter's KV over [0, h)) must equal a cold run of that prompt on
+a fresh engine, max |diff| 0 in fp32. The cached-token row must equal the simulator's.
+
+    hit check per request:  target KV max |diff| (both groups), draft KV max |diff|
+    draft KV is compared with lookahead hashes only: under the legacy drop, a chain stitched
+    from two requests' blocks keeps the first copy's draft KV (the drop promises target KV)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from speckv.cache.retention import TailWidening
+from speckv.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from speckv.engine.config import EngineConfig
+from speckv.engine.llm_engine import LLMEngine
+from speckv.engine.sampling_params import SamplingParams
+from speckv.models.kv_layout import KVCacheGroup, KVCacheLayout
+from speckv.testing.group_kv import max_abs_diff, read_group_kv
+
+FULL_BLOCK = 32
+SWA_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class TensorRetentionRow:
+    label: str
+    hash_mode: str
+    cached_tokens: list[int]
+    target_max_abs_diff: float  # over every hit of the row, both groups
+    draft_max_abs_diff: float | None  # None: not compared (legacy drop)
+    num_hit_blocks_checked: int
+
+
+def scenario_prompts(prefix_len: int, num_requests: int = 4) -> list[list[int]]:
+    """The simulator's prompts (same seed, same draws): P + A, P + B, P + A[:40] + C, P + A."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 32000) for _ in range(prefix_len)]
+
+    def fresh(count: int) -> list[int]:
+        return [rng.randrange(1, 32000) for _ in range(count)]
+
+    suffix_a = fresh(64)
+    prompts = [prefix + suffix_a, prefix + fresh(64), prefix + suffix_a[:40] + fresh(24),
+               prefix + suffix_a]
+    return prompts[:num_requests]
+
+
+def scenario_model(window: int):
+    """The `hybrid-swa` shape with window `window` (random init; vocabulary 32,000)."""
+    from speckv.models.hybrid_swa import hybrid_swa_model
+
+    return hybrid_swa_model(vocab_size=32000, sliding_window=window)
+
+
+def scenario_layout(model) -> KVCacheLayout:
+    base = model.config
+    full = tuple(i for i in range(base.num_hidden_layers) if base.layer_sliding_window(i) is None)
+    swa = tuple(i for i in range(base.num_hidden_layers) if i not in full)
+    return KVCacheLayout((KVCacheGroup(FullAttentionSpec(FULL_BLOCK), full),
+                          KVCacheGroup(SlidingWindowSpec(SWA_BLOCK, base.sliding_window), swa)))
+
+
+def _engine(model, drafter, legacy: bool, widening: TailWidening, prefix_len: int,
+            retention: int) -> LLMEngine:
+    spec = {} if drafter is None else {"speculative_method": drafter.policy.name,
+                                       "num_spec_tokens": 3}
+    config = EngineConfig(block_size=FULL_BLOCK, num_blocks=8 * prefix_len // 16 + 256,
+                          max_num_batched_tokens=1 << 20, hash_seed="0",
+                          disable_lookahead_block_hashes=legacy, **spec)
+    return LLMEngine(model, config, drafter=drafter, detokenize=False,
+                     layout=scenario_layout(model), retention_interval=retention,
+                     tail_widening=widening)
+
+
+@torch.inference_mode()
+def run_tensor_scenario(model, drafter, legacy: bool, widening: TailWidening, prefix_len: int,
+                        retention: int, label: str) -> TensorRetentionRow:
+    """The four requests, one after the other, on one engine; each hit checked against a
+    cold run on a fresh engine."""
+    engine = _engine(model, drafter, legacy, widening, prefix_len, retention)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    cached, target_diff, draft_diff, checked = [], 0.0, 0.0, 0
+    check_draft = drafter is not None and not legacy
+    for index, prompt in enumerate(scenario_prompts(prefix_len)):
+        request_id = f"req{index}"
+        engine.add_request(prompt, params, request_id)
+        engine.step()
+        num_hit = engine.get_request(request_id).num_cached_tokens
+        cached.append(num_hit)
+        if num_hit:
+            hit = read_group_kv(engine, engine.manager.get_block_ids(request_id), num_hit)
+            cold = _engine(model, drafter, legacy, widening, prefix_len, retention)
+            cold.add_request(prompt, params, "cold")
+            cold.step()
+            cold_kv = read_group_kv(cold, cold.runner.block_tables("cold"), num_hit,
+                                    hit.block_indices)
+            target, draft = max_abs_diff(hit, cold_kv)
+            target_diff = max(target_diff, target)
+            if check_draft:
+                draft_diff = max(draft_diff, draft)
+            checked += sum(len(indices) for indices in hit.block_indices)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.manager.check_integrity()
+    return TensorRetentionRow(label, engine.hash_mode.label, cached, target_diff,
+                              draft_diff if check_draft else None, checked)

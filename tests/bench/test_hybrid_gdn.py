@@ -1,0 +1,52 @@
+"""The GDN-hybrid scenario on tensors: unit 544, a 1,367-token prompt sent twice. Cached 1,088
+without a drafter and with MTP + lookahead hashes, 544 under the legacy drop; the second
+request's logits and GDN state at the hit equal a cold run's (fp32, max |diff| 0)."""
+
+from __future__ import annotations
+
+import torch
+
+from speckv.bench.draft_kv_hybrid import measure_hybrid
+from speckv.bench.hybrid_gdn import run_scenario
+from speckv.drafters.hybrid_mtp import random_hybrid_drafter
+from speckv.models.hybrid_loader import tiny_hybrid
+
+
+def test_unit_544_scenario_hits_and_equals_a_cold_run():
+    model = tiny_hybrid()
+    prompt = torch.randint(0, 128, (1367,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows = {row.case: row for row in run_scenario(model, prompt)}
+    assert {case: row.cached_tokens for case, row in rows.items()} == {
+        "no drafter": 1088,
+        "MTP, lookahead hashes": 1088,
+        "MTP, legacy hashes (block drop)": 544,
+    }
+    for row in rows.values():
+        assert row.state_max_abs_diff == 0.0
+        assert row.logits_max_abs_diff == 0.0
+
+
+def test_draft_kv_on_the_hybrid_exact_and_stale_control_caught():
+    model = tiny_hybrid()
+    prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    for method in ("mtp", "eagle"):
+        drafter = random_hybrid_drafter(method, model)
+        hit, control = measure_hybrid(model, drafter, "float32", prompt, 4, 8)
+        assert hit.hit_tokens == 32
+        assert hit.target_max_abs_diff == hit.draft_max_abs_diff == 0.0
+        assert hit.state_max_abs_diff == 0.0
+        assert control.hit_tokens == 32 and control.draft_max_abs_diff > 1e-3
+
+
+def test_cli_draft_kv_on_hybrid_gdn_prints_zero_diffs(capsys):
+    import json
+
+    from speckv.cli import main
+
+    assert main(["bench", "draft-kv", "--model", "hybrid-gdn", "--drafters", "mtp",
+                 "--mtp-num-modules", "1", "--dtypes", "float32", "--json"]) == 0
+    hit, control = json.loads(capsys.readouterr().out)
+    assert hit["hit_tokens"] == 128  # two units of 64 (4 blocks of 16) in 130 tokens
+    assert hit["target_max_abs_diff"] == hit["draft_max_abs_diff"] == 0.0
+    assert hit["state_max_abs_diff"] == 0.0
+    assert control["draft_max_abs_diff"] > 0
