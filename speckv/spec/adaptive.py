@@ -19,7 +19,9 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
     T(n)       = target step seconds for n tokens: a decayed mean per n measured, linear
                  interpolation between measured n, extrapolation along the nearest segment
     g(B)       = seconds per draft token position for B requests (proposal forward)
-    F(B)       = the rest of the step (catch-up, scheduling), paid for every k
+    F(B)       = the rest of the step (the drafter's catch-up), paid for every k, but measured
+                 apart for k = 0 and k > 0: without drafts the catch-up only writes draft KV,
+                 with drafts it also computes the outputs drafting starts from
 
 It starts with one draft per request (cheap even where drafting does not pay; it measures
 g, a_1 and T at 2B), then no drafts for one step (T at B), then keeps the best k, T at
@@ -162,7 +164,8 @@ class AdaptiveSpeculation:
         s = config.max_spec_tokens
         self._target = _DecayedMeans(config.cost_decay)  # n tokens -> seconds
         self._draft = _DecayedMeans(config.cost_decay)  # B -> seconds per draft position
-        self._fixed = _DecayedMeans(config.cost_decay)  # B -> catch-up + rest, seconds
+        self._fixed = _DecayedMeans(config.cost_decay)  # B -> catch-up seconds, k > 0
+        self._fixed_no_draft = _DecayedMeans(config.cost_decay)  # B -> catch-up seconds, k = 0
         self._decayed = _Counts([0.0] * s, [0.0] * s)
         self._drafts = [0] * s  # lifetime
         self._accepted = [0] * s
@@ -195,9 +198,11 @@ class AdaptiveSpeculation:
             self._target.add(cost.num_target_tokens, cost.target_s)
         b = cost.num_decode_requests
         if b > 0:
-            self._fixed.add(b, cost.catch_up_s)
             if cost.num_spec_tokens > 0:
+                self._fixed.add(b, cost.catch_up_s)
                 self._draft.add(b, cost.propose_s / cost.num_spec_tokens)
+            else:
+                self._fixed_no_draft.add(b, cost.catch_up_s)
 
     # ---- the decision -------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -228,7 +233,9 @@ class AdaptiveSpeculation:
             if per_position is None:
                 return None
             draft = k * per_position
-        fixed = self._fixed.predict(b) or 0.0
+        fixed = (self._fixed_no_draft.predict(b) if k == 0 else None)
+        if fixed is None:  # k = 0 not measured yet: its catch-up costs at most the drafting one
+            fixed = self._fixed.predict(b) or 0.0
         return b * self.expected_tokens(k) / max(1e-9, target + draft + fixed)
 
     def decide(self, num_requests: int) -> int:
