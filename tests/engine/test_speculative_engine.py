@@ -38,8 +38,10 @@ def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs
     reference, _, _ = _run(LLMEngine(tiny_model, EngineConfig(num_blocks=200, block_size=4)),
                            prompts)
     method = fmt
+    # a fixed draft length: preemption here comes from the 3 lookahead slots every step
     tight = EngineConfig(num_blocks=14, block_size=4, speculative_method=method,
-                         num_spec_tokens=3, max_num_batched_tokens=16)
+                         num_spec_tokens=3, max_num_batched_tokens=16,
+                         adaptive_speculation=False)
     outputs, preemptions, finals = _run(LLMEngine(tiny_model, tight, drafter=drafter), prompts)
     assert outputs == reference
     assert preemptions > 0, "the tight cache should force preemptions"
