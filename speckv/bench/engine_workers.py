@@ -170,8 +170,12 @@ class EngineWorkers:
             child.close()
             self._conns.append(parent)
             self._processes.append(process)
-        for index in range(num_engines):
-            self._expect(index, "ready", WORKER_START_TIMEOUT_S)
+        try:
+            for index in range(num_engines):
+                self._expect(index, "ready", WORKER_START_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def num_engines(self) -> int:

@@ -14,3 +14,11 @@ def tiny_eagle():
 
 
 TINY_EAGLE = "tests.bench.engine_models:tiny_eagle"
+
+
+def broken():
+    """A factory that fails in the worker: the parent must see the worker's traceback."""
+    raise ValueError("no weights here")
+
+
+BROKEN = "tests.bench.engine_models:broken"
