@@ -141,8 +141,8 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
     """The lookahead hit and the negative control. With "store" in `kv_connector`, an
     embedded `store_url` is one server started here for every engine of the check, and the
     second request of each case runs on a fresh engine."""
-    shared = kv_connector is not None and "store" in kv_connector.split(",")
-    if shared and store_url == EMBEDDED:
+    fresh_reader = kv_connector is not None and "store" in kv_connector.split(",")
+    if fresh_reader and store_url == EMBEDDED:
         with EmbeddedValkey(GIB) as server:
             return measure(model, drafter, dtype, prompt, block_size, kv_connector, directory,
                            server.url)
@@ -160,7 +160,7 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
         return made
 
     def reader(engine_type=LLMEngine):
-        return (lambda: engine(engine_type)) if shared else None
+        return (lambda: engine(engine_type)) if fresh_reader else None
 
     def row(case: str, warm: HitKV, cold: HitKV) -> DraftKVRow:
         return DraftKVRow(policy.name, policy.num_modules, dtype, case, warm.num_tokens,
