@@ -119,7 +119,11 @@ def test_soak_offload(seed):
     driver = Driver(make_connector(config), world)
     _run(driver, seed, steps=80)
     stats = driver.connector.stats()["offload"]
-    assert stats.evicted_blocks > 0 and stats.loaded_blocks > 0
+    assert stats.loaded_blocks > 0
+    # more blocks landed than the tier holds: it evicted. (How many land depends on the copy
+    # thread keeping up with a 3-block queue; on a loaded machine most stores are dropped.)
+    assert stats.saved_blocks <= 10 or stats.evicted_blocks > 0
+    assert stats.saved_blocks > 10 or stats.save_dropped_queue_full > 0
     assert stats.resident_blocks <= 10
     driver.close()
 
