@@ -284,12 +284,14 @@ def _print(result: StoreSoakResult, elapsed_s: float) -> None:
                   f"{100 * result.hit_rate:.1f}% ({100 * result.store_hit_rate:.1f}%)",
                   f"{100 * result.no_store_hit_rate:.1f}%")
     table.add_row("duration s", f"{result.duration_s:.1f}", f"{result.no_store_duration_s:.1f}")
-    for index, engine in enumerate(result.engines):
-        table.add_row(f"engine {index}: check_integrity()",
-                      "ok" if engine.integrity_ok else f"FAILED: {engine.integrity_error}", "-")
-        stats = engine.connector_stats.get("store", {})
-        table.add_row(f"engine {index}: " + " / ".join(STORE_COUNTERS),
-                      " / ".join(str(stats.get(name, "-")) for name in STORE_COUNTERS), "-")
+    engines = " / ".join(f"engine {index}" for index in range(len(result.engines)))
+    table.add_row(f"check_integrity() ({engines})", " / ".join(
+        "ok" if engine.integrity_ok else f"FAILED: {engine.integrity_error}"
+        for engine in result.engines), "-")
+    for name in STORE_COUNTERS:
+        table.add_row(f"{name} ({engines})", " / ".join(
+            str(engine.connector_stats.get("store", {}).get(name, "-"))
+            for engine in result.engines), "-")
     Console().print(table)
     verdict = "PASS" if result.passed else "FAIL"
     print(f"verdict: {verdict} in {elapsed_s:.0f} s")
