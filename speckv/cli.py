@@ -55,6 +55,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "time with stores running"),
     (("bench", "soak"), "speckv.bench.soak",
      "a long random run of the real scheduler and cache, integrity and hit KV checked each op"),
+    (("bench", "store-soak"), "speckv.bench.store_soak",
+     "engine processes sharing one KV store that is killed and restarted mid-run: every "
+     "request completes, outputs equal a no-store run, integrity holds"),
     (("events", "tail"), "speckv.commands.events:tail", "print KV events from a publisher, live"),
     (("events", "publish-sample"), "speckv.commands.events:publish_sample",
      "publish a synthetic workload's KV events for consumer authors"),

@@ -20,6 +20,11 @@ Multi-group models (`--model hybrid-swa`, or a Gemma 3 directory): each layer's 
 through its own group's block table; a sliding-window layer is compared over the blocks a hit
 at h must hold (the `ceil((W - 1) / B)` blocks before h; older ones are freed), a global layer
 over [0, h), and the drafter's KV (full attention) over [0, h) on the draft group's table.
+
+With `--kv-connector store` the second request runs on a *fresh* engine (empty local cache,
+its own connector) pointing at the same Valkey/Redis server as the first: the embedded server
+is started once by the bench for all engines (or `--kv-store-url` names one), so the hit is
+what another engine computed, as between two machines.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from rich.table import Table
 
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.specs import SlidingWindowSpec
+from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
+from speckv.connectors.shared_store import EMBEDDED
 from speckv.engine.llm_engine import LLMEngine
 from speckv.spec.policy import DrafterPolicy, drafter_policy
 
@@ -90,14 +97,17 @@ def kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int,
 
 
 def make_engine(model, drafter, dtype: str, block_size: int, engine_type=LLMEngine,
-                kv_connector: str | None = None, directory: str | None = None):
-    """An engine for the check (a tier, if named, small and in `directory`)."""
+                kv_connector: str | None = None, directory: str | None = None,
+                store_url: str = "embedded"):
+    """An engine for the check (a tier, if named, small and in `directory`; the store at
+    `store_url`)."""
     from speckv.engine.config import EngineConfig
     from speckv.engine.speculative import speculative_args
 
     tier = {} if kv_connector is None else {
         "kv_connector": kv_connector, "kv_offload_gb": 0.25, "kv_offload_disk_gb": 0.25,
         "kv_offload_dir": directory if "disk" in kv_connector else None,
+        "kv_store_url": store_url,
     }
     config = EngineConfig(block_size=block_size, num_blocks=256, dtype=dtype,
                           **speculative_args(drafter, 3), hash_seed="0",
@@ -143,19 +153,28 @@ def target_kv(engine, request_id: str, num_tokens: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _send_twice(engine, first: list[int], second: list[int]) -> HitKV:
+def _send_twice(engine, first: list[int], second: list[int], reader=None) -> HitKV:
     """`first` cold; then `second`, its hit from the tier when the engine has one (the tier
-    settled, the local prefix cache reset), else from the local cache."""
+    settled, the local prefix cache reset), else from the local cache. With `reader` (a
+    shared store), `second` runs on that fresh engine instead, its hit from the store."""
     first_step_kv(engine, first, 0)
     if engine.connector is not None:
         assert engine.flush_kv_connector(timeout_s=120), "the tier did not settle"
         assert engine.reset_prefix_cache(), "the local prefix cache could not be reset"
-    return first_step_kv(engine, second)
+    return first_step_kv(engine if reader is None else reader(), second)
 
 
 def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
-            kv_connector: str | None = None, directory: str | None = None
-            ) -> list[DraftKVRow]:
+            kv_connector: str | None = None, directory: str | None = None,
+            store_url: str = "embedded") -> list[DraftKVRow]:
+    """The lookahead hit and the negative control. With "store" in `kv_connector`, an
+    embedded `store_url` is one server started here for every engine of the check, and the
+    second request of each case runs on a fresh engine."""
+    fresh_reader = kv_connector is not None and "store" in kv_connector.split(",")
+    if fresh_reader and store_url == EMBEDDED:
+        with EmbeddedValkey(GIB) as server:
+            return measure(model, drafter, dtype, prompt, block_size, kv_connector, directory,
+                           server.url)
     policy = drafter.policy
     model_dtype = model.dtype
     model.to(getattr(torch, dtype))
@@ -164,9 +183,13 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
     engines = []
 
     def engine(engine_type=LLMEngine, connector=kv_connector):
-        made = make_engine(model, drafter, dtype, block_size, engine_type, connector, directory)
+        made = make_engine(model, drafter, dtype, block_size, engine_type, connector, directory,
+                           store_url)
         engines.append(made)
         return made
+
+    def reader(engine_type=LLMEngine):
+        return (lambda: engine(engine_type)) if fresh_reader else None
 
     def row(case: str, warm: HitKV, cold: HitKV) -> DraftKVRow:
         return DraftKVRow(policy.name, policy.num_modules, dtype, case, warm.num_tokens,
@@ -175,7 +198,7 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
                           warm.num_external_tokens)
 
     try:
-        warm = _send_twice(engine(), prompt, prompt)
+        warm = _send_twice(engine(), prompt, prompt, reader())
         rows = [row("lookahead hit", warm, first_step_kv(engine(connector=None), prompt,
                                                          warm.num_tokens))]
         # negative control: the successor of the shared blocks differs
@@ -184,7 +207,8 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
         successor = prompt[shared]
         first = prompt[:shared] + [successor] + prompt[shared + 1:]
         second = prompt[:shared] + [(successor + 1) % vocab_size] + prompt[shared + 1:]
-        stale = _send_twice(engine(_StaleHashesEngine), first, second)
+        stale = _send_twice(engine(_StaleHashesEngine), first, second,
+                            reader(_StaleHashesEngine))
         rows.append(row("negative control", stale,
                         first_step_kv(engine(connector=None), second, stale.num_tokens)))
         return rows
@@ -214,7 +238,7 @@ def make_drafter(policy: DrafterPolicy, model, builtin_model: bool = True):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="builtin",
-                        help="builtin, hybrid-swa (tiny random-init sliding-window model), an "
+                        help="builtin, hybrid-swa / hybrid-gdn (tiny random-init hybrids), an "
                         "HF dir or a .gguf file")
     parser.add_argument("--drafters", default=",".join(DRAFTERS),
                         help="comma-separated: eagle, eagle3, mtp (default: %(default)s)")
@@ -227,7 +251,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-connector", default=None, metavar="NAMES",
                         help="serve the hit from these KV tiers instead of the local cache: "
-                        "offload, disk or offload,disk")
+                        "offload, disk, offload,disk or store (a fresh engine reads the store)")
+    parser.add_argument("--kv-store-url", default=EMBEDDED, metavar="URL",
+                        help="the store of --kv-connector store (default: an embedded server "
+                        "the bench starts once for all engines)")
     parser.add_argument("--kv-offload-dir", default=None,
                         help="disk tier directory (default: a temporary one)")
     parser.add_argument("--mamba-block-size", type=int, default=None,
@@ -278,12 +305,15 @@ def run(args: argparse.Namespace) -> int:
             drafter = make_drafter(policy, model, args.model == "builtin")
             for dtype in dtypes:
                 rows.extend(measure(model, drafter, dtype, prompt, args.block_size,
-                                    args.kv_connector, tempfile.mkdtemp(dir=directory)))
+                                    args.kv_connector, tempfile.mkdtemp(dir=directory),
+                                    args.kv_store_url))
     if args.json:
         print(json.dumps([asdict(row) for row in rows]))
         return 0
     source = "the local prefix cache" if args.kv_connector is None else (
         f"the {args.kv_connector} tier (local prefix cache reset)")
+    if args.kv_connector is not None and "store" in args.kv_connector.split(","):
+        source = f"the {args.kv_connector} tier, read by a fresh engine"
     table = Table(title=f"KV of the hit blocks vs a cold run, max |diff| ({len(prompt)}-token "
                         f"prompt, B={args.block_size}, all layers, K and V); hits from {source}")
     numeric = ("hit tokens", "from tier", "target KV", "draft KV")

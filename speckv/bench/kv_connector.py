@@ -1,19 +1,22 @@
 """`speckv bench kv-connector`: what the KV tiers cost and save, on the built-in model.
 
 Three side-by-side measurements on the real engine (the built-in SmolLM2-135M-Instruct with
-its EAGLE head unless `--speculative-model none`), each against a real peer:
+its EAGLE head unless `--speculative-model none`), each against a real peer, for the tiers of
+`--tiers` (default offload, disk, store):
 
     (a) time to first token of a `--prompt-tokens` prompt (max_tokens=1): cold (nothing cached)
-        vs a local prefix-cache hit vs a hit loaded from the CPU tier vs from the disk tier
-        (the local prefix cache reset before every tier run, the tier settled; the disk tier
-        reads through the page cache). Targets: CPU tier <= 2x local and >= 5x faster than
-        cold; disk tier <= 4x local.
+        vs a local prefix-cache hit vs a hit loaded from the CPU tier, the disk tier, the
+        shared store (the engine's embedded Valkey server on loopback) (the local prefix
+        cache reset before every tier run, the tier settled; the disk tier reads through the
+        page cache). Targets: CPU tier <= 2x local and >= 5x faster than cold; disk tier
+        <= 4x local; store <= 3x local and >= 4x faster than cold.
     (b) load throughput of each tier (target + draft KV of the same prompt through the
-        connector), in GB/s beside a plain `tensor.copy_` of the same bytes
-        (`speckv bench kv-tiers` in the built-in model's layout).
+        connector), in GB/s beside its limit: a plain `tensor.copy_` of the same bytes for
+        the CPU and disk tiers (`speckv bench kv-tiers`), a redis-py loop of one `GET` per
+        block of the same values for the store (`speckv bench kv-store`).
     (c) engine step time on a decode-heavy run (`--decode-requests` requests with short
         prompts and `--decode-tokens` output tokens each; their blocks are stored as they
-        fill) with the CPU tier and with CPU + disk, vs no connector. Target: <= +5%.
+        fill) with the CPU tier, CPU + disk, and the store, vs no connector. Target: <= +5%.
         Engines alternate over `--repeats` rounds and each keeps its median, so drift on a
         shared machine hits every side alike.
 
@@ -41,7 +44,11 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import speculative_args
 
-TTFT_CASES = ("cold", "local hit", "CPU tier hit", "disk tier hit")
+TIERS = ("offload", "disk", "store")
+TIER_CASES = {"offload": "CPU tier hit", "disk": "disk tier hit", "store": "store hit"}
+TTFT_CASES = ("cold", "local hit", *TIER_CASES.values())
+# the step-time engines: a connector runs when all of its tiers are in --tiers
+STEP_CONNECTORS = ("offload", "offload,disk", "store")
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ def _config(model, drafter, kv_connector: str | None, directory: str, num_blocks
     tiers = {} if kv_connector is None else {
         "kv_connector": kv_connector, "kv_offload_gb": 2.0, "kv_offload_disk_gb": 2.0,
         "kv_offload_dir": directory if "disk" in kv_connector else None,
+        "kv_store_gb": 2.0,  # the engine's own embedded Valkey server on loopback
     }
     return EngineConfig(block_size=16, num_blocks=num_blocks, dtype=str(model.dtype),
                         device=str(model.device), hash_seed="0",
@@ -93,11 +101,12 @@ def _first_token(engine: LLMEngine, prompt: list[int]) -> tuple[float, Any]:
 
 
 def measure_ttft(model, drafter, prompt: list[int], repeats: int, directory: str,
-                 num_spec_tokens: int = 3) -> list[TTFTRow]:
-    """TTFT of `prompt`: cold, local hit, CPU tier hit, disk tier hit (medians)."""
+                 num_spec_tokens: int = 3, tiers: tuple[str, ...] = TIERS) -> list[TTFTRow]:
+    """TTFT of `prompt`: cold, local hit, then a hit from each of `tiers` (medians)."""
     num_blocks = 2 * (len(prompt) // 16 + 8)
     rows = []
-    for case, tier in zip(TTFT_CASES, (None, None, "offload", "disk")):
+    cases = [("cold", None), ("local hit", None)] + [(TIER_CASES[t], t) for t in tiers]
+    for case, tier in cases:
         engine = LLMEngine(model, _config(model, drafter, tier, directory, num_blocks,
                                           num_spec_tokens),
                            drafter=drafter, detokenize=False)
@@ -123,9 +132,11 @@ def measure_ttft(model, drafter, prompt: list[int], repeats: int, directory: str
 
 
 def measure_steps(model, drafter, prompts: list[list[int]], output_tokens: int, rounds: int,
-                  directory: str, num_spec_tokens: int = 3) -> list[StepRow]:
+                  directory: str, num_spec_tokens: int = 3, tiers: tuple[str, ...] = TIERS
+                  ) -> list[StepRow]:
     """Mean step time of a decode-heavy batch per connector, median over alternating rounds."""
-    connectors = (None, "offload", "offload,disk")
+    connectors = (None, *(name for name in STEP_CONNECTORS
+                          if set(name.split(",")) <= set(tiers)))
     num_blocks = len(prompts) * ((max(map(len, prompts)) + output_tokens) // 16 + 2) + 8
     engines = [LLMEngine(model, _config(model, drafter, name, directory, num_blocks,
                                         num_spec_tokens, max_num_seqs=len(prompts)),
@@ -189,6 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating step-time rounds")
     parser.add_argument("--parts", default="ttft,load,steps",
                         help="comma-separated: ttft, load, steps (default %(default)s)")
+    parser.add_argument("--tiers", default=",".join(TIERS),
+                        help="comma-separated tiers to measure: offload, disk, store "
+                        "(default %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32")
@@ -197,13 +211,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speckv.bench import kv_tiers
+    from speckv.bench import kv_store, kv_tiers
     from speckv.engine.llm import load_model
     from speckv.engine.speculative import load_drafter_model
 
     parts = {part.strip() for part in args.parts.split(",")}
     if not parts <= {"ttft", "load", "steps"}:
         raise ValueError("--parts: choose from ttft, load, steps")
+    tiers = tuple(tier.strip() for tier in args.tiers.split(",") if tier.strip())
+    if not tiers or not set(tiers) <= set(TIERS) or len(set(tiers)) != len(tiers):
+        raise ValueError(f"--tiers: choose from {', '.join(TIERS)} (comma-separated)")
     if args.prompt_tokens < 64 or args.prompt_tokens % 16:
         raise ValueError("--prompt-tokens must be a multiple of 16, at least 64")
     for flag in ("repeats", "rounds", "decode_requests", "decode_tokens", "threads"):
@@ -222,28 +239,43 @@ def run(args: argparse.Namespace) -> int:
                       for _ in range(args.decode_requests)]
     result: dict[str, Any] = {"device": str(device), "dtype": args.dtype,
                               "threads": args.threads, "prompt_tokens": args.prompt_tokens,
-                              "drafter": args.speculative_model}
+                              "drafter": args.speculative_model, "tiers": list(tiers)}
     with tempfile.TemporaryDirectory(prefix="speckv-kv-connector-") as scratch:
         directory = args.dir or scratch
         if "ttft" in parts:
             ttft = measure_ttft(model, drafter, prompt, args.repeats,
-                                tempfile.mkdtemp(dir=directory))
+                                tempfile.mkdtemp(dir=directory), tiers=tiers)
             result["ttft"] = [asdict(row) for row in ttft]
         if "load" in parts:
+            repeats = max(args.repeats, 3)
             result["load"] = [
-                kv_tiers.measure(tier, args.dtype, args.prompt_tokens, 16, max(args.repeats, 3),
-                                 device, tempfile.mkdtemp(dir=directory))
-                for tier in ("offload", "disk")
+                _store_load_row(kv_store.measure_embedded(args.dtype, args.prompt_tokens, 16,
+                                                          repeats, device))
+                if tier == "store" else
+                _copy_load_row(kv_tiers.measure(tier, args.dtype, args.prompt_tokens, 16,
+                                                repeats, device, tempfile.mkdtemp(dir=directory)))
+                for tier in tiers
             ]
         if "steps" in parts:
             steps = measure_steps(model, drafter, decode_prompts, args.decode_tokens,
-                                  args.rounds, tempfile.mkdtemp(dir=directory))
+                                  args.rounds, tempfile.mkdtemp(dir=directory), tiers=tiers)
             result["steps"] = [asdict(row) for row in steps]
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     _print(result, args)
     return 0
+
+
+def _copy_load_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {"tier": row["tier"], "mb": row["mb"], "load_ms": row["load_ms"],
+            "load_gbps": row["load_gbps"], "peer": "copy_", "peer_gbps": row["copy_gbps"]}
+
+
+def _store_load_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {"tier": "store", "mb": row["mb"], "load_ms": row["load_ms"],
+            "load_gbps": row["load_gbps"], "peer": "redis-py GET loop",
+            "peer_gbps": row["get_gbps"]}
 
 
 def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -266,13 +298,16 @@ def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
                           f"{cold / row['ttft_ms']:.1f}x")
         console.print(table)
     if "load" in result:
-        table = Table(title=f"Tier loads of the same prompt's target + draft KV ({where})")
-        for column in ("tier", "MB", "load ms", "load GB/s", "copy_ GB/s", "load / copy_"):
+        table = Table(title=f"Tier loads of the same prompt's target + draft KV ({where}); "
+                            "the peer is the limit: copy_ of the bytes, or the store's values "
+                            "by a redis-py GET loop")
+        for column in ("tier", "MB", "load ms", "load GB/s", "peer", "peer GB/s",
+                       "load / peer"):
             table.add_column(column, justify="right")
         for row in result["load"]:
             table.add_row(row["tier"], f"{row['mb']:.1f}", f"{row['load_ms']:.2f}",
-                          f"{row['load_gbps']:.2f}", f"{row['copy_gbps']:.2f}",
-                          f"{row['copy_ratio']:.2f}x")
+                          f"{row['load_gbps']:.2f}", row["peer"], f"{row['peer_gbps']:.2f}",
+                          f"{row['load_gbps'] / row['peer_gbps']:.2f}x")
         console.print(table)
     if "steps" in result:
         table = Table(title=f"Step time, {args.decode_requests} requests x "

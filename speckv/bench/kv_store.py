@@ -23,9 +23,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from speckv.attention import PagedKVCache
-from speckv.bench.kv_tiers import DRAFT_LAYERS, HEAD_DIM, KV_HEADS, TARGET_LAYERS, _Prompt, _sync
-from speckv.connectors import ConnectorMode, DeviceKV, RequestBlocks, StoreConnector
+from speckv.bench.tier_harness import (
+    assert_loaded,
+    bench_kv,
+    store_prompt,
+    timed_load,
+)
+from speckv.connectors import ConnectorMode, StoreConnector
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
 from speckv.connectors.redis_store import DEFAULT_BATCH_BLOCKS, block_key
 from speckv.connectors.rules import describe_block
@@ -40,12 +44,7 @@ def _timed(fn) -> float:
 def measure(url: str, dtype: str, prompt_tokens: int, block_size: int, batch_blocks: int,
             repeats: int, device: torch.device) -> dict:
     num_blocks = prompt_tokens // block_size
-    total_blocks = 2 * num_blocks + 2
-    target = PagedKVCache(TARGET_LAYERS, total_blocks, block_size, KV_HEADS, HEAD_DIM, dtype,
-                          device)
-    draft = PagedKVCache(DRAFT_LAYERS, total_blocks, block_size, KV_HEADS, HEAD_DIM, dtype,
-                         device)
-    kv = DeviceKV(target, draft)
+    kv = bench_kv(num_blocks, block_size, dtype, device)
     connector = StoreConnector(url, model_fingerprint=f"bench-kv-store-{time.time_ns()}",
                                hash_algo="sha256", hash_seed="0", batch_blocks=batch_blocks,
                                max_pending_blocks=num_blocks, timeout_s=30.0)
@@ -53,23 +52,12 @@ def measure(url: str, dtype: str, prompt_tokens: int, block_size: int, batch_blo
     connector.initialize(kv, mode)
     client = redis.Redis.from_url(url)
     try:
-        for cache in kv.caches:
-            cache.storage.normal_()
-        tokens = [(7 * i) % 49152 for i in range(prompt_tokens + 1)]
-        writer = _Prompt("writer", tokens, block_size)
-        source_ids = list(range(1, num_blocks + 2))
-        connector.update_state_after_alloc(writer, source_ids, 0, 0)
-        connector.start_load_kv(connector.build_connector_meta([
-            RequestBlocks(writer, source_ids, 0)]))
-        connector.start_load_kv(connector.build_connector_meta([
-            RequestBlocks(writer, source_ids, prompt_tokens)]))
-        assert connector.flush(timeout_s=600)
-        connector.request_finished(RequestBlocks(writer, source_ids, prompt_tokens))
+        stored = store_prompt(connector, prompt_tokens, block_size, device)
         assert connector.stats()["store"].saved_blocks == num_blocks
 
-        hashes = writer.get_block_hashes(1)
+        hashes = stored.writer.get_block_hashes(1)
         ident = connector.namespace.ident
-        names = [block_key(ident, describe_block(writer, hashes, i, mode).key)
+        names = [block_key(ident, describe_block(stored.writer, hashes, i, mode).key)
                  for i in range(num_blocks)]
         value_bytes = sum(len(client.get(name)) for name in names)
 
@@ -84,28 +72,15 @@ def measure(url: str, dtype: str, prompt_tokens: int, block_size: int, batch_blo
                 client.mget(names[begin:begin + per_mget])
 
         # interleaved, so a busy machine slows all three alike and the ratio holds
-        target_ids = list(range(num_blocks + 2, 2 * num_blocks + 2))
         lookup_times, load_times, get_times, mget_times = [], [], [], []
         for repeat in range(repeats + 1):
-            reader = _Prompt(f"reader-{repeat}", tokens, block_size)
-            start = time.perf_counter()
-            hit = connector.get_num_new_matched_tokens(reader, 0)
-            lookup_times.append(time.perf_counter() - start)
-            assert hit.num_tokens == prompt_tokens, (hit, prompt_tokens)
-            connector.update_state_after_alloc(reader, target_ids, 0, hit.num_tokens)
-            meta = connector.build_connector_meta([])
-            _sync(device)
-            start = time.perf_counter()
-            connector.start_load_kv(meta)
-            _sync(device)
-            load_times.append(time.perf_counter() - start)
-            assert not connector.get_block_ids_with_load_errors()
-            connector.request_finished(RequestBlocks(reader, target_ids, 0))
+            lookup_s, load_s = timed_load(connector, stored, block_size, device,
+                                          f"reader-{repeat}")
+            lookup_times.append(lookup_s)
+            load_times.append(load_s)
             get_times.append(_timed(get_loop))
             mget_times.append(_timed(mget_batches))
-        for cache in kv.caches:
-            assert torch.equal(cache.storage[:, :, source_ids[:num_blocks]],
-                               cache.storage[:, :, target_ids])
+        assert_loaded(kv, stored)
         get_s = statistics.median(get_times[1:])
         mget_s = statistics.median(mget_times[1:])
     finally:
@@ -121,6 +96,14 @@ def measure(url: str, dtype: str, prompt_tokens: int, block_size: int, batch_blo
         "get_gbps": nbytes / get_s / 1e9, "mget_gbps": nbytes / mget_s / 1e9,
         "load_vs_get": get_s / load_s, "mget_blocks": per_mget,
     }
+
+
+def measure_embedded(dtype: str, prompt_tokens: int, block_size: int, repeats: int,
+                     device: torch.device, batch_blocks: int = DEFAULT_BATCH_BLOCKS) -> dict:
+    """`measure` against a private embedded server started (and stopped) here."""
+    with EmbeddedValkey(4 * GIB) as server:
+        return measure(server.url, dtype, prompt_tokens, block_size, batch_blocks, repeats,
+                       device)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

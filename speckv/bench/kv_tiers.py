@@ -22,50 +22,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from speckv.attention import PagedKVCache
-from speckv.connectors import (
-    ConnectorConfig,
-    ConnectorMode,
-    DeviceKV,
-    RequestBlocks,
-    TierIdentity,
-    make_connector,
+from speckv.bench.tier_harness import (
+    assert_loaded,
+    bench_kv,
+    store_prompt,
+    sync,
+    timed_load,
 )
-from speckv.hashing.extra_keys import NO_HASH_INPUTS
-from speckv.hashing.formats import format_for
-from speckv.hashing.functions import get_hash_algo, make_none_hash
-from speckv.hashing.request_hasher import RequestBlockHasher
-
-# the built-in model's KV shape and its EAGLE head's
-TARGET_LAYERS, DRAFT_LAYERS, KV_HEADS, HEAD_DIM = 30, 1, 3, 64
-
-
-class _Prompt:
-    """A request as a connector reads it (see `speckv.connectors.rules.ConnectorRequest`)."""
-
-    hash_inputs = NO_HASH_INPUTS
-    lora_name = None
-
-    def __init__(self, request_id: str, tokens: list[int], block_size: int) -> None:
-        self.request_id = request_id
-        self.all_token_ids = tokens
-        algo = get_hash_algo("sha256")
-        hasher = RequestBlockHasher(algo, make_none_hash(algo, "0"), block_size, format_for(1))
-        hasher.update(tokens)
-        self._hashes = hasher.block_hashes
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def get_block_hashes(self, lookahead_tokens: int) -> list[bytes]:
-        assert lookahead_tokens == 1
-        return self._hashes
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from speckv.connectors import ConnectorConfig, ConnectorMode, TierIdentity, make_connector
 
 
 def _copy_reference(nbytes: int, device: torch.device, repeats: int) -> float:
@@ -75,10 +39,10 @@ def _copy_reference(nbytes: int, device: torch.device, repeats: int) -> float:
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         target.copy_(source, non_blocking=True)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -86,12 +50,7 @@ def _copy_reference(nbytes: int, device: torch.device, repeats: int) -> float:
 def measure(tier: str, dtype: str, prompt_tokens: int, block_size: int, repeats: int,
             device: torch.device, directory: str) -> dict:
     num_blocks = prompt_tokens // block_size
-    total_blocks = 2 * num_blocks + 2
-    target = PagedKVCache(TARGET_LAYERS, total_blocks, block_size, KV_HEADS, HEAD_DIM, dtype,
-                          device)
-    draft = PagedKVCache(DRAFT_LAYERS, total_blocks, block_size, KV_HEADS, HEAD_DIM, dtype,
-                         device)
-    kv = DeviceKV(target, draft)
+    kv = bench_kv(num_blocks, block_size, dtype, device)
     block_bytes = kv.layout.nbytes
     gib = (2 * num_blocks * block_bytes) / (1 << 30)
     config = ConnectorConfig.parse(tier, offload_gib=gib, offload_dir=directory, disk_gib=gib,
@@ -99,43 +58,10 @@ def measure(tier: str, dtype: str, prompt_tokens: int, block_size: int, repeats:
     connector = make_connector(config, TierIdentity("bench-kv-tiers", "sha256", "0"))
     connector.initialize(kv, ConnectorMode(1, False, block_size))
     try:
-        for cache in kv.caches:
-            cache.storage.normal_()
-        tokens = [(7 * i) % 49152 for i in range(prompt_tokens + 1)]
-        writer = _Prompt("writer", tokens, block_size)
-        source_ids = list(range(1, num_blocks + 2))
-        connector.update_state_after_alloc(writer, source_ids, 0, 0)
-        connector.start_load_kv(connector.build_connector_meta([
-            RequestBlocks(writer, source_ids, 0)]))
-        # the step after the prefill lists every block: time the step's share, then the rest
-        meta = connector.build_connector_meta([RequestBlocks(writer, source_ids, prompt_tokens)])
-        _sync(device)
-        start = time.perf_counter()
-        connector.start_load_kv(meta)
-        _sync(device)
-        snapshot_s = time.perf_counter() - start
-        assert connector.flush(timeout_s=600)
-        settle_s = time.perf_counter() - start
-        connector.request_finished(RequestBlocks(writer, source_ids, prompt_tokens))
-
-        load_times = []
-        target_ids = list(range(num_blocks + 2, 2 * num_blocks + 2))
-        for repeat in range(repeats + 1):
-            reader = _Prompt(f"reader-{repeat}", tokens, block_size)
-            hit = connector.get_num_new_matched_tokens(reader, 0)
-            assert hit.num_tokens == prompt_tokens, (hit, prompt_tokens)
-            connector.update_state_after_alloc(reader, target_ids, 0, hit.num_tokens)
-            meta = connector.build_connector_meta([])
-            _sync(device)
-            start = time.perf_counter()
-            connector.start_load_kv(meta)
-            _sync(device)
-            load_times.append(time.perf_counter() - start)
-            assert not connector.get_block_ids_with_load_errors()
-            connector.request_finished(RequestBlocks(reader, target_ids, 0))
-        for cache in kv.caches:
-            assert torch.equal(cache.storage[:, :, source_ids[:num_blocks]],
-                               cache.storage[:, :, target_ids])
+        stored = store_prompt(connector, prompt_tokens, block_size, device)
+        load_times = [timed_load(connector, stored, block_size, device, f"reader-{repeat}")[1]
+                      for repeat in range(repeats + 1)]
+        assert_loaded(kv, stored)
     finally:
         connector.shutdown()
     nbytes = num_blocks * block_bytes
@@ -145,7 +71,7 @@ def measure(tier: str, dtype: str, prompt_tokens: int, block_size: int, repeats:
         "tier": tier, "dtype": dtype, "blocks": num_blocks, "mb": nbytes / 1e6,
         "load_ms": load_s * 1e3, "load_gbps": nbytes / load_s / 1e9,
         "copy_gbps": nbytes / copy_s / 1e9, "copy_ratio": load_s / copy_s,
-        "snapshot_ms": snapshot_s * 1e3, "settle_ms": settle_s * 1e3,
+        "snapshot_ms": stored.snapshot_s * 1e3, "settle_ms": stored.settle_s * 1e3,
     }
 
 

@@ -16,6 +16,14 @@ under the local cache, and one more mode runs lookahead without it ("lookahead, 
 a local cache too small to hold the prefixes (`--num-blocks`): the hit rate is then local +
 tier (both shown), and with lookahead it reaches the oracle through the tier, as no spec does;
 the legacy drop loses one block per hit; without a tier, evicted prefixes are recomputed.
+
+With `--engines N` every mode runs on N engines in N processes (`engine_workers.py`), request i
+on engine i mod N, one concurrency cap over all of them. With `--kv-connector store` they share
+one store: the bench starts the embedded Valkey server once and points every engine at its URL
+(or at `--kv-store-url`), and each mode begins by deleting its namespace from the store. The
+lookahead hit rate then reaches the single-engine oracle although no engine saw the other's
+requests; the legacy drop loses one block per hit; "lookahead, no tier" (N engines, no store)
+misses every prefix the other engine computed. Greedy outputs are identical across modes.
 """
 
 from __future__ import annotations
@@ -68,18 +76,24 @@ class RunOptions:
     kv_offload_gb: float = 4.0
     kv_offload_dir: str | None = None  # the disk tier's directory (each mode: a fresh one)
     kv_offload_disk_gb: float = 16.0
+    kv_store_url: str = "embedded"  # with --engines > 1: one embedded server for all engines
+    kv_store_gb: float = 4.0
+    num_engines: int = 1  # engine processes, request i on engine i mod num_engines
 
     def __post_init__(self) -> None:
         if self.request_rate <= 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.num_engines < 1:
+            raise ValueError(f"--engines must be >= 1, got {self.num_engines}")
         if self.kv_connector is not None:
             from speckv.connectors import ConnectorConfig
 
             ConnectorConfig.parse(self.kv_connector, offload_gib=self.kv_offload_gb,
                                   offload_dir=self.kv_offload_dir,
-                                  disk_gib=self.kv_offload_disk_gb)
+                                  disk_gib=self.kv_offload_disk_gb,
+                                  store_url=self.kv_store_url, store_gib=self.kv_store_gb)
 
 
 @dataclass
@@ -101,20 +115,21 @@ class ModeResult:
     outputs: list[list[int]] = field(repr=False, default_factory=list)
     tier: str = "-"  # the KV tier under the local cache ("-": none)
     tier_hit_rate: float = 0.0  # of hit_rate, tokens loaded from the tier
+    num_engines: int = 1
 
 
-def _arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
     if rate == float("inf"):
         return [0.0] * num_requests
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
     return np.cumsum(gaps).tolist()
 
 
-def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: str,
-             options: RunOptions) -> ModeResult:
-    """One mode on a fresh engine (empty cache) over the whole workload."""
+def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
+                  store_url: str | None = None) -> tuple[Any, bool]:
+    """(EngineConfig of `mode`, whether it runs the drafter). `store_url`: the store every
+    engine of the mode shares (default: `options.kv_store_url`)."""
     from speckv.engine.config import EngineConfig
-    from speckv.engine.llm_engine import LLMEngine
     from speckv.engine.speculative import speculative_args
 
     spec = MODES["lookahead" if mode == NO_TIER_MODE else mode]
@@ -124,6 +139,7 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
         "kv_offload_disk_gb": options.kv_offload_disk_gb,
         "kv_offload_dir": (tempfile.mkdtemp(prefix="mode-", dir=options.kv_offload_dir)
                            if options.kv_offload_dir is not None else None),
+        "kv_store_url": store_url or options.kv_store_url, "kv_store_gb": options.kv_store_gb,
     }
     config = EngineConfig(
         block_size=options.block_size,
@@ -138,16 +154,25 @@ def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: st
         hash_seed="0",
         **tier,
     )
-    with LLMEngine(model, config, drafter=mode_drafter, detokenize=False) as engine:
+    return config, mode_drafter is not None
+
+
+def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: str,
+             options: RunOptions) -> ModeResult:
+    """One mode on a fresh engine (empty cache) over the whole workload."""
+    from speckv.engine.llm_engine import LLMEngine
+
+    config, with_drafter = engine_config(model, drafter, mode, options)
+    with LLMEngine(model, config, drafter=drafter if with_drafter else None,
+                   detokenize=False) as engine:
         return _drive(engine, workload, mode, options)
 
 
 def _drive(engine: Any, workload: list[WorkloadRequest], mode: str, options: RunOptions
            ) -> ModeResult:
-    from speckv.engine.outputs import acceptance_stats
     from speckv.engine.sampling_params import SamplingParams
 
-    arrivals = _arrivals(len(workload), options.request_rate, options.seed)
+    arrivals = arrival_times(len(workload), options.request_rate, options.seed)
     pending = deque(range(len(workload)))
     index_of: dict[str, int] = {}
     first_token: dict[int, float] = {}
@@ -178,39 +203,59 @@ def _drive(engine: Any, workload: list[WorkloadRequest], mode: str, options: Run
     duration = time.perf_counter() - start
     progress.close()
     ordered = [results[index] for index in range(len(workload))]
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
-    ttfts = sorted(1000 * (o.ttft_s or 0.0) for o in ordered)
     tpots = [1000 * (finish[i] - first_token[i]) / (len(o.token_ids) - 1)
              for i, o in enumerate(ordered) if len(o.token_ids) > 1]
+    tier = engine.connector.name if engine.connector is not None else "-"
+    return summarize(mode, engine.hash_mode.label, tier, workload, ordered, tpots, duration,
+                     options)
+
+
+def summarize(mode: str, hash_mode: str, tier: str, workload: list[WorkloadRequest],
+              ordered: list[Any], tpots_ms: list[float], duration_s: float,
+              options: RunOptions) -> ModeResult:
+    """A mode's row from its RequestOutputs (in workload order)."""
+    from speckv.engine.outputs import acceptance_stats
+
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    ttfts = sorted(1000 * (o.ttft_s or 0.0) for o in ordered)
     acceptance = acceptance_stats(ordered, options.num_spec_tokens)
     return ModeResult(
         mode=mode,
-        hash_mode=engine.hash_mode.label,
+        hash_mode=hash_mode,
         hit_rate=sum(o.num_cached_tokens for o in ordered) / prompt_tokens,
-        tier=engine.connector.name if engine.connector is not None else "-",
+        tier=tier,
         tier_hit_rate=sum(o.num_external_cached_tokens for o in ordered) / prompt_tokens,
         oracle_hit_rate=oracle_hit_tokens(workload, options.block_size) / prompt_tokens,
-        requests_per_s=len(workload) / duration,
-        output_tokens_per_s=sum(len(o.token_ids) for o in ordered) / duration,
+        requests_per_s=len(workload) / duration_s,
+        output_tokens_per_s=sum(len(o.token_ids) for o in ordered) / duration_s,
         ttft_mean_ms=statistics.fmean(ttfts),
         ttft_median_ms=statistics.median(ttfts),
         ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        tpot_mean_ms=statistics.fmean(tpots) if tpots else 0.0,
+        tpot_mean_ms=statistics.fmean(tpots_ms) if tpots_ms else 0.0,
         acceptance_rate=acceptance[0] if acceptance else None,
         mean_acceptance_length=acceptance[1] if acceptance else None,
         num_preemptions=sum(o.num_preemptions for o in ordered),
-        duration_s=duration,
+        duration_s=duration_s,
         outputs=[list(o.token_ids) for o in ordered],
+        num_engines=options.num_engines,
     )
 
 
 def run_benchmark(model: Any, drafter: Any, workload: list[WorkloadRequest],
-                  options: RunOptions, modes: tuple[str, ...] = tuple(MODES)
-                  ) -> list[ModeResult]:
-    """Every mode on a fresh engine; with a KV tier, also lookahead without it."""
+                  options: RunOptions, modes: tuple[str, ...] = tuple(MODES),
+                  model_spec: Any = None) -> list[ModeResult]:
+    """Every mode on a fresh engine; with a KV tier, also lookahead without it. With
+    `options.num_engines` > 1, on that many engine processes built from `model_spec`
+    (`engine_workers.ModelSpec`: the same weights as `model` and `drafter`)."""
     if options.kv_connector is not None and "lookahead" in modes:
         modes = (*modes, NO_TIER_MODE)
-    return [run_mode(model, drafter, workload, mode, options) for mode in modes]
+    if options.num_engines == 1:
+        return [run_mode(model, drafter, workload, mode, options) for mode in modes]
+    if model_spec is None:
+        raise ValueError("--engines > 1 needs a ModelSpec to build the engines' processes")
+    from speckv.bench.multi_engine import run_modes_multi_engine
+
+    return run_modes_multi_engine(model, drafter, model_spec, workload, options, modes)
 
 
 def outputs_identical(results: list[ModeResult]) -> bool:
@@ -308,7 +353,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-spec-tokens", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated subset of: {', '.join(MODES)}")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (per engine process with --engines)")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="engine processes, request i on engine i mod N; with "
+                        "--kv-connector store they share one store (default: %(default)s)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output-dir", type=Path, default=Path("out/prefix-repetition"))
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -327,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     if args.threads < 1:
         raise ValueError("--threads must be >= 1")
+    if args.engines < 1:
+        raise ValueError("--engines must be >= 1")
     torch.set_num_threads(args.threads)
     # every argument is checked before the model loads (seconds)
     config = None
@@ -348,7 +399,10 @@ def run(args: argparse.Namespace) -> int:
                          max_concurrency=args.max_concurrency, seed=args.seed,
                          progress=not args.json, kv_connector=args.kv_connector,
                          kv_offload_gb=args.kv_offload_gb, kv_offload_dir=offload_dir,
-                         kv_offload_disk_gb=args.kv_offload_disk_gb)
+                         kv_offload_disk_gb=args.kv_offload_disk_gb,
+                         kv_store_url=connector.store_url if connector else "embedded",
+                         kv_store_gb=connector.store_gib if connector else 4.0,
+                         num_engines=args.engines)
     model, tokenizer = load_model(args.model, args.dtype, "cpu", progress=not args.json)
     if config is None:
         if tokenizer is None:
@@ -361,10 +415,16 @@ def run(args: argparse.Namespace) -> int:
                  f"{args.num_prefixes} prefixes x {args.num_prompts // args.num_prefixes} "
                  f"prompts, {args.output_len} output tokens")
     drafter = None
-    if any(MODES[mode]["speculative"] for mode in modes):
+    speculative = any(MODES[mode]["speculative"] for mode in modes)
+    if speculative:
         drafter = load_drafter_model(args.speculative_model, model)
+    from speckv.bench.engine_workers import ModelSpec
+
+    model_spec = ModelSpec(args.model, args.dtype,
+                           args.speculative_model if speculative else None,
+                           threads=args.threads)
     try:
-        results = run_benchmark(model, drafter, workload, options, modes)
+        results = run_benchmark(model, drafter, workload, options, modes, model_spec)
     finally:
         if scratch is not None:
             scratch.cleanup()
@@ -372,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     payload = {"workload": shape, "block_size": args.block_size,
                "kv_connector": args.kv_connector, "num_blocks": args.num_blocks,
+               "engines": args.engines,
                "greedy_outputs_identical": identical,
                "modes": [{k: v for k, v in asdict(r).items() if k != "outputs"}
                          for r in results]}
@@ -382,8 +443,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload))
         return 0
     console = Console()
+    engines = "" if args.engines == 1 else (
+        f"; {args.engines} engine processes, requests alternating")
     console.print(render(results, f"prefix_repetition: {shape}; B={args.block_size}, "
-                                  f"{args.num_spec_tokens} spec tokens"))
+                                  f"{args.num_spec_tokens} spec tokens{engines}"))
     console.print(f"greedy outputs identical across modes: {identical}")
     console.print(f"wrote {args.output_dir / 'results.json'} and {chart}")
     return 0

@@ -27,7 +27,6 @@ import json
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
 from pathlib import Path
 
 from speckv.cache.block import CacheKey, make_cache_key, split_cache_key
@@ -42,6 +41,7 @@ from speckv.connectors.codec import (
 )
 from speckv.connectors.host_pool import GIB
 from speckv.connectors.layout import BlockLayout, BlockTensors, DeviceKV
+from speckv.connectors.lru import PinnedLru
 from speckv.connectors.metadata import BlockDescriptor
 from speckv.connectors.namespace import DiskNamespace, persistent_hash_seed
 from speckv.connectors.rules import ConnectorMode
@@ -95,10 +95,9 @@ class DiskBlockStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._check_namespace_file()
         self._lock = threading.Lock()
-        self._index: OrderedDict[CacheKey, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._index: PinnedLru[int] = PinnedLru()  # key -> file bytes
         self._total_bytes = 0
         self._writing: set[CacheKey] = set()
-        self._pins: Counter[CacheKey] = Counter()
         self._read_buffer = bytearray()  # loads only (engine thread)
         self._scan()
 
@@ -135,7 +134,7 @@ class DiskBlockStore:
             if key is not None:
                 found.append((stat.st_mtime, key, stat.st_size))
         for _, key, size in sorted(found, key=lambda item: item[0]):
-            self._index[key] = size
+            self._index.add(key, size)
             self._total_bytes += size
         victims = self._pick_victims(0)
         if victims:
@@ -154,7 +153,7 @@ class DiskBlockStore:
             return False
         with self._lock:
             if key not in self._index and key not in self._writing:
-                self._index[key] = size
+                self._index.add(key, size)
                 self._total_bytes += size
         return True
 
@@ -184,8 +183,7 @@ class DiskBlockStore:
                 path.unlink(missing_ok=True)
             return decoded
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            self._index.touch(key)
         with contextlib.suppress(OSError):  # a file deleted meanwhile: nothing to keep
             os.utime(path)  # keeps the LRU order across restarts
         return decoded.tensors
@@ -197,21 +195,17 @@ class DiskBlockStore:
     # ---- writes ------------------------------------------------------------------------------
     def pin(self, key: CacheKey) -> None:
         with self._lock:
-            self._pins[key] += 1
+            self._index.pin(key)
 
     def unpin(self, key: CacheKey) -> None:
         with self._lock:
-            if self._pins[key] <= 1:
-                del self._pins[key]
-            else:
-                self._pins[key] -= 1
+            self._index.unpin(key)
 
     def put(self, block: BlockDescriptor, tensors: BlockTensors) -> PutResult:
         key = block.key
         with self._lock:
             if key in self._index or key in self._writing:
-                if key in self._index:
-                    self._index.move_to_end(key)
+                self._index.touch(key)
                 return PutResult(PutOutcome.PRESENT)
         chunks = encode_block(self.namespace.ident, block, self.layout, tensors)
         size = encoded_nbytes(chunks)
@@ -234,12 +228,12 @@ class DiskBlockStore:
             return PutResult(PutOutcome.NO_ROOM, evicted=tuple(removed))
         with self._lock:
             self._writing.discard(key)
-            self._index[key] = size
+            self._index.add(key, size)
         return PutResult(PutOutcome.STORED, size, tuple(removed))
 
     def clear(self) -> list[CacheKey]:
         with self._lock:
-            removed = self._remove([key for key in self._index if key not in self._pins])
+            removed = self._remove([key for key, _ in self._index.unpinned()])
         self._drop_files(removed)
         return removed
 
@@ -248,11 +242,9 @@ class DiskBlockStore:
         they cannot fit."""
         excess = self._total_bytes + incoming_bytes - self.capacity_bytes
         victims: list[CacheKey] = []
-        for key, size in self._index.items():
+        for key, size in self._index.unpinned():
             if excess <= 0:
                 break
-            if key in self._pins:
-                continue
             victims.append(key)
             excess -= size
         return victims if excess <= 0 else None
@@ -260,7 +252,9 @@ class DiskBlockStore:
     def _remove(self, keys: list[CacheKey]) -> list[CacheKey]:
         """Drop keys from the index (under the lock); their files go after."""
         for key in keys:
-            self._total_bytes -= self._index.pop(key)
+            size = self._index.pop(key)
+            assert size is not None, "removing a key the index does not hold"
+            self._total_bytes -= size
         return keys
 
     def _drop_files(self, keys: list[CacheKey]) -> None:
@@ -269,7 +263,7 @@ class DiskBlockStore:
 
     def _forget(self, key: CacheKey) -> None:
         with self._lock:
-            size = self._index.pop(key, None)
+            size = self._index.pop(key)
             if size is not None:
                 self._total_bytes -= size
 

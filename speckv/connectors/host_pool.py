@@ -13,7 +13,6 @@ lock again, so readers never see a half-written block.
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from speckv.cache.block import CacheKey
 from speckv.connectors.codec import CodecMiss, MissReason
 from speckv.connectors.layout import BlockLayout, BlockTensors
+from speckv.connectors.lru import PinnedLru
 from speckv.connectors.metadata import BlockDescriptor
 from speckv.connectors.store import PutOutcome, PutResult, StoreUsage
 
@@ -64,10 +64,9 @@ class HostBlockPool:
             for segment in layout.segments
         )
         self._lock = threading.Lock()
-        self._entries: OrderedDict[CacheKey, _Entry] = OrderedDict()  # oldest use first
+        self._entries: PinnedLru[_Entry] = PinnedLru()
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
         self._reserved: set[CacheKey] = set()  # being written by a put
-        self._pins: Counter[CacheKey] = Counter()
 
     def contains(self, key: CacheKey) -> bool:
         with self._lock:
@@ -75,21 +74,18 @@ class HostBlockPool:
 
     def pin(self, key: CacheKey) -> None:
         with self._lock:
-            self._pins[key] += 1
+            self._entries.pin(key)
 
     def unpin(self, key: CacheKey) -> None:
         with self._lock:
-            if self._pins[key] <= 1:
-                del self._pins[key]
-            else:
-                self._pins[key] -= 1
+            self._entries.unpin(key)
 
     def get(self, block: BlockDescriptor) -> BlockTensors | CodecMiss:
         with self._lock:
             entry = self._entries.get(block.key)
             if entry is None:
                 return CodecMiss(MissReason.NOT_FOUND)
-            self._entries.move_to_end(block.key)
+            self._entries.touch(block.key)
             if entry.block != block:
                 return CodecMiss(MissReason.BLOCK_MISMATCH, "a different block under this key")
             return tuple(data[entry.slot] for data in self._data)
@@ -99,32 +95,31 @@ class HostBlockPool:
         key = block.key
         with self._lock:
             if key in self._entries or key in self._reserved:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+                self._entries.touch(key)
                 return PutResult(PutOutcome.PRESENT)
             evicted: tuple[CacheKey, ...] = ()
             if self._free_slots:
                 slot = self._free_slots.pop()
             else:
-                victim = next((k for k in self._entries if k not in self._pins), None)
+                victim = next(self._entries.unpinned(), None)
                 if victim is None:
                     return PutResult(PutOutcome.NO_ROOM)
-                slot = self._entries.pop(victim).slot
-                evicted = (victim,)
+                self._entries.pop(victim[0])
+                slot = victim[1].slot
+                evicted = (victim[0],)
             self._reserved.add(key)
         for data, tensor in zip(self._data, tensors):
             data[slot].copy_(tensor)
         with self._lock:
             self._reserved.discard(key)
-            self._entries[key] = _Entry(slot, block)
+            self._entries.add(key, _Entry(slot, block))
         return PutResult(PutOutcome.STORED, self.layout.nbytes, evicted)
 
     def clear(self) -> list[CacheKey]:
         with self._lock:
-            deleted = [key for key in self._entries if key not in self._pins]
-            for key in deleted:
-                self._free_slots.append(self._entries.pop(key).slot)
-        return deleted
+            deleted = self._entries.take_unpinned()
+            self._free_slots.extend(entry.slot for _, entry in deleted)
+        return [key for key, _ in deleted]
 
     def usage(self) -> StoreUsage:
         with self._lock:

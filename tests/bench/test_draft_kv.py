@@ -1,6 +1,7 @@
 """`speckv bench draft-kv` on a tiny random model: a hit from the local cache or from a KV tier
 reads exactly the KV of a cold run (fp32 max |diff| 0), and the negative control (legacy hashes
-without the drop) is caught through the tier as well."""
+without the drop) is caught through the tier as well. Through the shared store the hit is read
+by a fresh engine (one server for both engines, started by `measure`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from speckv.bench.draft_kv import measure
 from speckv.drafters.loaders import random_drafter
 
 
-@pytest.mark.parametrize("tier", [None, "offload", "disk", "offload,disk"])
+@pytest.mark.parametrize("tier", [None, "offload", "disk", "offload,disk", "store",
+                                  "offload,store"])
 @pytest.mark.parametrize(("name", "kwargs"), [("eagle", {}), ("mtp", {"num_modules": 2})])
 def test_hits_equal_a_cold_run_and_the_control_is_caught(tiny_model, name, kwargs, tier,
                                                          tmp_path):

@@ -11,6 +11,9 @@ import torch
 
 from speckv.attention import PagedKVCache
 from speckv.connectors import ConnectorMode, DeviceKV, KVConnector, RequestBlocks
+from speckv.connectors.layout import BlockLayout
+from speckv.connectors.metadata import BlockDescriptor
+from speckv.connectors.rules import describe_block
 from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
@@ -176,3 +179,15 @@ def store_request(driver: Driver, tokens: Sequence[int], written: int | None = N
     if flush:
         assert driver.connector.flush(timeout_s=30)
     return request, block_ids, driver.world.blocks(block_ids)
+
+
+def tier_gib(world: KVWorld, num_blocks: int) -> float:
+    """A tier size (GiB) that holds exactly `num_blocks` whole blocks of `world`'s layout."""
+    nbytes = BlockLayout.of(world.target, world.draft).nbytes
+    return (num_blocks * nbytes + nbytes // 2) / (1 << 30)
+
+
+def block_of(driver: Driver, request: Req, index: int) -> BlockDescriptor:
+    """What the driver's connector stores for block `index` of `request` (its key, header)."""
+    return describe_block(request, request.get_block_hashes(driver.mode.lookahead_tokens),
+                          index, driver.mode)

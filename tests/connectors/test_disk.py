@@ -12,7 +12,6 @@ from speckv.cache.events import BlockStored
 from speckv.connectors import MEDIUM_DISK, DiskConnector, RequestBlocks
 from speckv.connectors.codec import MissReason
 from speckv.connectors.disk import NAMESPACE_FILE, SUFFIX, block_path
-from speckv.connectors.rules import describe_block
 from tests.connectors.connector_helpers import (
     BLOCK_SIZE,
     DEVICES,
@@ -20,6 +19,7 @@ from tests.connectors.connector_helpers import (
     KVWorld,
     Req,
     bit_equal,
+    block_of,
     store_request,
 )
 
@@ -36,9 +36,7 @@ def _files(driver: Driver) -> list:
 
 
 def _block_file(driver: Driver, request: Req, index: int):
-    block = describe_block(request, request.get_block_hashes(driver.mode.lookahead_tokens),
-                           index, driver.mode)
-    return block_path(driver.connector.store.directory, block.key)
+    return block_path(driver.connector.store.directory, block_of(driver, request, index).key)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -22,7 +22,6 @@ from speckv.connectors import (
     connector_config_from_args,
     make_connector,
 )
-from speckv.connectors.layout import BlockLayout
 from speckv.connectors.rules import describe_block
 from tests.connectors.connector_helpers import (
     BLOCK_SIZE,
@@ -31,19 +30,15 @@ from tests.connectors.connector_helpers import (
     Req,
     bit_equal,
     store_request,
+    tier_gib,
 )
 
 B = BLOCK_SIZE
 IDENTITY = TierIdentity("model-a", "sha256", "0")
 
 
-def _gib_for(world: KVWorld, num_blocks: int) -> float:
-    nbytes = BlockLayout.of(world.target, world.draft).nbytes
-    return (num_blocks * nbytes + nbytes // 2) / (1 << 30)
-
-
 def _offload_disk(world, tmp_path, cpu_blocks=64) -> MultiConnector:
-    config = ConnectorConfig(("offload", "disk"), offload_gib=_gib_for(world, cpu_blocks),
+    config = ConnectorConfig(("offload", "disk"), offload_gib=tier_gib(world, cpu_blocks),
                              offload_dir=str(tmp_path))
     connector = make_connector(config, IDENTITY)
     assert isinstance(connector, MultiConnector)
@@ -123,7 +118,7 @@ def test_a_sibling_never_saves_blocks_that_are_being_loaded_in_the_same_step(tmp
 
 def test_a_child_without_the_capability_puts_every_child_on_the_drop(tmp_path):
     world = KVWorld()
-    children = [NoLookaheadOffloadConnector(_gib_for(world, 64)),
+    children = [NoLookaheadOffloadConnector(tier_gib(world, 64)),
                 DiskConnector(tmp_path, 1.0, model_fingerprint="m", hash_algo="sha256",
                               hash_seed="0")]
     multi = MultiConnector(children)

@@ -15,7 +15,6 @@ from speckv.connectors import (
     OffloadConnector,
     RequestBlocks,
 )
-from speckv.connectors.layout import BlockLayout
 from speckv.connectors.rules import describe_block
 from speckv.connectors.store import PutOutcome
 from tests.connectors.connector_helpers import (
@@ -26,19 +25,14 @@ from tests.connectors.connector_helpers import (
     Req,
     bit_equal,
     store_request,
+    tier_gib,
 )
 
 B = BLOCK_SIZE
 
 
-def _pool_gib(world: KVWorld, num_blocks: int) -> float:
-    """A CPU tier size that holds exactly `num_blocks` blocks of this world."""
-    layout = BlockLayout.of(world.target, world.draft)
-    return (num_blocks * layout.nbytes + layout.nbytes // 2) / (1 << 30)
-
-
 def _driver(world, blocks=64, lookahead=1, drop=False, connector_type=OffloadConnector, **kw):
-    return Driver(connector_type(_pool_gib(world, blocks), **kw), world, lookahead, drop)
+    return Driver(connector_type(tier_gib(world, blocks), **kw), world, lookahead, drop)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -313,7 +307,7 @@ def test_reset_cache_forgets_the_tier():
 
 def test_without_the_capability_the_tier_follows_the_drop():
     world = KVWorld()
-    connector = NoLookaheadOffloadConnector(_pool_gib(world, 16))
+    connector = NoLookaheadOffloadConnector(tier_gib(world, 16))
     assert connector.supports_lookahead_block_hashes is False
     driver = Driver(connector, world, lookahead_tokens=0, drops_last_block=True)
     prompt = list(range(4 * B + 1))

@@ -22,8 +22,13 @@ from speckv.connectors import (
     TierIdentity,
     make_connector,
 )
-from speckv.connectors.layout import BlockLayout
-from tests.connectors.connector_helpers import BLOCK_SIZE, Driver, KVWorld, Req
+from tests.connectors.connector_helpers import (
+    BLOCK_SIZE,
+    Driver,
+    KVWorld,
+    Req,
+    tier_gib,
+)
 
 B = BLOCK_SIZE
 
@@ -107,19 +112,18 @@ def _run(driver: Driver, seed: int, steps: int) -> None:
     assert driver.connector.flush(timeout_s=60)
 
 
-def _gib(world: KVWorld, num_blocks: int) -> float:
-    nbytes = BlockLayout.of(world.target, world.draft).nbytes
-    return (num_blocks * nbytes + nbytes // 2) / (1 << 30)
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_soak_offload(seed):
     world = KVWorld(num_blocks=256)
-    config = ConnectorConfig(("offload",), offload_gib=_gib(world, 10), max_pending_blocks=3)
+    config = ConnectorConfig(("offload",), offload_gib=tier_gib(world, 10), max_pending_blocks=3)
     driver = Driver(make_connector(config), world)
     _run(driver, seed, steps=80)
     stats = driver.connector.stats()["offload"]
-    assert stats.evicted_blocks > 0 and stats.loaded_blocks > 0
+    assert stats.loaded_blocks > 0
+    # more blocks landed than the tier holds: it evicted. (How many land depends on the copy
+    # thread keeping up with a 3-block queue; on a loaded machine most stores are dropped.)
+    assert stats.saved_blocks <= 10 or stats.evicted_blocks > 0
+    assert stats.saved_blocks > 10 or stats.save_dropped_queue_full > 0
     assert stats.resident_blocks <= 10
     driver.close()
 
@@ -127,8 +131,8 @@ def test_soak_offload(seed):
 @pytest.mark.parametrize("seed", [3, 4])
 def test_soak_offload_disk(seed, tmp_path):
     world = KVWorld(num_blocks=256)
-    config = ConnectorConfig(("offload", "disk"), offload_gib=_gib(world, 6),
-                             offload_dir=str(tmp_path), disk_gib=_gib(world, 30) * 1.5,
+    config = ConnectorConfig(("offload", "disk"), offload_gib=tier_gib(world, 6),
+                             offload_dir=str(tmp_path), disk_gib=tier_gib(world, 30) * 1.5,
                              max_pending_blocks=4)
     connector = make_connector(config, TierIdentity("m", "sha256", "0"))
     assert isinstance(connector, MultiConnector)

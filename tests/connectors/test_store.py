@@ -18,13 +18,13 @@ from speckv.connectors import MEDIUM_STORE, RequestBlocks, StoreConnector
 from speckv.connectors.codec import MAGIC
 from speckv.connectors.embedded_valkey import EmbeddedValkey, free_loopback_port
 from speckv.connectors.redis_store import BACKOFF_MAX_S, block_key
-from speckv.connectors.rules import describe_block
 from tests.connectors.connector_helpers import (
     BLOCK_SIZE,
     Driver,
     KVWorld,
     Req,
     bit_equal,
+    block_of,
     store_request,
 )
 
@@ -52,9 +52,7 @@ def _connector(url, fingerprint="model-a", seed="0", **kw):
 
 
 def _block_name(driver: Driver, request: Req, index: int) -> bytes:
-    block = describe_block(request, request.get_block_hashes(driver.mode.lookahead_tokens),
-                           index, driver.mode)
-    return block_key(driver.connector.namespace.ident, block.key)
+    return block_key(driver.connector.namespace.ident, block_of(driver, request, index).key)
 
 
 def _wait_until(predicate, timeout_s=4 * BACKOFF_MAX_S):
