@@ -84,8 +84,9 @@ def test_greedy_speculative_output_equals_greedy(hybrid):
     assert {r: o.token_ids for r, o in mtp.items()} == {r: o.token_ids for r, o in base.items()}
     # oracle drafts with one wrong token every third window: windows accepted in part
     oracle = OracleProposer(reference, 3)
-    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400),
-                       proposer=oracle)
+    # every step drafts: the adaptive length would follow wall-clock timings
+    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400,
+                                            adaptive_speculation=False), proposer=oracle)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"r{i}")
     spec = run_all(engine)
@@ -104,8 +105,9 @@ def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
     base.add_request(prompt, params, "r0")
     full = prompt + run_all(base)["r0"].token_ids
     oracle = OracleProposer({"r0": full, "again": full + [0] * 64}, 3, wrong_every=2)
-    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400),
-                       proposer=oracle)
+    # every step drafts: the adaptive length would follow wall-clock timings
+    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400,
+                                            adaptive_speculation=False), proposer=oracle)
     engine.add_request(prompt, params, "r0")
     run_all(engine)
     again = full[:35]
