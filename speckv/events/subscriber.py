@@ -36,12 +36,19 @@ class SubscriberConfig:
     start_seq: int | None = 0
     replay_timeout_s: float = 1.0  # silence after which a replay answer is given up
     rcvhwm: int = 100_000  # messages
+    # A gap is noticed when a later batch arrives; a subscriber that missed the END of a burst
+    # (it joined, or its catch-up ran, while the last batches were in flight) would wait for the
+    # next step's batch. After this long without a batch it asks replay for anything newer.
+    # None: never (only with a replay endpoint, once a seq is known).
+    idle_resync_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.start_seq is not None and self.start_seq < 0:
             raise ValueError(f"SubscriberConfig.start_seq must be >= 0, got {self.start_seq}")
         if self.replay_timeout_s <= 0:
             raise ValueError("SubscriberConfig.replay_timeout_s must be > 0")
+        if self.idle_resync_s is not None and self.idle_resync_s <= 0:
+            raise ValueError("SubscriberConfig.idle_resync_s must be > 0 or None")
 
 
 @dataclass
@@ -85,6 +92,7 @@ class EventSubscriber:
         self._sub.connect(config.endpoint)
         self._replay: zmq.Socket | None = None
         self._pending: list[Delivered] = []
+        self._last_heard = time.monotonic()  # a live batch or a replay answer
         if config.replay_endpoint is not None and config.start_seq is not None:
             self._pending.extend(self._catch_up())
 
@@ -98,7 +106,7 @@ class EventSubscriber:
         while True:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self._sub.poll(remaining_ms):
-                return out
+                return out or self._resync_if_idle()
             # drain what is already queued without waiting again
             while True:
                 try:
@@ -125,7 +133,19 @@ class EventSubscriber:
         self.close()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _resync_if_idle(self) -> list[Delivered]:
+        """Anything the publisher buffers past `next_seq`, once the stream has been quiet for
+        `idle_resync_s` (at most one replay request per quiet period)."""
+        idle_s = self.config.idle_resync_s
+        if (idle_s is None or self.config.replay_endpoint is None or self.next_seq is None
+                or time.monotonic() - self._last_heard < idle_s):
+            return []
+        out, self.next_seq = self._replayed(self.next_seq, None)
+        self._last_heard = time.monotonic()
+        return out
+
     def _on_live(self, frames: list[bytes]) -> list[Delivered]:
+        self._last_heard = time.monotonic()
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.malformed_messages += 1
             return []

@@ -65,6 +65,40 @@ def test_gap_in_live_stream_is_replayed(endpoints, make_publisher):
     assert sub.stats.lost_batches == 0
 
 
+def test_missed_end_of_a_burst_is_replayed_once_the_stream_is_quiet(endpoints, make_publisher):
+    """No later batch reveals the gap: the subscriber asks replay after `idle_resync_s`."""
+    pub_ep, replay_ep = endpoints
+    publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep)
+    config = SubscriberConfig(endpoint=pub_ep, replay_endpoint=replay_ep, idle_resync_s=0.3)
+    with EventSubscriber(config) as sub:
+        wait_subscribed()
+        publisher.publish(removed(0))
+        assert [s for s, _ in collect(sub, 1)] == [0]
+        sub._sub.setsockopt(zmq.UNSUBSCRIBE, b"")  # deaf while the rest of the burst is sent
+        time.sleep(0.2)
+        for i in range(1, 5):
+            publisher.publish(removed(i))
+        assert publisher.wait_sent(5.0)
+        sub._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        got = collect(sub, 4)
+    assert [s for s, _ in got] == [1, 2, 3, 4]
+    assert sub.stats.replayed_batches == 4 and sub.stats.lost_batches == 0
+
+
+def test_no_idle_resync_when_it_is_off(endpoints, make_publisher):
+    pub_ep, replay_ep = endpoints
+    publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep)
+    config = SubscriberConfig(endpoint=pub_ep, replay_endpoint=replay_ep, idle_resync_s=None)
+    with EventSubscriber(config) as sub:
+        wait_subscribed()
+        sub._sub.setsockopt(zmq.UNSUBSCRIBE, b"")
+        time.sleep(0.2)
+        publisher.publish(removed(0))
+        assert publisher.wait_sent(5.0)
+        assert collect(sub, 1, timeout_s=1.0) == []
+    assert sub.stats.replay_requests == 1  # the catch-up at start only
+
+
 def test_gap_beyond_the_replay_buffer_is_counted_lost(endpoints, make_publisher):
     pub_ep, replay_ep = endpoints
     publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep, buffer_steps=3)
