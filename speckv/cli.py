@@ -39,7 +39,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "a hit's target and draft KV vs a cold run, with a stale-successor negative control"),
     (("bench", "spec-decode"), "speckv.bench.spec_decode",
      "decode tokens/s with speculation (EAGLE3, n-gram) vs without, batch 1, 8 and 32"),
-    (("train-draft",), "speckv.drafters.train",
+    (("train-draft",), "speckv.training.train",
      "train the built-in model's EAGLE3 head on its own generations"),
     (("bench", "cache"), "speckv.bench.cache_ops",
      "cost of lookup + allocation + free for long prompts"),

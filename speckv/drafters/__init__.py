@@ -2,9 +2,9 @@
 
 EAGLE (`eagle.py`), EAGLE3 (`eagle3.py`) and k-module MTP (`mtp.py`) behind one interface
 (`base.py`: catch-up `write_draft_kv`, `propose`); loaders for the public checkpoint layouts
-(`loaders.py`); a standalone greedy speculative loop (`evaluate.py`); self-distillation data
-(`distill.py`, prompts in `prompts.py`) and EAGLE3 training for the built-in model
-(`train.py`); the shipped trained head (`builtin.py`).
+(`loaders.py`); a standalone greedy speculative loop (`evaluate.py`); the training and held-out
+chat prompts (`prompts.py`); the shipped trained head (`builtin.py`). Training itself runs the
+engine, so it lives above it, in `speckv.training`.
 """
 
 from speckv.drafters.base import (

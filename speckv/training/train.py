@@ -45,7 +45,14 @@ import torch
 import torch.nn.functional as F
 
 from speckv.drafters.builtin import BUILTIN_DRAFTER_DIR
-from speckv.drafters.distill import (
+from speckv.drafters.eagle3 import Eagle3Drafter
+from speckv.drafters.evaluate import mean_acceptance_length, speculative_generate
+from speckv.drafters.loaders import build_drafter, load_drafter, save_drafter
+from speckv.drafters.prompts import FOLLOW_UPS, eval_prompts, train_prompts
+from speckv.engine.sampling_params import SamplingParams
+from speckv.models.llama import LlamaForCausalLM
+from speckv.models.rope import apply_rope
+from speckv.training.distill import (
     AUX_LAYERS,
     DistillSequence,
     answer_token_counts,
@@ -56,13 +63,6 @@ from speckv.drafters.distill import (
     load_sequences,
     save_sequences,
 )
-from speckv.drafters.eagle3 import Eagle3Drafter
-from speckv.drafters.evaluate import mean_acceptance_length, speculative_generate
-from speckv.drafters.loaders import build_drafter, load_drafter, save_drafter
-from speckv.drafters.prompts import FOLLOW_UPS, eval_prompts, train_prompts
-from speckv.engine.sampling_params import SamplingParams
-from speckv.models.llama import LlamaForCausalLM
-from speckv.models.rope import apply_rope
 
 if TYPE_CHECKING:
     from speckv.models.tokenizer import Tokenizer
@@ -693,7 +693,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:  # `python -m speckv.drafters.train`
+def main() -> int:  # `python -m speckv.training.train`
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args())

@@ -11,21 +11,21 @@ import torch
 
 from speckv.attention import AttentionMetadata
 from speckv.drafters import CatchUpRequest, TargetStates
-from speckv.drafters.distill import (
+from speckv.drafters.loaders import build_drafter, save_drafter
+from speckv.engine.sampling_params import SamplingParams
+from speckv.training.distill import (
     DistillSequence,
     coverage,
     draft_vocabulary,
     generate_sequences,
 )
-from speckv.drafters.loaders import build_drafter, save_drafter
-from speckv.drafters.train import (
+from speckv.training.train import (
     expected_acceptance_length,
     fold_aux_scale,
     init_from_head,
     init_from_target,
     ttt_outputs,
 )
-from speckv.engine.sampling_params import SamplingParams
 from tests.drafters.drafter_test_utils import make_drafter, tiny_target
 
 AUX = (0, 2, 3)  # low, mid, and the last layer's input of the 5-layer tiny target
