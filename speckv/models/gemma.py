@@ -40,11 +40,11 @@ from speckv.attention import (
     PagedKVCache,
     get_attention_backend,
     metadata_for_layer,
-    resolve_dtype,
 )
 from speckv.models.config import ModelConfig
 from speckv.models.kv_layout import KVCacheLayout, attention_layout
 from speckv.models.llama import ModelOutput
+from speckv.models.random_init import EmbeddingPlacement, random_init
 from speckv.models.rope import RotaryEmbedding, apply_rope
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -325,7 +325,7 @@ class GemmaDecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(EmbeddingPlacement, nn.Module):
     """Gemma 3 text decoder, same calling convention as `LlamaForCausalLM` (the engine, the
     runner and the drafters use either)."""
 
@@ -354,25 +354,8 @@ class GemmaForCausalLM(nn.Module):
                     norm_std: float = 0.0) -> GemmaForCausalLM:
         """Random init: normal(0, init_std) weights, biases 0, norm weights normal(0, norm_std)
         (0: Gemma's identity norms); seed torch first."""
-        model = cls(gemma)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.normal_(0.0, norm_std) if norm_std else p.zero_()
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, init_std)
-        model.requires_grad_(False)
-        return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        norms = (lambda p: p.normal_(0.0, norm_std)) if norm_std else (lambda p: p.zero_())
+        return random_init(cls(gemma), init_std, dtype, device, [("norm.weight", norms)])
 
     def kv_cache_layout(self, block_size: int) -> KVCacheLayout:
         """Global layers: one full-attention group; local layers: one sliding-window group."""

@@ -39,12 +39,12 @@ from speckv.attention import (
     PagedKVCache,
     get_attention_backend,
     metadata_for_layer,
-    resolve_dtype,
 )
 from speckv.models.config import ModelConfig
 from speckv.models.gemma import GemmaMLP, GemmaScaledEmbedding
 from speckv.models.kv_layout import KVCacheLayout, attention_layout
 from speckv.models.llama import ModelOutput
+from speckv.models.random_init import EmbeddingPlacement, random_init
 from speckv.models.rope import RotaryEmbedding, apply_rope
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -311,7 +311,7 @@ class Gemma4DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(EmbeddingPlacement, nn.Module):
     """Gemma 4 text decoder; the calling convention of `LlamaForCausalLM`."""
 
     def __init__(self, gemma: Gemma4Config, backend: AttentionBackend | None = None) -> None:
@@ -350,25 +350,7 @@ class Gemma4ForCausalLM(nn.Module):
                     device: torch.device | str = "cpu", init_std: float = 0.02
                     ) -> Gemma4ForCausalLM:
         """Random init (normal weights, unit norms, zero biases); seed torch first."""
-        model = cls(gemma)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, init_std)
-        model.requires_grad_(False)
-        return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return random_init(cls(gemma), init_std, dtype, device)
 
     def kv_cache_layout(self, block_size: int) -> KVCacheLayout:
         """KV-owning global layers: the full-attention group; KV-owning sliding layers: the

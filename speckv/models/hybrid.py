@@ -22,7 +22,6 @@ from speckv.attention import (
     PagedKVCache,
     get_attention_backend,
     metadata_for_layer,
-    resolve_dtype,
 )
 from speckv.attention.state_cache import PagedStateCache, StatePlan, StateSegment
 from speckv.cache.specs import FullAttentionSpec, MambaSpec
@@ -32,6 +31,7 @@ from speckv.models.kv_layout import KVCacheGroup, KVCacheLayout
 from speckv.models.layers import SwiGLUMLP
 from speckv.models.llama import ModelOutput
 from speckv.models.moe import SparseMoeBlock
+from speckv.models.random_init import EmbeddingPlacement, random_init
 from speckv.models.rope import RotaryEmbedding, apply_rope
 
 DEFAULT_STATE_UNIT_TOKENS = 544
@@ -139,7 +139,7 @@ class HybridDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(EmbeddingPlacement, nn.Module):
     """The GDN hybrid target. Build with `from_config` (random init) or `hybrid_loader`."""
 
     is_hybrid = True
@@ -164,29 +164,12 @@ class HybridForCausalLM(nn.Module):
                     ) -> HybridForCausalLM:
         """Random init as transformers does (normal(0, init_std) weights, norms 0 in the
         zero-centred form, gated norm 1, dt_bias 1, A_log = log U(0.01, 16)); seed first."""
-        model = cls(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
-                    p.fill_(1.0)
-                elif name.endswith("norm.weight"):
-                    p.zero_()
-                elif name.endswith("A_log"):
-                    p.copy_(torch.empty_like(p).uniform_(0.01, 16).log_())
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, init_std)
-        model.requires_grad_(False)
-        return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return random_init(cls(config), init_std, dtype, device, [
+            ("linear_attn.norm.weight", lambda p: p.fill_(1.0)),
+            ("dt_bias", lambda p: p.fill_(1.0)),
+            ("norm.weight", lambda p: p.zero_()),
+            ("A_log", lambda p: p.copy_(torch.empty_like(p).uniform_(0.01, 16).log_())),
+        ])
 
     @property
     def num_kv_layers(self) -> int:

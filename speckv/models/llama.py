@@ -20,11 +20,11 @@ from speckv.attention import (
     PagedKVCache,
     get_attention_backend,
     metadata_for_layer,
-    resolve_dtype,
 )
 from speckv.models.config import ModelConfig
 from speckv.models.kv_layout import KVCacheLayout, attention_layout
 from speckv.models.layers import Linear, RMSNorm, SwiGLUMLP
+from speckv.models.random_init import EmbeddingPlacement, random_init
 from speckv.models.rope import RotaryEmbedding, apply_rope
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -153,7 +153,7 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(EmbeddingPlacement, nn.Module):
     """The target model. Build with `from_config` (random init) or a loader (loader.py)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
@@ -183,25 +183,7 @@ class LlamaForCausalLM(nn.Module):
         init_std: float = 0.02,
     ) -> LlamaForCausalLM:
         """Random init (HF-style normal(0, init_std), biases 0, norms 1); seed torch first."""
-        model = cls(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, init_std)
-        model.requires_grad_(False)
-        return model.to(device=device, dtype=resolve_dtype(dtype)).eval()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return random_init(cls(config), init_std, dtype, device)
 
     def kv_cache_layout(self, block_size: int) -> KVCacheLayout:
         """The KV cache groups of this model: one full-attention group, plus one
