@@ -114,6 +114,17 @@ def convert_builtin(target: Path | None = None, progress: bool = True) -> Path:
     return target
 
 
+def builtin_tokenizer(progress: bool = True) -> Tokenizer | None:
+    """The built-in model's tokenizer (its EOS ids included), or None when the model package is
+    not installed (the random-init demo models then take token-id prompts only)."""
+    try:
+        d = convert_builtin(progress=progress)
+    except BuiltinModelMissingError:
+        return None
+    config = ModelConfig.from_hf_config(json.loads((d / "config.json").read_text()))
+    return Tokenizer.from_dir(d, config.eos_token_ids)
+
+
 def load_builtin_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",

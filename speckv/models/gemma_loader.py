@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from speckv.attention import AttentionBackend, resolve_dtype
 from speckv.models.gemma import GemmaConfig, GemmaForCausalLM
 from speckv.models.gemma4 import Gemma4Config, Gemma4ForCausalLM
-from speckv.models.loader import _iter_safetensors, _safetensors_files
+from speckv.models.loader import _iter_safetensors, _safetensors_files, assign_weights
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embed_scale")
 
@@ -32,7 +32,6 @@ def build_gemma(
 ):
     """A model (Gemma 3 or 4, by the config's type) from (HF name, tensor) pairs, without a
     random-init pass."""
-    torch_dtype = resolve_dtype(dtype)
     tied = config.base.tie_word_embeddings
     # KV-shared Gemma 4 layers have no K/V weights; checkpoints may still carry them
     shared = set()
@@ -42,32 +41,17 @@ def build_gemma(
     model_type = Gemma4ForCausalLM if isinstance(config, Gemma4Config) else GemmaForCausalLM
     with torch.device("meta"):
         model = model_type(config, backend)
-    expected = dict(model.state_dict())
-    state: dict[str, torch.Tensor] = {}
-    for name, t in tensors:
+    ours = set(model.state_dict())
+
+    def rename(name: str) -> str | None:
         if name.endswith(_IGNORED_SUFFIXES):
-            continue
+            return None
         key = name.removeprefix("model.")
-        if key == "lm_head.weight" and tied:
-            continue
-        if key not in expected and any(key.startswith(prefix) for prefix in shared):
-            continue
-        if key not in expected:
-            raise ValueError(f"unexpected weight {name!r} for a Gemma text model")
-        if tuple(t.shape) != tuple(expected[key].shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(expected[key].shape)}")
-        state[key] = t.to(device=device, dtype=torch_dtype)
-    if tied and "embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ValueError(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    model.load_state_dict(state, strict=True, assign=True)
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.requires_grad_(False)
-    return model.eval()
+        if key not in ours and any(key.startswith(prefix) for prefix in shared):
+            return None  # a KV-shared layer's own K/V projections: it reads its owner's cache
+        return key
+
+    return assign_weights(model, tensors, rename, tied, dtype, device, "a Gemma text model")
 
 
 def gemma_config_of(cfg: dict) -> GemmaConfig | Gemma4Config:

@@ -12,11 +12,9 @@ to end on real tensors. Everything that prints about it says so.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from speckv.models.config import ModelConfig
+from speckv.models.builtin import builtin_tokenizer
 from speckv.models.hybrid import HybridForCausalLM
 from speckv.models.hybrid_loader import tiny_hybrid_config
 from speckv.models.tokenizer import Tokenizer
@@ -48,18 +46,7 @@ def hybrid_gdn_model(vocab_size: int = 49_152, dtype: torch.dtype | str = torch.
 def load_hybrid_gdn(dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                     progress: bool = False) -> tuple[HybridForCausalLM, Tokenizer | None]:
     """(model, tokenizer): the built-in model's tokenizer when installed, else None."""
-    tokenizer = None
-    try:
-        from speckv.models.builtin import BuiltinModelMissingError, convert_builtin
-
-        try:
-            d = convert_builtin(progress=progress)
-            eos = ModelConfig.from_hf_config(json.loads((d / "config.json").read_text()))
-            tokenizer = Tokenizer.from_dir(d, eos.eos_token_ids)
-        except BuiltinModelMissingError:
-            tokenizer = None
-    except ImportError:  # pragma: no cover - the builtin module is part of speckv
-        tokenizer = None
+    tokenizer = builtin_tokenizer(progress)
     vocab = tokenizer.vocab_size if tokenizer is not None else 49_152
     eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else (2,)
     return hybrid_gdn_model(vocab, dtype, device, eos or (2,)), tokenizer

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from speckv.attention import AttentionBackend, resolve_dtype
+from speckv.attention import AttentionBackend
 from speckv.models.hybrid import HybridForCausalLM
 from speckv.models.hybrid_config import HybridConfig
-from speckv.models.loader import _iter_safetensors, _safetensors_files
+from speckv.models.loader import _iter_safetensors, _safetensors_files, assign_weights
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,32 +63,10 @@ def build_hybrid(config: HybridConfig, tensors: Iterable[tuple[str, torch.Tensor
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                  backend: AttentionBackend | None = None) -> HybridForCausalLM:
     """A model from (HF name, tensor) pairs (meta device + assign, no random-init pass)."""
-    torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):
         model = HybridForCausalLM(config, backend)
-    expected = dict(model.state_dict())
-    state: dict[str, torch.Tensor] = {}
-    for name, t in tensors:
-        key = our_hybrid_name(name)
-        if key is None or (key == "lm_head.weight" and config.tie_word_embeddings):
-            continue
-        if key not in expected:
-            raise ValueError(f"unexpected weight {name!r} for {config.architecture}")
-        if tuple(t.shape) != tuple(expected[key].shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(expected[key].shape)}")
-        # A_log / dt_bias keep fp32 precision where the checkpoint has it only in their use
-        state[key] = t.to(device=device, dtype=torch_dtype)
-    if config.tie_word_embeddings and "embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ValueError(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.requires_grad_(False)
-    return model.eval()
+    return assign_weights(model, tensors, our_hybrid_name, config.tie_word_embeddings, dtype,
+                          device, config.architecture)
 
 
 def load_hybrid_dir(path: str | Path, dtype: torch.dtype | str = torch.float32,

@@ -11,11 +11,9 @@ caching and speculation end to end on real tensors. Everything that prints about
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from speckv.models.config import ModelConfig
+from speckv.models.builtin import builtin_tokenizer
 from speckv.models.gemma import GemmaForCausalLM, tiny_gemma_config
 from speckv.models.tokenizer import Tokenizer
 
@@ -54,18 +52,7 @@ def load_hybrid_swa(
 ) -> tuple[GemmaForCausalLM, Tokenizer | None]:
     """(model, tokenizer): the built-in model's tokenizer when installed, else None (token-id
     prompts only)."""
-    tokenizer = None
-    try:
-        from speckv.models.builtin import BuiltinModelMissingError, convert_builtin
-
-        try:
-            d = convert_builtin(progress=progress)
-            eos = ModelConfig.from_hf_config(json.loads((d / "config.json").read_text()))
-            tokenizer = Tokenizer.from_dir(d, eos.eos_token_ids)
-        except BuiltinModelMissingError:
-            tokenizer = None
-    except ImportError:  # pragma: no cover - the builtin module is part of speckv
-        tokenizer = None
+    tokenizer = builtin_tokenizer(progress)
     vocab = tokenizer.vocab_size if tokenizer is not None else 49_152
     eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else (2,)
     return hybrid_swa_model(vocab, dtype, device, eos or (2,)), tokenizer

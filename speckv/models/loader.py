@@ -1,6 +1,7 @@
 """Model loaders: a local Hugging Face directory (safetensors) or a GGUF file -> our model.
 
-Owns turning weights on disk into a ready `LlamaForCausalLM`: HF name mapping, sharded
+Owns turning weights on disk into a ready `LlamaForCausalLM` (and the checked weight assignment
+every decoder's loader shares, `assign_weights`): HF name mapping, sharded
 safetensors (model.safetensors.index.json), dtype/device placement, tied embeddings, and
 writing a converted HF-style directory. Never unpickles anything (.bin files are refused).
 """
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from speckv.attention import AttentionBackend, resolve_dtype
 from speckv.models.config import ModelConfig
@@ -22,6 +25,8 @@ from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def our_name(hf_name: str) -> str:
@@ -37,33 +42,48 @@ def build_model(
     backend: AttentionBackend | None = None,
 ) -> LlamaForCausalLM:
     """A model from (HF name, tensor) pairs without a random-init pass (meta device + assign)."""
-    torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
+    return assign_weights(
+        model, tensors, lambda name: None if name.endswith(_IGNORED_SUFFIXES) else our_name(name),
+        config.tie_word_embeddings, dtype, device, config.architecture)
+
+
+def assign_weights(
+    model: M,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    rename: Callable[[str], str | None],
+    tied: bool,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    model_name: str,
+) -> M:
+    """`model`, built on the meta device, with its weights from (HF name, tensor) pairs:
+    `rename` gives our name (None: not ours, skipped); every weight must arrive with its shape;
+    a tied head is the embedding. Frozen (serving weights; autograd would only cost memory)."""
+    torch_dtype = resolve_dtype(dtype)
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     for name, t in tensors:
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        key = our_name(name)
-        if key == "lm_head.weight" and config.tie_word_embeddings:
+        key = rename(name)
+        if key is None or (key == "lm_head.weight" and tied):
             continue  # tied: the embedding is the head
         if key not in expected:
-            raise ValueError(f"unexpected weight {name!r} for {config.architecture}")
+            raise ValueError(f"unexpected weight {name!r} for {model_name}")
         if tuple(t.shape) != tuple(expected[key].shape):
             raise ValueError(
                 f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[key].shape)}"
             )
         state[key] = t.to(device=device, dtype=torch_dtype)
-    if config.tie_word_embeddings and "embed_tokens.weight" in state:
+    if tied and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    model.requires_grad_(False)  # serving weights; autograd would only cost memory
+    model.requires_grad_(False)
     return model.eval()
 
 
