@@ -20,9 +20,7 @@ import time
 
 from speckv.connectors.config import add_connector_arguments, connector_config_from_args
 from speckv.engine.kv_connector import connector_engine_kwargs
-
-METHODS = ("none", "ngram", "eagle", "eagle3", "mtp")
-DRAFTER_METHODS = ("eagle", "eagle3", "mtp")
+from speckv.engine.speculation_choice import SPECULATIVE_METHODS, choose_speculation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--speculative-method", "--drafter", dest="speculative_method",
-                        choices=METHODS, default=None,
+                        choices=SPECULATIVE_METHODS, default=None,
                         help="speculative decoding (default: eagle3 with the built-in head on "
                         "the built-in model where its recorded benchmark is faster, else none)")
     parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
@@ -65,61 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connector_arguments(parser)
 
 
-def speculation_choice(args: argparse.Namespace) -> tuple[str, str | None, str]:
-    """(method, speculative model, one line saying what runs and why) for the arguments;
-    ValueError in flag words before anything is loaded."""
-    from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, measured_speedup
-    from speckv.engine.config import MAX_NUM_SPEC_TOKENS
-
-    if not 1 <= args.num_spec_tokens <= MAX_NUM_SPEC_TOKENS:
-        raise ValueError(f"--num-spec-tokens must be between 1 and {MAX_NUM_SPEC_TOKENS}, got "
-                         f"{args.num_spec_tokens}")
-    builtin = args.model == "builtin"
-    method, model = args.speculative_method, args.speculative_model
-    measured = measured_speedup() if builtin else None
-    if args.model == "hybrid-gdn" and model is None and method == "mtp":
-        model = "random-mtp"  # a random-init MTP drafter on the random hybrid
-    if method is None:
-        if model == "random-mtp":
-            method = "mtp"
-        elif model is not None and model != "builtin":
-            from speckv.drafters.loaders import detect_format
-
-            method = detect_format(model)[0]
-        elif builtin and (model == "builtin" or (measured is not None and
-                                                 (measured.at(1) or 0.0) > 1.0)):
-            method = BUILTIN_DRAFTER_METHOD
-        else:
-            method = "none"
-    if method in ("none", "ngram"):
-        if model is not None:
-            raise ValueError(f"--speculative-model needs --speculative-method "
-                             f"{'/'.join(DRAFTER_METHODS)}, got {method}")
-        line = ("speculation off" if method == "none"
-                else f"speculation: n-gram prompt lookup, {args.num_spec_tokens} drafts")
-        if method == "none" and builtin and measured is not None:
-            line += (f" (the built-in EAGLE3 head measured {measured.at(1) or 0:.2f}x at batch "
-                     "1; --speculative-method eagle3 turns it on)")
-        return method, None, line
-    if model is None or model == "builtin":
-        if not builtin:
-            raise ValueError(f"--speculative-method {method} needs --speculative-model DIR (a "
-                             f"{method} drafter for {args.model})")
-        if method != BUILTIN_DRAFTER_METHOD:
-            raise ValueError(
-                f"the built-in model has no built-in {method.upper()} drafter (it ships an "
-                f"{BUILTIN_DRAFTER_METHOD.upper()} head): use --speculative-method "
-                f"{BUILTIN_DRAFTER_METHOD}, or --speculative-model DIR with a {method} drafter")
-        line = f"speculation: the built-in EAGLE3 head, up to {args.num_spec_tokens} drafts"
-        if measured is not None:
-            line += (f"; measured {measured.at(1) or 0:.2f}x decode tokens/s at batch 1, "
-                     f"mean acceptance length {measured.mean_acceptance_length:.2f} "
-                     f"({measured.command})")
-        return method, "builtin", line
-    return method, model, (f"speculation: {method} drafter {model}, up to "
-                           f"{args.num_spec_tokens} drafts")
-
-
 def run(args: argparse.Namespace) -> int:
     from speckv.engine.llm import LLM
     from speckv.engine.sampling_params import SamplingParams
@@ -135,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    method, speculative_model, line = speculation_choice(args)
+    choice = choose_speculation(args.model, args.speculative_method, args.speculative_model,
+                                args.num_spec_tokens)
+    method, speculative_model, line = choice.method, choice.speculative_model, choice.summary
     speculative = {} if method == "none" else {
         "speculative_method": method, "num_spec_tokens": args.num_spec_tokens,
         "speculative_model": speculative_model,

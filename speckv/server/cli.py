@@ -18,8 +18,8 @@ from typing import Any
 
 from speckv.connectors.config import add_connector_arguments, connector_config_from_args
 from speckv.engine.kv_connector import connector_engine_kwargs
+from speckv.engine.speculation_choice import SPECULATIVE_METHODS, choose_speculation
 
-DRAFTERS = ("none", "ngram", "eagle", "eagle3", "mtp")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -56,7 +56,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
     engine.add_argument("--seed", type=int, default=0, help="base of per-request seeds")
     engine.add_argument("--speculative-method", "--drafter", dest="speculative_method",
-                        choices=DRAFTERS, default=None,
+                        choices=SPECULATIVE_METHODS, default=None,
                         help="speculative decoding (default: eagle3 with the built-in head on "
                         "the built-in model where its recorded benchmark is faster, else none)")
     engine.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
@@ -102,35 +102,13 @@ def speculative_kwargs(model: str, drafter: str | None, speculative_model: str |
         drafter = str(speculative_config["method"])
         speculative_model = speculative_config.get("model")
         num_spec_tokens = int(speculative_config.get("num_speculative_tokens", num_spec_tokens))
-        if drafter not in DRAFTERS:
-            raise ValueError(f"--speculative-config method must be one of {DRAFTERS}")
-    from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, builtin_speculation_pays
-
-    if drafter is None:
-        if speculative_model is not None and speculative_model != "builtin":
-            from speckv.drafters.loaders import detect_format
-
-            drafter = detect_format(speculative_model)[0]
-        elif model == "builtin" and (speculative_model == "builtin"
-                                     or builtin_speculation_pays()):
-            # the shipped head only where its recorded benchmark is faster
-            drafter = BUILTIN_DRAFTER_METHOD
-        else:
-            drafter = "none"
-    if drafter == "none":
+        if drafter not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config method must be one of {SPECULATIVE_METHODS}")
+    choice = choose_speculation(model, drafter, speculative_model, num_spec_tokens)
+    if choice.method == "none":
         return {}
-    if drafter in ("eagle", "eagle3", "mtp") and speculative_model in (None, "builtin"):
-        if model != "builtin":
-            raise ValueError(f"--speculative-method {drafter} needs --speculative-model DIR "
-                             "for this model")
-        if drafter != BUILTIN_DRAFTER_METHOD:
-            raise ValueError(
-                f"the built-in model has no built-in {drafter.upper()} drafter (it ships an "
-                f"{BUILTIN_DRAFTER_METHOD.upper()} head): use --speculative-method "
-                f"{BUILTIN_DRAFTER_METHOD}, or --speculative-model DIR with a {drafter} drafter")
-        speculative_model = "builtin"
-    return {"speculative_method": drafter, "num_spec_tokens": num_spec_tokens,
-            "speculative_model": speculative_model if drafter != "ngram" else None}
+    return {"speculative_method": choice.method, "num_spec_tokens": num_spec_tokens,
+            "speculative_model": choice.speculative_model}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
