@@ -7,13 +7,22 @@ Free-queue policy:
 - a request's blocks are freed tail first, so the end of a chain is evicted before its start
   (a later request can still hit the prefix);
 - blocks that hold no hash go to the head and are reused before any cached block.
+
+Divergent block reuse (groups whose manager asks for it) reads one more map per group, the
+successor index: `parent hash -> (hash, L successor tokens)` of the latest block cached after
+each parent (b"" stands for the first block's parent). A request whose own hash of block j
+misses finds there the block cached after its block j - 1 and checks it holds its tokens. The
+index is filled in bulk (C-level slices and one `dict.update` per cached run, no per-block
+Python), one step late: a copy reads its source at the start of a step, so only blocks whose
+KV an earlier step wrote may be sources (`commit_successors`). Entries whose block was evicted
+since are skipped at lookup and dropped when the index outgrows the pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from speckv.cache.block import (
     BlockContent,
@@ -117,6 +126,11 @@ class BlockPool:
         # group id -> {block hash -> block}: keyed by the bare hash, so a lookup or an insert
         # builds no key (the hot loops are C-level dict probes)
         self._cached: dict[int, dict[bytes, KVCacheBlock]] = {}
+        # group id -> {parent hash -> (block hash, successors)}: see the module docstring;
+        # successors are one int for L = 1, else an L-tuple
+        self._successors: dict[int, dict[bytes, tuple[bytes, Any]]] = {}
+        # runs noted this step, committed by `commit_successors` once their KV is written
+        self._pending_successors: list[tuple[int, Sequence[bytes], Sequence[bytes], list]] = []
         # Block 0 stands for "no KV here" (e.g. outside a sliding window); never freed.
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
@@ -146,6 +160,12 @@ class BlockPool:
         """The block cached under `(block_hash, group_id)`, if any. Pure."""
         blocks = self._cached.get(group_id)
         return blocks.get(block_hash) if blocks is not None else None
+
+    def successor_of(self, parent_hash: bytes, group_id: int) -> tuple[bytes, Any] | None:
+        """(hash, successors) of the latest block committed after `parent_hash` (b"": the first
+        block) in a group, if any; the block may have been evicted since. Pure."""
+        index = self._successors.get(group_id)
+        return index.get(parent_hash) if index is not None else None
 
     def num_free_among(self, blocks: Sequence[KVCacheBlock]) -> int:
         """How many of `blocks` sit in the free queue (touching them takes them off). Pure."""
@@ -275,6 +295,54 @@ class BlockPool:
         if stored_hashes:
             self._record_stored(request, block_hashes, stored_indices, stored_hashes, group)
 
+    def note_successors(
+        self,
+        request: CachingRequest,
+        block_hashes: Sequence[bytes],
+        start: int,
+        end: int,
+        group: GroupInfo,
+    ) -> None:
+        """Note that blocks `[start, end)` of `request` were cached (their hashes exist), for
+        the successor index; they join it at the next `commit_successors`. Mutates.
+
+        Three C-level slices per run: parents, hashes, and each block's L successor tokens.
+        """
+        if not self.enable_caching or end <= start:
+            return
+        block_size, lookahead = group.block_size, group.lookahead_tokens
+        tokens = request.all_token_ids
+        children = block_hashes[start:end]
+        parents = (block_hashes[start - 1 : end - 1] if start
+                   else [b"", *block_hashes[: end - 1]])
+        first = (start + 1) * block_size  # block i's successors start at (i + 1) * B
+        stop = end * block_size + 1
+        if lookahead == 1:
+            successors = tokens[first:stop:block_size]
+        else:
+            successors = list(zip(*(tokens[first + m : stop + m : block_size]
+                                    for m in range(lookahead))))
+        self._pending_successors.append((group.group_id, parents, children, successors))
+
+    def commit_successors(self) -> None:
+        """Let lookups find the runs noted so far (call once their KV is written: after the
+        step that computes them). Mutates."""
+        pending = self._pending_successors
+        if not pending:
+            return
+        for group_id, parents, children, successors in pending:
+            index = self._successors.get(group_id)
+            if index is None:
+                index = self._successors[group_id] = {}
+            index.update(zip(parents, zip(children, successors)))
+        pending.clear()
+        for group_id, index in list(self._successors.items()):
+            # at most one live entry per cached block: past twice the pool, drop the stale ones
+            if len(index) > 2 * self.num_blocks:
+                cached = self.cached_map(group_id)
+                self._successors[group_id] = {
+                    parent: entry for parent, entry in index.items() if entry[0] in cached}
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, if no request holds a block. Mutates.
 
@@ -288,6 +356,8 @@ class BlockPool:
                 block.block_hash = None
                 block.content = None
             blocks.clear()
+        self._successors.clear()
+        self._pending_successors.clear()
         if self.event_sink is not None:
             self.event_sink.record(AllBlocksCleared())
         return True

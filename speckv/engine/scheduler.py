@@ -13,6 +13,7 @@ limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas
    tokens skip their prefill and cost no budget; a preempted request re-hits what it had
    cached), then what a KV connector's tier holds right after it (loaded before the forward,
    also free of budget), then as much of the prompt as the budget allows (chunked prefill).
+   A hit that reuses a block at a divergence point adds its `BlockCopy` to the output.
 
 With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
 SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
@@ -32,6 +33,7 @@ from __future__ import annotations
 from collections import deque
 
 from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.cache.results import BlockCopy
 from speckv.engine.kv_connector import SchedulerConnector, apply_load_failure
 from speckv.engine.messages import (
     EngineCoreOutput,
@@ -101,6 +103,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
         preempted: list[Request] = []
+        copies: list[BlockCopy] = []  # divergent block reuse of the hits taken this step
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -150,6 +153,7 @@ class Scheduler:
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
                 self.waiting.popleft()
+                copies.extend(allocation.copies)
                 self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
                                             request.num_preemptions > 0)
                 if self.connector is not None:
@@ -180,7 +184,7 @@ class Scheduler:
         return SchedulerOutput(
             new_requests, scheduled, finished_ids,
             frozenset(request.request_id for request in preempted),
-            self.max_num_batched_tokens - budget, meta,
+            self.max_num_batched_tokens - budget, meta, tuple(copies),
         )
 
     @staticmethod
@@ -254,6 +258,8 @@ class Scheduler:
                 num_preemptions=request.num_preemptions,
                 num_external_cached_tokens=request.num_external_cached_tokens,
             ))
+        # the runner has copied this step's copy sources and written its blocks' KV
+        self.manager.step_executed()
         return outputs
 
     def take_stats(self) -> SchedulerStats:
