@@ -57,6 +57,10 @@ class Scheduler:
         num_spec_tokens: int = 0,
         connector: SchedulerConnector | None = None,
     ) -> None:
+        if connector is not None and manager.reuses_divergent_blocks:
+            raise ValueError("divergent block reuse does not run under a KV connector (its tiers "
+                             "are keyed by whole block hashes): build the hash mode with the "
+                             "connector (resolve_connector_hash_mode)")
         self.manager = manager
         self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
