@@ -10,16 +10,21 @@ Free-queue policy:
 
 Divergent block reuse (groups whose manager asks for it) reads one more map per group, the
 successor index: `parent hash -> (hash, L successor tokens)` of the latest block cached after
-each parent (b"" stands for the first block's parent). A request whose own hash of block j
-misses finds there the block cached after its block j - 1 and checks it holds its tokens. The
-index is filled in bulk (C-level slices and one `dict.update` per cached run, no per-block
-Python), one step late: a copy reads its source at the start of a step, so only blocks whose
-KV an earlier step wrote may be sources (`commit_successors`). Entries whose block was evicted
-since are skipped at lookup and dropped when the index outgrows the pool.
+each parent; the latest first block of a chain has a slot of its own. A request whose own hash
+of block j misses finds there the block cached after its block j - 1 and checks that it holds
+its tokens. Caching a run of blocks only notes the run (references to the request's append-only
+hash chain and tokens, O(1)); runs become visible one step late (`commit_successors`: a copy
+reads its source at the start of a step, so only blocks whose KV an earlier step wrote may be
+sources), and are folded into the map (C-level slices and one `dict.update` per run) by the
+first lookup past a chain's first block that needs it. So a cold miss (its first block
+differs) and a whole hit pay nothing for the index. Runs beyond twice the pool's blocks are
+forgotten oldest first, entries whose block was evicted since are skipped at lookup and
+dropped when the map outgrows the pool.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -104,6 +109,34 @@ def content_of(
     )
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Blocks `[start, end)` of one request's chain, cached together (successor index)."""
+
+    group_id: int
+    block_size: int
+    lookahead_tokens: int
+    token_ids: Sequence[int]  # the request's real tokens (they only grow)
+    block_hashes: Sequence[bytes]  # the request's chain for this group (it only grows)
+    start: int
+    end: int
+
+    def successors(self, index: int) -> Any:
+        """Block `index`'s L successor tokens: an int for L = 1, else a tuple."""
+        first = (index + 1) * self.block_size
+        if self.lookahead_tokens == 1:
+            return self.token_ids[first]
+        return tuple(self.token_ids[first : first + self.lookahead_tokens])
+
+    def successor_slice(self, start: int, end: int) -> Sequence[Any]:
+        """`successors(i)` for i in [start, end), by C-level strided slices."""
+        size, lookahead, tokens = self.block_size, self.lookahead_tokens, self.token_ids
+        first, stop = (start + 1) * size, end * size + 1
+        if lookahead == 1:
+            return tokens[first:stop:size]
+        return list(zip(*(tokens[first + m : stop + m : size] for m in range(lookahead))))
+
+
 class BlockPool:
     """Blocks, their reference counts, the free queue and the hash map (one dict per group,
     `block hash -> block`)."""
@@ -126,11 +159,13 @@ class BlockPool:
         # group id -> {block hash -> block}: keyed by the bare hash, so a lookup or an insert
         # builds no key (the hot loops are C-level dict probes)
         self._cached: dict[int, dict[bytes, KVCacheBlock]] = {}
-        # group id -> {parent hash -> (block hash, successors)}: see the module docstring;
-        # successors are one int for L = 1, else an L-tuple
+        # the successor index (see the module docstring), per group id: successors are one
+        # int for L = 1, else an L-tuple
         self._successors: dict[int, dict[bytes, tuple[bytes, Any]]] = {}
-        # runs noted this step, committed by `commit_successors` once their KV is written
-        self._pending_successors: list[tuple[int, Sequence[bytes], Sequence[bytes], list]] = []
+        self._first_successor: dict[int, tuple[bytes, Any]] = {}
+        self._pending_runs: list[_Run] = []  # noted this step
+        self._runs: deque[_Run] = deque()  # committed, not folded into `_successors` yet
+        self._num_run_blocks = 0  # blocks in `_runs`
         # Block 0 stands for "no KV here" (e.g. outside a sliding window); never freed.
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
@@ -161,9 +196,15 @@ class BlockPool:
         blocks = self._cached.get(group_id)
         return blocks.get(block_hash) if blocks is not None else None
 
-    def successor_of(self, parent_hash: bytes, group_id: int) -> tuple[bytes, Any] | None:
-        """(hash, successors) of the latest block committed after `parent_hash` (b"": the first
-        block) in a group, if any; the block may have been evicted since. Pure."""
+    def successor_of(self, parent_hash: bytes | None, group_id: int
+                     ) -> tuple[bytes, Any] | None:
+        """(hash, successors) of the latest block committed after `parent_hash` (None: the
+        latest first block of a chain) in a group, if any; the block may have been evicted
+        since. Folds the committed runs into the index first (the only mutation). """
+        if parent_hash is None:
+            return self._first_successor.get(group_id)
+        if self._runs:
+            self._fold_runs()
         index = self._successors.get(group_id)
         return index.get(parent_hash) if index is not None else None
 
@@ -304,38 +345,44 @@ class BlockPool:
         group: GroupInfo,
     ) -> None:
         """Note that blocks `[start, end)` of `request` were cached (their hashes exist), for
-        the successor index; they join it at the next `commit_successors`. Mutates.
-
-        Three C-level slices per run: parents, hashes, and each block's L successor tokens.
-        """
-        if not self.enable_caching or end <= start:
-            return
-        block_size, lookahead = group.block_size, group.lookahead_tokens
-        tokens = request.all_token_ids
-        children = block_hashes[start:end]
-        parents = (block_hashes[start - 1 : end - 1] if start
-                   else [b"", *block_hashes[: end - 1]])
-        first = (start + 1) * block_size  # block i's successors start at (i + 1) * B
-        stop = end * block_size + 1
-        if lookahead == 1:
-            successors = tokens[first:stop:block_size]
-        else:
-            successors = list(zip(*(tokens[first + m : stop + m : block_size]
-                                    for m in range(lookahead))))
-        self._pending_successors.append((group.group_id, parents, children, successors))
+        the successor index; they join it at the next `commit_successors`. `block_hashes` and
+        the request's tokens must only ever grow (a request's chain and real tokens do).
+        Mutates, O(1)."""
+        if self.enable_caching and end > start:
+            self._pending_runs.append(_Run(group.group_id, group.block_size,
+                                           group.lookahead_tokens, request.all_token_ids,
+                                           block_hashes, start, end))
 
     def commit_successors(self) -> None:
         """Let lookups find the runs noted so far (call once their KV is written: after the
         step that computes them). Mutates."""
-        pending = self._pending_successors
+        pending = self._pending_runs
         if not pending:
             return
-        for group_id, parents, children, successors in pending:
-            index = self._successors.get(group_id)
-            if index is None:
-                index = self._successors[group_id] = {}
-            index.update(zip(parents, zip(children, successors)))
+        for run in pending:
+            if run.start == 0:
+                self._first_successor[run.group_id] = (run.block_hashes[0], run.successors(0))
+            self._runs.append(run)
+            self._num_run_blocks += run.end - run.start
         pending.clear()
+        limit = 2 * self.num_blocks
+        while self._num_run_blocks > limit:  # oldest first: their blocks are evicted first
+            old = self._runs.popleft()
+            self._num_run_blocks -= old.end - old.start
+
+    def _fold_runs(self) -> None:
+        """Enter the committed runs into `_successors` (C-level slices, one update each)."""
+        for run in self._runs:
+            index = self._successors.get(run.group_id)
+            if index is None:
+                index = self._successors[run.group_id] = {}
+            first = max(run.start, 1)  # first blocks live in `_first_successor`
+            if first < run.end:
+                index.update(zip(run.block_hashes[first - 1 : run.end - 1],
+                                 zip(run.block_hashes[first : run.end],
+                                     run.successor_slice(first, run.end))))
+        self._runs.clear()
+        self._num_run_blocks = 0
         for group_id, index in list(self._successors.items()):
             # at most one live entry per cached block: past twice the pool, drop the stale ones
             if len(index) > 2 * self.num_blocks:
@@ -357,7 +404,10 @@ class BlockPool:
                 block.content = None
             blocks.clear()
         self._successors.clear()
-        self._pending_successors.clear()
+        self._first_successor.clear()
+        self._pending_runs.clear()
+        self._runs.clear()
+        self._num_run_blocks = 0
         if self.event_sink is not None:
             self.event_sink.record(AllBlocksCleared())
         return True

@@ -183,7 +183,7 @@ class ReusingFullAttentionManager(FullAttentionManager):
         (and, for fast hashes, its content compared as for a hit). Pure."""
         group_id = self.group.group_id
         parent = block_hashes[index - 1] if index else b""
-        entry = self.pool.successor_of(parent, group_id)
+        entry = self.pool.successor_of(parent if index else None, group_id)
         if entry is None:
             return None
         block_hash, successors = entry

@@ -113,10 +113,14 @@ def test_a_free_before_the_step_ends_releases_the_source(world_factory):
 
 def test_the_successor_index_stays_bounded(world_factory):
     world = world_factory(block_size=B, num_blocks=16)
-    for seed in range(60):
-        _compute(world, _prompt(3 * B, seed))
-    for index in world.manager.pool._successors.values():
-        assert len(index) <= 2 * world.manager.pool.num_blocks
+    pool = world.manager.pool
+    first_block = _prompt(B + 1)  # and its successor
+    for seed in range(60):  # each lookup hits the first block and folds the runs noted
+        _compute(world, first_block + _prompt(3 * B, seed))
+        assert pool._num_run_blocks <= 2 * pool.num_blocks
+        for index in pool._successors.values():
+            assert len(index) <= 2 * pool.num_blocks + 4 * B
+    assert pool._successors, "the lookups past the first block read the index"
 
 
 @pytest.mark.parametrize("specs,reason", [
