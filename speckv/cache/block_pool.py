@@ -208,6 +208,18 @@ class BlockPool:
         index = self._successors.get(group_id)
         return index.get(parent_hash) if index is not None else None
 
+    def pending_successor_of(self, parent_hash: bytes | None, index: int, group_id: int
+                             ) -> tuple[bytes, Any] | None:
+        """As `successor_of`, among the runs noted this step (not yet copyable): the block
+        `index` of the latest such run whose chain has `parent_hash` before it. Chains align
+        by position, so each run is checked in O(1). Pure."""
+        for run in reversed(self._pending_runs):
+            if run.group_id != group_id or not run.start <= index < run.end:
+                continue
+            if index == 0 if parent_hash is None else run.block_hashes[index - 1] == parent_hash:
+                return run.block_hashes[index], run.successors(index)
+        return None
+
     def num_free_among(self, blocks: Sequence[KVCacheBlock]) -> int:
         """How many of `blocks` sit in the free queue (touching them takes them off). Pure."""
         return self.free_queue.count_in(blocks[self.null_prefix_len(blocks):])

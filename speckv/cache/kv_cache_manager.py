@@ -211,27 +211,34 @@ class KVCacheManager:
         hit_blocks = tuple(blocks[: hit_length // m.block_size] for m, blocks in
                            zip(self.managers, per_group))
         if self.reuses_divergent_blocks:
-            sources = self._divergent_sources(request, hashes, hit_length)
+            sources, next_step = self._divergent_sources(request, hashes, hit_length)
             if sources:
                 num_reused = self.alignment_tokens - self.hash_mode.lookahead_tokens
                 return CacheHit(hit_blocks, hit_length + num_reused, sources)
+            if next_step:
+                return CacheHit(hit_blocks, hit_length, copy_next_step=True)
         return CacheHit(hit_blocks, hit_length)
 
-    def _divergent_sources(self, request, hashes, hit_length: int) -> tuple[KVCacheBlock, ...]:
+    def _divergent_sources(self, request, hashes, hit_length: int
+                           ) -> tuple[tuple[KVCacheBlock, ...], bool]:
         """One cached block per group holding the request's block after the hit under another
-        successor; () unless every group has one and the block ends by N - 1. Pure."""
+        successor (() unless every group has one and the block ends by N - 1), and whether
+        every group would have one next step (some are being computed in this one). Pure."""
         unit = self.alignment_tokens
         if hit_length + unit > request.num_tokens - 1:
-            return ()
+            return (), False
         index = hit_length // unit
         sources = []
+        next_step = False
         for manager, group_hashes in zip(self.managers, hashes):
             assert isinstance(manager, ReusingFullAttentionManager)
             block = manager.find_divergent_block(request, group_hashes, index)
             if block is None:
-                return ()
+                if manager.find_divergent_block(request, group_hashes, index, True) is None:
+                    return (), False
+                next_step = True
             sources.append(block)
-        return tuple(sources)
+        return (() if next_step else tuple(sources)), next_step
 
     def _fixed_point(self, request, hashes, max_length: int):
         unit = self.alignment_tokens

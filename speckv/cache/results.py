@@ -24,12 +24,15 @@ class CacheHit:
     `num_computed_tokens` is at most `N - 1`: a whole number of alignment units, plus, with
     `copy_sources` (one block per group, divergent block reuse), the first `B - L` tokens of
     the next block, which the request takes as a copy of that cached block (it names another
-    successor; the request recomputes the block's last L positions).
+    successor; the request recomputes the block's last L positions). `copy_next_step`: such a
+    block is being computed in this very step (a copy reads KV an earlier step wrote), so the
+    same lookup next step would take a copy.
     """
 
     blocks: tuple[list[KVCacheBlock], ...]
     num_computed_tokens: int
     copy_sources: tuple[KVCacheBlock, ...] = ()
+    copy_next_step: bool = False
 
     @property
     def block_ids(self) -> tuple[list[int], ...]:

@@ -175,15 +175,20 @@ class ReusingFullAttentionManager(FullAttentionManager):
         if num_full > num_cached:
             self.pool.note_successors(request, block_hashes, num_cached, num_full, self.group)
 
-    def find_divergent_block(self, request, block_hashes: Sequence[bytes], index: int
-                             ) -> KVCacheBlock | None:
+    def find_divergent_block(self, request, block_hashes: Sequence[bytes], index: int,
+                             computed_this_step: bool = False) -> KVCacheBlock | None:
         """A cached block holding block `index` of `request` (tokens `[i * B, (i + 1) * B)`,
         same chain before it) under another successor, or None. The block must hold the
         request's tokens: its hash is recomputed from them with the block's own successors
-        (and, for fast hashes, its content compared as for a hit). Pure."""
+        (and, for fast hashes, its content compared as for a hit). `computed_this_step`: look
+        among the blocks cached this step instead (they can be copied from the next step on).
+        Pure."""
         group_id = self.group.group_id
         parent = block_hashes[index - 1] if index else b""
-        entry = self.pool.successor_of(parent if index else None, group_id)
+        if computed_this_step:
+            entry = self.pool.pending_successor_of(parent if index else None, index, group_id)
+        else:
+            entry = self.pool.successor_of(parent if index else None, group_id)
         if entry is None:
             return None
         block_hash, successors = entry

@@ -13,7 +13,9 @@ limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas
    tokens skip their prefill and cost no budget; a preempted request re-hits what it had
    cached), then what a KV connector's tier holds right after it (loaded before the forward,
    also free of budget), then as much of the prompt as the budget allows (chunked prefill).
-   A hit that reuses a block at a divergence point adds its `BlockCopy` to the output.
+   A hit that reuses a block at a divergence point adds its `BlockCopy` to the output; a
+   request whose divergent block another request computes in this very step waits a step
+   for it (a copy reads KV an earlier step wrote), and the queue behind it too.
 
 With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
 SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
@@ -146,6 +148,10 @@ class Scheduler:
                 # a waiting request has nothing computed (new, or preempted: reset to 0)
                 assert request.num_computed_tokens == 0
                 hit = self.manager.get_computed_blocks(request)
+                if hit.copy_next_step and scheduled:
+                    # its divergent block is computed in this step: admitted next step, it
+                    # copies it (and the queue keeps its order)
+                    break
                 num_hit = hit.num_computed_tokens
                 num_external = (self.connector.num_external_tokens(request, num_hit)
                                 if self.connector is not None else 0)

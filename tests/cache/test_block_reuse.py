@@ -76,9 +76,24 @@ def test_blocks_cached_this_step_are_not_copied(world_factory):
     shared = _prompt(2 * B)
     _compute(world, shared + [11, 12], step_done=False)
     sibling = world.request(shared + [21, 22])
-    assert world.manager.get_computed_blocks(sibling).num_computed_tokens == B
+    hit = world.manager.get_computed_blocks(sibling)
+    assert hit.num_computed_tokens == B and hit.copy_next_step
     world.manager.step_executed()
-    assert world.manager.get_computed_blocks(sibling).num_computed_tokens == 2 * B - 1
+    hit = world.manager.get_computed_blocks(sibling)
+    assert hit.num_computed_tokens == 2 * B - 1 and not hit.copy_next_step
+
+
+def test_a_sibling_arriving_with_its_source_waits_one_step_for_the_copy(world_factory):
+    from speckv.testing import SymbolicKV, run_to_completion, toy_core
+
+    world = world_factory(block_size=B)
+    core = toy_core(world.manager, 2, vocab_size=50, kv=SymbolicKV(64, B, 1))
+    shared = _prompt(3 * B)
+    first, sibling = world.request(shared + [1, 2, 3]), world.request(shared + [4, 5, 6])
+    run_to_completion(core, [first, sibling])
+    assert (first.num_cached_tokens, sibling.num_cached_tokens) == (0, 3 * B - 1)
+    assert core.runner.num_block_copies == 1  # and the toy runner checked its KV
+    world.manager.check_integrity()
 
 
 def test_no_copy_when_the_block_differs_or_was_evicted(world_factory):
