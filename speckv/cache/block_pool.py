@@ -220,6 +220,13 @@ class BlockPool:
                 return run.block_hashes[index], run.successors(index)
         return None
 
+    def noted_this_step(self, block_hash: bytes, index: int, group_id: int) -> bool:
+        """Whether a run noted this step names `block_hash` at chain position `index`: the
+        block cached under it now may be one whose KV this step computes (a hash evicted
+        earlier can be cached again, in a new block). Pure, O(1) per run."""
+        return any(run.group_id == group_id and run.start <= index < run.end
+                   and run.block_hashes[index] == block_hash for run in self._pending_runs)
+
     def num_free_among(self, blocks: Sequence[KVCacheBlock]) -> int:
         """How many of `blocks` sit in the free queue (touching them takes them off). Pure."""
         return self.free_queue.count_in(blocks[self.null_prefix_len(blocks):])

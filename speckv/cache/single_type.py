@@ -195,6 +195,8 @@ class ReusingFullAttentionManager(FullAttentionManager):
         block = self.pool.get_cached_block(block_hash, group_id)
         if block is None:
             return None
+        if not computed_this_step and self.pool.noted_this_step(block_hash, index, group_id):
+            return None  # cached again this step, in a block this step computes
         if type(successors) is not tuple:
             successors = (successors,)
         lookahead = self.group.lookahead_tokens

@@ -83,6 +83,28 @@ def test_blocks_cached_this_step_are_not_copied(world_factory):
     assert hit.num_computed_tokens == 2 * B - 1 and not hit.copy_next_step
 
 
+def test_a_hash_cached_again_this_step_is_not_a_copy_source(world_factory):
+    """The index names a hash; evicted and computed again in this step, it names a block
+    whose KV is not written yet (found by `speckv bench soak`)."""
+    from speckv.cache.block import make_cache_key
+
+    world = world_factory(block_size=B)
+    shared = _prompt(2 * B)
+    first, _, _ = _compute(world, shared + [11, 12])
+    evicted = first.get_block_hashes(1)[1]
+    assert world.manager.pool.evict_cached_blocks([make_cache_key(evicted, 0)]) == 1
+    # one step: a request computes the same block again, a sibling diverges after it
+    again = world.request(shared + [11, 12])
+    hit = world.manager.get_computed_blocks(again)
+    assert hit.num_computed_tokens == B
+    world.manager.allocate_slots(again, again.num_tokens - B, hit)
+    assert world.manager.pool.get_cached_block(evicted, 0) is not None  # a new block
+    sibling = world.request(shared + [21, 22])
+    hit = world.manager.get_computed_blocks(sibling)
+    assert hit.num_computed_tokens == B and not hit.copy_sources and hit.copy_next_step
+    world.manager.check_integrity()
+
+
 def test_a_sibling_arriving_with_its_source_waits_one_step_for_the_copy(world_factory):
     from speckv.testing import SymbolicKV, run_to_completion, toy_core
 
