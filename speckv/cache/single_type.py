@@ -182,7 +182,7 @@ class ReusingFullAttentionManager(FullAttentionManager):
         request's tokens: its hash is recomputed from them with the block's own successors
         (and, for fast hashes, its content compared as for a hit). `computed_this_step`: look
         among the blocks cached this step instead (they can be copied from the next step on).
-        Pure."""
+        Touches no block, reference count or hash-map entry (the pool may fold its index)."""
         group_id = self.group.group_id
         parent = block_hashes[index - 1] if index else b""
         if computed_this_step:
