@@ -18,6 +18,7 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.gemma4 import Gemma4ForCausalLM
 from speckv.models.gemma_loader import gemma_config_of, hf_state_items
+from speckv.testing.assistant import echo_assistant
 from speckv.testing.group_kv import max_abs_diff, read_group_kv
 
 transformers = pytest.importorskip("transformers")
@@ -68,15 +69,21 @@ def _speculative(num_blocks: int, max_num_batched_tokens: int = 2048) -> EngineC
                         adaptive_speculation=False)
 
 
-@pytest.mark.parametrize(("ordered", "seed"), [(False, 2), (True, 2)],  # seeds with accepts
-                         ids=["lm-head", "centroid-head"])
+def _assistant(kind: str, target):
+    if kind == "echo":  # drafts its input token again: most drafts accepted
+        return echo_assistant(target)
+    # random weights; seed 2 gets a few drafts accepted on these prompts
+    return random_gemma4_assistant(target, seed=2, init_std=0.3,
+                                   use_ordered_embeddings=kind == "centroid-head",
+                                   num_centroids=4, centroid_intermediate_top_k=2)
+
+
+@pytest.mark.parametrize("kind", ["lm-head", "centroid-head", "echo"])
 @pytest.mark.parametrize(("num_blocks", "max_tokens_per_step"),
                          [(400, 2048), (40, 20)], ids=["roomy", "preempt-chunked"])
-def test_greedy_with_the_assistant_equals_greedy(gemma4, ordered, seed, num_blocks,
+def test_greedy_with_the_assistant_equals_greedy(gemma4, kind, num_blocks,
                                                  max_tokens_per_step):
-    assistant = random_gemma4_assistant(gemma4, seed=seed, init_std=0.3,
-                                        use_ordered_embeddings=ordered, num_centroids=4,
-                                        centroid_intermediate_top_k=2)
+    assistant = _assistant(kind, gemma4)
     prompts = _prompts()
     reference, _ = _run(LLMEngine(gemma4, EngineConfig(num_blocks=400, block_size=B)), prompts)
     engine = LLMEngine(gemma4, _speculative(num_blocks, max_tokens_per_step), drafter=assistant)
@@ -84,6 +91,9 @@ def test_greedy_with_the_assistant_equals_greedy(gemma4, ordered, seed, num_bloc
     assert [o.token_ids for o in finals] == [o.token_ids for o in reference]
     assert sum(o.num_draft_tokens for o in finals) > 0
     assert sum(o.num_accepted_tokens for o in finals) > 0, "no draft was ever accepted"
+    if kind == "echo":
+        assert sum(o.num_accepted_tokens for o in finals) > sum(
+            o.num_draft_tokens for o in finals) // 2
     if num_blocks == 40:
         assert preemptions > 0, "the tight cache should force preemptions"
         assert max(len(p) for p in prompts) > max_tokens_per_step  # chunked prefill
