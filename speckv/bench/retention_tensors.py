@@ -101,7 +101,7 @@ def _engine(model, drafter, legacy: bool, widening: TailWidening, prefix_len: in
             retention: int) -> LLMEngine:
     spec = {} if drafter is None else {
         "speculative_method": getattr(drafter, "speculative_method", drafter.policy.name),
-        "num_spec_tokens": 3}
+        "num_spec_tokens": 3, "adaptive_speculation": False}  # MTP3: 3 drafts every step
     config = EngineConfig(block_size=FULL_BLOCK, num_blocks=8 * prefix_len // 16 + 256,
                           max_num_batched_tokens=1 << 20, hash_seed="0",
                           disable_lookahead_block_hashes=legacy, **spec)

