@@ -3,8 +3,8 @@
 
 Owns the defaults (the built-in model's shipped head only where its recorded benchmark is
 faster; a random-init MTP head on the random `hybrid-gdn`, a random-init Gemma 4 MTP assistant
-on `hybrid-swa`), the method a drafter directory
-implies, and the errors, in flag words, for combinations that cannot run. Nothing is loaded.
+on `hybrid-swa`), the method a drafter directory implies, and the errors, in flag words, for
+combinations that cannot run. Nothing is loaded.
 """
 
 from __future__ import annotations
