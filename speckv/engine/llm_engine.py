@@ -135,12 +135,12 @@ class LLMEngine:
         layout = layout or (
             model.kv_cache_layout(block_size, config.mamba_block_size)
             if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
-        if drafter is not None and layout.draft_group is None:
+        if num_draft_layers and layout.draft_group is None:
             # the drafter's KV is full attention: no block of it may be freed
             layout = layout.as_one_full_group()
         self.layout = layout
         draft_group = layout.draft_group
-        if drafter is not None and draft_group is not None \
+        if num_draft_layers and draft_group is not None \
                 and layout.specs[draft_group].block_size != block_size:
             raise ValueError(f"the drafter's KV group has blocks of "
                              f"{layout.specs[draft_group].block_size} tokens; block_size is "
