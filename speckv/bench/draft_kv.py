@@ -33,6 +33,7 @@ import argparse
 import json
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -287,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         args.prompt_len = 300 if args.model == "hybrid-swa" else 100
     if args.prompt_len < 2 * args.block_size + 2:
         raise ValueError("--prompt-len must cover at least two blocks plus two tokens")
+    if args.kv_offload_dir is not None:  # created if missing, as `speckv generate` does
+        Path(args.kv_offload_dir).mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model, "float32", "cpu", progress=not args.json)
     generator = torch.Generator().manual_seed(0)
