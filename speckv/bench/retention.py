@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_on_tensors(args: argparse.Namespace, variants, rows: list[RetentionRow]) -> int:
     import torch
 
-    from speckv.bench.retention_tensors import run_tensor_scenario, scenario_model
+    from speckv.bench.retention_tensors import HIT_KV_ROUNDING, run_tensor_scenario, scenario_model
     from speckv.drafters.loaders import random_drafter
     from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
 
@@ -170,6 +170,11 @@ def _run_on_tensors(args: argparse.Namespace, variants, rows: list[RetentionRow]
     console.print(f"{RANDOM_INIT_NOTE}; MTP drafter random-init (1 module, 3 speculative "
                   "tokens); gemma4_mtp (no draft KV) runs without a drafter on tensors; draft KV "
                   "compared with lookahead hashes only (the legacy drop promises target KV)")
+    console.print("hit KV vs cold: equal within fp32 rounding (<= "
+                  f"{HIT_KV_ROUNDING:g}), not bit for bit: a hit block may have been written by "
+                  "an earlier request's forward from its own hit on, over fewer rows than the "
+                  "cold run's, and CPU matmul kernels round different row counts differently")
     same = all(row.cached_tokens == t.cached_tokens for row, t in zip(rows, tensor_rows))
-    exact = all(t.target_max_abs_diff == 0 and not t.draft_max_abs_diff for t in tensor_rows)
-    return 0 if same and exact else 1
+    close = all(t.target_max_abs_diff <= HIT_KV_ROUNDING
+                and (t.draft_max_abs_diff or 0) <= HIT_KV_ROUNDING for t in tensor_rows)
+    return 0 if same and close else 1
