@@ -318,7 +318,11 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_connector is not None and "store" in args.kv_connector.split(","):
         source = f"the {args.kv_connector} tier, read by a fresh engine"
     table = Table(title=f"KV of the hit blocks vs a cold run, max |diff| ({len(prompt)}-token "
-                        f"prompt, B={args.block_size}, all layers, K and V); hits from {source}")
+                        f"prompt, B={args.block_size}, all layers, K and V); hits from {source}",
+                  caption="a hit reads the bytes the first request's prefill wrote, and the cold "
+                          "run computes the same prefill on the same shapes: the lookahead hit "
+                          "is bit-exact (0 in every dtype); the negative control's draft KV "
+                          "must differ")
     numeric = ("hit tokens", "from tier", "target KV", "draft KV")
     for column in ("drafter", "dtype", "case", *numeric):
         table.add_column(column, justify="right" if column in numeric else "left")
