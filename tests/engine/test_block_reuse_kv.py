@@ -42,6 +42,7 @@ def _kv(engine: LLMEngine, request_id: str, num_blocks: int) -> tuple[torch.Tens
             engine.proposer.kv_cache.storage[:, :, blocks].clone())
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("fmt,kwargs", [("eagle", {}), ("eagle3", {"aux_layers": (0, 1, 1)}),
                                         ("mtp", {"num_modules": 2})])
 def test_a_copied_block_reads_a_cold_runs_kv(tiny_model, fmt, kwargs):
