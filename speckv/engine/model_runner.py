@@ -10,6 +10,7 @@ drafter's KV follows the block table of the layout's `draft_group` (full attenti
     forward     every scheduled request's new tokens (real, then drafts) at positions
                 [start, end), flattened on one token axis, no padding; logits only at the
                 rows that sample (from the last real token: 1 bonus row + 1 row per draft)
+    copy        the step's block copies (divergent block reuse), before anything reads them
     sample      verify drafts (greedy or rejection sampling), cut at the first stop token
     propose     the proposer writes draft KV for every position made final this step, then
                 proposes the next drafts; before the scheduler frees anything
@@ -29,6 +30,7 @@ import torch
 
 from speckv.attention import AttentionMetadata, GroupedAttentionMetadata, PagedKVCache
 from speckv.attention.state_cache import StatePlan
+from speckv.cache.results import BlockCopy
 from speckv.engine.hybrid_state import RunnerStates, state_group
 from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
@@ -122,6 +124,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        if scheduler_output.block_copies:
+            self._copy_blocks(scheduler_output.block_copies)
         scheduled = scheduler_output.scheduled
         if self.connector is not None:
             cut = self.connector.start_step(
@@ -167,6 +171,19 @@ class ModelRunner:
                     table[:] = new
                 else:
                     table.extend(new)
+
+    def _copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None:
+        """Each copy's source block into its destination in every KV tensor, the target's and
+        the drafter's: one batched copy per tensor (copies come only for attention groups)."""
+        device = self.device
+        src = torch.tensor([copy.src_block_id for copy in copies], dtype=torch.int64,
+                           device=device)
+        dst = torch.tensor([copy.dst_block_id for copy in copies], dtype=torch.int64,
+                           device=device)
+        self.kv_cache.copy_blocks(src, dst)
+        draft_cache = getattr(self.proposer, "kv_cache", None)
+        if draft_cache is not None:
+            draft_cache.copy_blocks(src, dst)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> _Forward:
         input_ids: list[int] = []

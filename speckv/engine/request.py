@@ -130,6 +130,12 @@ class Request:
     def get_block_hashes(self, lookahead_tokens: int) -> list[BlockHash]:
         return self._hashers[lookahead_tokens].block_hashes
 
+    def hash_with_successors(self, lookahead_tokens: int, index: int,
+                             successors: Sequence[int]) -> BlockHash:
+        """The hash block `index` of this request would have with `successors` after it."""
+        return self._hashers[lookahead_tokens].hash_with_successors(
+            self.all_token_ids, index, successors)
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

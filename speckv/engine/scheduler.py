@@ -13,6 +13,9 @@ limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas
    tokens skip their prefill and cost no budget; a preempted request re-hits what it had
    cached), then what a KV connector's tier holds right after it (loaded before the forward,
    also free of budget), then as much of the prompt as the budget allows (chunked prefill).
+   A hit that reuses a block at a divergence point adds its `BlockCopy` to the output; a
+   request whose divergent block another request computes in this very step waits a step
+   for it (a copy reads KV an earlier step wrote), and the queue behind it too.
 
 With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
 SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
@@ -32,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 
 from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.cache.results import BlockCopy
 from speckv.engine.kv_connector import SchedulerConnector, apply_load_failure
 from speckv.engine.messages import (
     EngineCoreOutput,
@@ -55,6 +59,10 @@ class Scheduler:
         num_spec_tokens: int = 0,
         connector: SchedulerConnector | None = None,
     ) -> None:
+        if connector is not None and manager.reuses_divergent_blocks:
+            raise ValueError("divergent block reuse does not run under a KV connector (its tiers "
+                             "are keyed by whole block hashes): build the hash mode with the "
+                             "connector (resolve_connector_hash_mode)")
         self.manager = manager
         self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,6 +109,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
         preempted: list[Request] = []
+        copies: list[BlockCopy] = []  # divergent block reuse of the hits taken this step
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -139,6 +148,10 @@ class Scheduler:
                 # a waiting request has nothing computed (new, or preempted: reset to 0)
                 assert request.num_computed_tokens == 0
                 hit = self.manager.get_computed_blocks(request)
+                if hit.copy_next_step and scheduled:
+                    # its divergent block is computed in this step: admitted next step, it
+                    # copies it (and the queue keeps its order)
+                    break
                 num_hit = hit.num_computed_tokens
                 num_external = (self.connector.num_external_tokens(request, num_hit)
                                 if self.connector is not None else 0)
@@ -150,6 +163,7 @@ class Scheduler:
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
                 self.waiting.popleft()
+                copies.extend(allocation.copies)
                 self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
                                             request.num_preemptions > 0)
                 if self.connector is not None:
@@ -180,7 +194,7 @@ class Scheduler:
         return SchedulerOutput(
             new_requests, scheduled, finished_ids,
             frozenset(request.request_id for request in preempted),
-            self.max_num_batched_tokens - budget, meta,
+            self.max_num_batched_tokens - budget, meta, tuple(copies),
         )
 
     @staticmethod
@@ -254,6 +268,8 @@ class Scheduler:
                 num_preemptions=request.num_preemptions,
                 num_external_cached_tokens=request.num_external_cached_tokens,
             ))
+        # the runner has copied this step's copy sources and written its blocks' KV
+        self.manager.step_executed()
         return outputs
 
     def take_stats(self) -> SchedulerStats:
