@@ -22,7 +22,9 @@ the ratio of speckv's schedule + update + stats to vLLM's. Drafters are random-i
 drafts are all but always rejected; the draft length is fixed at `--num-spec-tokens`).
 
 Timings are medians over `--rounds` rounds of `--steps` steps, speckv and vLLM rounds
-interleaved, the cyclic garbage collector off while timing (as `timeit` does).
+interleaved, the cyclic garbage collector off while timing (as `timeit` does), in this
+thread's CPU time by default (`--clock cpu`: on a shared machine the time spent waiting for a
+core would otherwise swamp the figures; `--clock wall` for perf_counter).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ VOCAB_SIZE = 512
 BLOCK_SIZE = 16
 SHARED_PREFIX_TOKENS = 32  # every prompt starts with them: a prefix-cache hit at admission
 MAX_MODEL_LEN = 4096
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,28 +70,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM column")
     parser.add_argument("--no-detokenize", action="store_true",
                         help="no tokenizer (output processing without text)")
+    parser.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
+                        help="cpu: this thread's CPU time (robust on a shared machine: time "
+                             "spent waiting for a core is not counted); wall: perf_counter")
 
 
 class PhaseTimer:
     """Wraps instance methods so their time adds up per phase (outermost call only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.totals: dict[str, float] = defaultdict(float)
         self._depth: dict[str, int] = defaultdict(int)
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         inner: Callable[..., Any] = getattr(owner, name)
-        totals, depth = self.totals, self._depth
+        totals, depth, clock = self.totals, self._depth, self.clock
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if depth[phase]:
                 return inner(*args, **kwargs)
             depth[phase] += 1
-            begin = time.perf_counter()
+            begin = clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                totals[phase] += time.perf_counter() - begin
+                totals[phase] += clock() - begin
                 depth[phase] -= 1
 
         setattr(owner, name, timed)
@@ -144,7 +151,8 @@ class SpeckvSide:
 
     def __init__(self, model: Any, tokenizer: Any, drafter_name: str, batch_size: int,
                  prompts: list[list[int]], primer: list[int], num_spec_tokens: int,
-                 max_tokens: int, num_blocks: int, max_num_batched_tokens: int) -> None:
+                 max_tokens: int, num_blocks: int, max_num_batched_tokens: int,
+                 clock: Callable[[], float]) -> None:
         drafter = _drafter(drafter_name, model)
         spec: dict[str, Any] = {}
         if drafter is not None:
@@ -164,7 +172,7 @@ class SpeckvSide:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for prompt in prompts:
             engine.add_request(prompt, params)
-        self.timer = timer = PhaseTimer()
+        self.timer = timer = PhaseTimer(clock)
         runner, scheduler = engine.runner, engine.scheduler
         timer.wrap(scheduler, "schedule", "schedule")
         timer.wrap(runner, "execute_model", "runner")
@@ -198,8 +206,9 @@ def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[st
     num_blocks = batch_size * (-(-(args.prompt_len + max_tokens + k + 1) // BLOCK_SIZE) + 1) + 16
     max_batched = max(2048, batch_size * (1 + k))
     primer, prompts = _prompts(batch_size, args.prompt_len, seed=batch_size)
+    clock = CLOCKS[args.clock]
     ours = SpeckvSide(model, tokenizer, drafter_name, batch_size, prompts, primer, k,
-                      max_tokens, num_blocks, max_batched)
+                      max_tokens, num_blocks, max_batched, clock)
     peer = None
     if vllm is not None:
         from speckv.bench.vllm_scheduler_peer import VllmSchedulerPeer
@@ -207,7 +216,7 @@ def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[st
         peer = VllmSchedulerPeer(vllm, [], block_size=BLOCK_SIZE, num_blocks=num_blocks,
                                  max_num_seqs=batch_size, max_num_batched_tokens=max_batched,
                                  max_model_len=MAX_MODEL_LEN, num_spec_tokens=k,
-                                 max_tokens=max_tokens, vocab_size=VOCAB_SIZE)
+                                 max_tokens=max_tokens, vocab_size=VOCAB_SIZE, clock=clock)
         peer.add(primer, max_tokens=1)
         while peer.has_unfinished():
             peer.step()
@@ -234,10 +243,10 @@ def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[st
                 gc.collect()
                 gc.disable()
                 if side == "speckv":
-                    begin = time.perf_counter()
+                    begin = clock()
                     for _ in range(args.steps):
                         ours.step()
-                    elapsed = time.perf_counter() - begin
+                    elapsed = clock() - begin
                     totals = ours.timer.take()
                     rounds["step"].append(elapsed / args.steps)
                     for phase in ("schedule", "forward", "sample", "propose", "draft_fwd",
@@ -334,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"{drafter_name}, batch {batch_size}: {row.per_step_ms:.2f} ms/step, "
                           f"host {row.host_us:.1f} µs per request-step")
     title = (f"step overhead, µs per request-step (phases), one-layer toy model, prefix caching "
-             f"on, {args.threads} thread(s); medians of {args.rounds} rounds x {args.steps} steps"
+             f"on, {args.threads} thread(s), {args.clock} time; medians of {args.rounds} rounds "
+             f"x {args.steps} steps"
              + (f"; vLLM {vllm['version']} scheduler in the same process" if vllm else ""))
     console.print(_table(rows, title))
     return 0

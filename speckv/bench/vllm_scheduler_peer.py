@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,8 @@ class VllmSchedulerPeer:
     def __init__(self, modules: dict[str, Any], prompts: Sequence[list[int]], *,
                  block_size: int, num_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, num_spec_tokens: int,
-                 max_tokens: int, vocab_size: int) -> None:
+                 max_tokens: int, vocab_size: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         m = modules
         self._m = m
         self._dir = tempfile.TemporaryDirectory(prefix="speckv-vllm-peer-")
@@ -76,6 +77,7 @@ class VllmSchedulerPeer:
         m["init_none_hash"](m["sha256"])
         self._hasher = m["get_request_block_hasher"](block_size, m["sha256"])
         self.num_spec_tokens = num_spec_tokens
+        self._clock = clock
         self.max_tokens = max_tokens
         self._counter = 0
         for prompt in prompts:
@@ -94,9 +96,10 @@ class VllmSchedulerPeer:
     def step(self) -> PeerStepTimes:
         """One schedule + update; the fake runner's work between them is not timed."""
         scheduler = self.scheduler
-        begin = time.perf_counter()
+        clock = self._clock
+        begin = clock()
         output = scheduler.schedule()
-        scheduled = time.perf_counter()
+        scheduled = clock()
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for request_id in ids:
@@ -108,11 +111,11 @@ class VllmSchedulerPeer:
             sampled_token_ids=sampled)
         drafted = [r for r, s in zip(ids, sampled) if s]
         drafts = [[7] * self.num_spec_tokens for _ in drafted]
-        updating = time.perf_counter()
+        updating = clock()
         scheduler.update_from_output(output, runner_output)
         if self.num_spec_tokens:
             scheduler.update_draft_token_ids(self._m["DraftTokenIds"](drafted, drafts))
-        end = time.perf_counter()
+        end = clock()
         return PeerStepTimes(scheduled - begin, end - updating, len(drafted))
 
     def in_decode(self, batch_size: int) -> bool:
