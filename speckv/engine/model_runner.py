@@ -25,10 +25,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from speckv.attention import AttentionMetadata, GroupedAttentionMetadata, PagedKVCache
 from speckv.attention.state_cache import StatePlan
+from speckv.engine.block_table import BatchBlockTable
 from speckv.engine.hybrid_state import RunnerStates, state_group
 from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
@@ -53,6 +55,7 @@ class _RunnerRequest:
     data: NewRequestData
     token_ids: list[int]  # real tokens: prompt + sampled
     block_ids: list[list[int]]  # one block table per KV cache group
+    row: int = 0  # its row in the runner's persistent block tables (`BatchBlockTable`)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class ModelRunner:
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
         self.requests: dict[str, _RunnerRequest] = {}
+        # the same block tables as one persistent array per group (rows kept in lockstep)
+        self._tables = [BatchBlockTable() for _ in self.group_block_sizes]
         # the draft length per step (speckv/spec/adaptive.py); None: always num_spec_tokens
         self.spec_policy = spec_policy
 
@@ -146,24 +151,34 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, drafts, self.connector.finish_step())
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        tables = self._tables
         for request_id in scheduler_output.finished_request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                for batch_table in tables:
+                    batch_table.free_row(state.row)
             if self.proposer is not None:
                 self.proposer.free(request_id)
         for data in scheduler_output.new_requests:
+            rows = {batch_table.add_row() for batch_table in tables}
+            assert len(rows) == 1, "the groups' block tables hold their rows in lockstep"
             self.requests[data.request_id] = _RunnerRequest(
-                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes]
+                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes],
+                rows.pop(),
             )
+        num_groups = len(self.group_block_sizes)
         for item in scheduler_output.scheduled:
             state = self.requests[item.request_id]
-            if len(item.new_block_ids) != len(self.group_block_sizes):
+            if len(item.new_block_ids) != num_groups:
                 raise ValueError(f"the scheduler sent {len(item.new_block_ids)} block-id "
-                                 f"groups; the model has {len(self.group_block_sizes)}")
-            for table, new in zip(state.block_ids, item.new_block_ids):
+                                 f"groups; the model has {num_groups}")
+            for table, new, batch_table in zip(state.block_ids, item.new_block_ids, tables):
                 if item.replaces_block_table:
                     table[:] = new
-                else:
+                    batch_table.replace(state.row, new)
+                elif new:
                     table.extend(new)
+                    batch_table.extend(state.row, new)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> _Forward:
         input_ids: list[int] = []
@@ -172,29 +187,43 @@ class ModelRunner:
         token_offsets: list[int] = []
         sample_rows: list[int] = []
         logit_offsets: dict[int, tuple[int, int]] = {}
+        batch_rows: list[int] = []
+        requests = self.requests
+        num_tokens = 0
         for index, item in enumerate(scheduled):
-            state = self.requests[item.request_id]
-            token_offsets.append(len(input_ids))
-            tokens = state.token_ids[item.start : item.end]
-            tokens += item.draft_token_ids[: item.num_new_tokens - len(tokens)]
-            assert len(tokens) == item.num_new_tokens, "scheduled tokens do not exist"
+            state = requests[item.request_id]
+            batch_rows.append(state.row)
+            token_offsets.append(num_tokens)
+            start, num_new = item.start, item.num_new_tokens
+            end = start + num_new
+            token_ids = state.token_ids
+            num_real = len(token_ids)
+            if end <= num_real:
+                input_ids.extend(token_ids[start:end])
+            else:  # the last real token(s), then drafts
+                num_drafts = end - max(start, num_real)
+                drafts = item.draft_token_ids[:num_drafts]
+                assert len(drafts) == num_drafts and start <= num_real, \
+                    "scheduled tokens do not exist"
+                input_ids.extend(token_ids[start:])
+                input_ids.extend(drafts)
             if item.samples:
-                first = token_offsets[-1] + (len(state.token_ids) - 1 - item.start)
-                rows = range(first, token_offsets[-1] + item.num_new_tokens)
-                logit_offsets[index] = (len(sample_rows), len(sample_rows) + len(rows))
-                sample_rows.extend(rows)
-            input_ids.extend(tokens)
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(item.end)
-        groups = tuple(
-            AttentionMetadata.build(
-                query_lens, seq_lens,
-                [self.requests[item.request_id].block_ids[g] for item in scheduled],
-                block_size, self.device)
-            for g, block_size in enumerate(self.group_block_sizes)
-        )
+                first = num_tokens + (num_real - 1 - start)
+                last = num_tokens + num_new
+                num_rows = len(sample_rows)
+                logit_offsets[index] = (num_rows, num_rows + last - first)
+                sample_rows.extend(range(first, last))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            num_tokens += num_new
+        rows_array = np.asarray(batch_rows, dtype=np.int64)
+        groups = []
+        for batch_table, block_size in zip(self._tables, self.group_block_sizes):
+            table, lens = batch_table.gather(rows_array)
+            groups.append(AttentionMetadata.from_block_table(
+                query_lens, seq_lens, table, block_size, self.device, lens))
         metadata = (groups[0] if len(groups) == 1
-                    else GroupedAttentionMetadata(groups, self.layer_to_group))
+                    else GroupedAttentionMetadata(tuple(groups), self.layer_to_group))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
         state_plan = None
         if self.states is None:
