@@ -45,7 +45,7 @@ from speckv.engine.stopping import first_stop
 from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.spec.adaptive import AdaptiveSpeculation, StepCost, Verification
-from speckv.spec.proposer import Proposer, ProposerInput, ProposeTiming
+from speckv.spec.proposer import Proposer, ProposerInput, ProposeTiming, TargetRows
 
 
 @dataclass
@@ -293,30 +293,28 @@ class ModelRunner:
         if self.spec_policy is not None:
             num_spec = self.spec_policy.decide(num_decode)
         inputs: list[ProposerInput] = []
+        target_rows = TargetRows(output.hidden_states, output.prenorm_hidden,
+                                 tuple(output.aux_hidden_states), forward.slot_mapping)
+        requests, token_offsets, draft_group = self.requests, forward.token_offsets, \
+            self.draft_group
         for index, item in enumerate(scheduled):
-            state = self.requests[item.request_id]
-            sampled = sampled_by_id.get(item.request_id)
-            end = item.end
+            request_id = item.request_id
+            state = requests[request_id]
+            sampled = sampled_by_id.get(request_id)
+            start = item.start
+            end = start + item.num_new_tokens
             if sampled is not None:
-                end -= item.num_drafts - (len(sampled) - 1)  # rejected drafts' KV is garbage
-            row0 = forward.token_offsets[index]
-            rows = slice(row0, row0 + end - item.start)
+                # rejected drafts' KV is garbage
+                end -= len(item.draft_token_ids) - (len(sampled) - 1)
             limits = state.data.stop_limits
-            num_output = len(state.token_ids) - len(state.data.prompt_token_ids)
+            num_tokens = len(state.token_ids)
+            num_output = num_tokens - len(state.data.prompt_token_ids)
             room = min(num_spec, limits.max_tokens - num_output - 1,
-                       limits.max_model_len - len(state.token_ids) - 1)
-            inputs.append(ProposerInput(
-                request_id=item.request_id,
-                token_ids=state.token_ids,
-                start=item.start,
-                end=end,
-                hidden_states=output.hidden_states[rows],
-                prenorm_hidden=output.prenorm_hidden[rows],
-                aux_hidden_states=tuple(h[rows] for h in output.aux_hidden_states),
-                block_table=state.block_ids[self.draft_group],
-                slot_mapping=forward.slot_mapping[rows],
-                wants_drafts=sampled is not None and item.request_id not in stopped,
-                max_drafts=max(0, room),
+                       limits.max_model_len - num_tokens - 1)
+            inputs.append(ProposerInput.from_rows(
+                request_id, state.token_ids, start, end, target_rows, token_offsets[index],
+                state.block_ids[draft_group],
+                sampled is not None and request_id not in stopped, max(0, room),
             ))
         drafts = self.proposer.propose(inputs)
         if self.spec_policy is not None:
