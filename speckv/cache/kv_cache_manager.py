@@ -253,12 +253,13 @@ class KVCacheManager:
             return None
         new_block_ids = []
         for manager, blocks in zip(managers, hit_blocks):
-            manager.save_new_computed_blocks(request_id, blocks)
-            new = manager.allocate_new_blocks(request_id, num_total)
             if blocks:
+                manager.save_new_computed_blocks(request_id, blocks)
+                new = manager.allocate_new_blocks(request_id, num_total)
                 new_block_ids.append([block.block_id for block in (*blocks, *new)])
-            else:
-                new_block_ids.append([block.block_id for block in new])
+            else:  # allocate_new_blocks starts the request's list when it has none
+                new = manager.allocate_new_blocks(request_id, num_total)
+                new_block_ids.append([block.block_id for block in new] if new else [])
         # Draft positions are not real tokens: their KV may be rejected.
         num_to_cache = min(
             num_computed + num_new_tokens - len(request.spec_token_ids), request.num_tokens

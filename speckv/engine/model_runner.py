@@ -249,29 +249,35 @@ class ModelRunner:
         """Verified tokens per sampling request, cut at the first stop and appended to the
         runner's token ids; and the ids of the requests that stopped."""
         logits = forward.logits  # [num_sample_rows, vocab]
-        states = [self.requests[item.request_id] for item in scheduled]
+        requests = self.requests
+        states = [requests[item.request_id] for item in scheduled]
         argmax: list[int] = []
-        if any(item.samples and state.data.sampling_seed is None
-               for item, state in zip(scheduled, states)):
-            argmax = logits.argmax(-1).tolist()
+        for item, state in zip(scheduled, states):
+            if item.samples and state.data.sampling_seed is None:
+                argmax = logits.argmax(-1).tolist()
+                break
         sampled_by_id: dict[str, list[int]] = {}
         stopped: set[str] = set()
         verifications: list[Verification] = []
-        for index, (item, state) in enumerate(zip(scheduled, states)):
+        logit_offsets = forward.logit_offsets
+        for index, item in enumerate(scheduled):
             if not item.samples:
                 continue
-            lo, hi = forward.logit_offsets[index]
-            seed = state.data.sampling_seed
+            state = states[index]
+            data = state.data
+            lo, hi = logit_offsets[index]
+            drafts = item.draft_token_ids
+            seed = data.sampling_seed
             if seed is None:
-                sampled = verify_greedy(argmax[lo:hi], item.draft_token_ids)
+                # no drafts: the argmax of the one row (what verify_greedy returns)
+                sampled = verify_greedy(argmax[lo:hi], drafts) if drafts else [argmax[lo]]
             else:
-                sampled = verify_random(logits[lo:hi], item.draft_token_ids,
-                                        state.data.sampling_params, seed, len(state.token_ids))
-            if item.num_drafts:
-                verifications.append(Verification(item.num_drafts, len(sampled) - 1))
+                sampled = verify_random(logits[lo:hi], drafts, data.sampling_params, seed,
+                                        len(state.token_ids))
+            if drafts:
+                verifications.append(Verification(len(drafts), len(sampled) - 1))
             num_kept, reason = first_stop(sampled, len(state.token_ids),
-                                          len(state.data.prompt_token_ids),
-                                          state.data.stop_limits)
+                                          len(data.prompt_token_ids), data.stop_limits)
             sampled = sampled[:num_kept]
             state.token_ids.extend(sampled)
             sampled_by_id[item.request_id] = sampled

@@ -100,8 +100,10 @@ class OutputProcessor:
             num_accepted = min(core_output.num_accepted_tokens, max(0, len(tokens) - 1))
             state.num_draft_tokens += core_output.num_draft_tokens
             state.num_accepted_tokens += num_accepted
-            _count_positions(state.drafts_by_position, core_output.num_draft_tokens)
-            _count_positions(state.accepted_by_position, num_accepted)
+            if core_output.num_draft_tokens:
+                _count_positions(state.drafts_by_position, core_output.num_draft_tokens)
+            if num_accepted:
+                _count_positions(state.accepted_by_position, num_accepted)
             state.finish_reason = reason
             state.error = core_output.error
             if self.detokenize and tokens:
