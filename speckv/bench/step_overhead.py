@@ -227,7 +227,9 @@ def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[st
         if ours.in_decode():
             break
         ours.step()
-    while peer is not None and not peer.in_decode(batch_size):
+    for _ in range(200):
+        if peer is None or peer.in_decode(batch_size):
+            break
         peer.step()
     for _ in range(4):
         ours.step()
