@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# up to this many requests, lists beat array ops (their fixed cost dominates)
+_SMALL_BATCH = 8
+
 
 @dataclass
 class AttentionMetadata:
@@ -72,6 +75,9 @@ class AttentionMetadata:
             raise ValueError(f"block_size must be positive, got {block_size}")
         table_lens = [len(bt) for bt in block_tables]
         width = max(1, max(table_lens, default=0))
+        if len(block_tables) <= _SMALL_BATCH:
+            return cls._from_lists(query_lens, seq_lens, block_tables, table_lens, width,
+                                   block_size, device)
         table = np.zeros((len(block_tables), width), dtype=np.int64)  # 0-padded (null)
         if table_lens:
             flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
@@ -102,6 +108,12 @@ class AttentionMetadata:
             raise ValueError(
                 "query_lens, seq_lens and block_tables must have one entry per request"
             )
+        if num_reqs <= _SMALL_BATCH:
+            width = block_table.shape[1]
+            return cls._from_lists(
+                query_lens, seq_lens, block_table.tolist(),
+                [width] * num_reqs if table_lens is None else [int(n) for n in table_lens],
+                width, block_size, device)
         q = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)
         s = np.asarray(seq_lens, dtype=np.int64).reshape(num_reqs)
         bad = (q < 0) | (q > s)
@@ -137,6 +149,44 @@ class AttentionMetadata:
             seq_lens_host=tuple(s.tolist()),
         )
         md._positions = torch.from_numpy(positions).to(device)
+        return md
+
+    @classmethod
+    def _from_lists(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],  # rows, padded or not (entries past lens unused)
+        table_lens: Sequence[int],
+        width: int,
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """The same metadata with Python lists: cheaper than array ops for a few requests."""
+        positions: list[int] = []
+        slots: list[int] = []
+        for q, s, bt, n in zip(query_lens, seq_lens, block_tables, table_lens):
+            if q < 0 or q > s:
+                raise ValueError(f"query_lens must be in [0, seq_len], got {q} for seq_len {s}")
+            if n * block_size < s:
+                raise ValueError(f"block table of {n} blocks too short for seq_len {s}")
+            new_positions = range(s - q, s)
+            positions.extend(new_positions)
+            slots.extend(bt[pos // block_size] * block_size + pos % block_size
+                         for pos in new_positions)
+        table = [[*bt[:n], *[0] * (width - n)] for bt, n in zip(block_tables, table_lens)]
+        md = cls(
+            query_start_loc=torch.tensor(
+                [0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device
+            ),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=device).view(-1, width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_size=block_size,
+            query_lens_host=tuple(int(q) for q in query_lens),
+            seq_lens_host=tuple(int(s) for s in seq_lens),
+        )
+        md._positions = torch.tensor(positions, dtype=torch.int64, device=device)
         return md
 
     def positions(self) -> torch.Tensor:
