@@ -166,6 +166,12 @@ class KVCacheManager:
                 manager_for(spec, self.pool, group, self.retention, extra_tail_blocks,
                             self.reuses_divergent_blocks)
             )
+        # allocations without a hit (every running request's) take no hit blocks
+        self._no_hit_blocks: tuple[list, ...] = tuple(() for _ in self.managers)
+        # the managers that free blocks behind the computed tokens (sliding window, Mamba)
+        self._managers_that_skip = [
+            m for m in self.managers
+            if type(m).remove_skipped_blocks is not SingleTypeManager.remove_skipped_blocks]
         # Full attention first: it is cheap and usually the binding constraint.
         self._hit_order = sorted(
             range(len(self.managers)),
@@ -292,17 +298,17 @@ class KVCacheManager:
             raise ValueError("allocate_slots needs at least one new token or lookahead slot")
         if num_external_tokens < 0:
             raise ValueError(f"num_external_tokens must be >= 0, got {num_external_tokens}")
-        hit_blocks = hit.blocks if hit is not None else tuple([] for _ in self.managers)
+        managers = self.managers
+        hit_blocks = hit.blocks if hit is not None else self._no_hit_blocks
         num_hit_tokens = hit.num_computed_tokens if hit is not None else 0
         sources = hit.copy_sources if hit is not None else ()
         request_id = request.request_id
         num_cacheable = request.num_computed_tokens + num_hit_tokens
         num_computed = num_cacheable + num_external_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
-        num_needed = sum(
-            manager.get_num_blocks_to_allocate(request_id, num_total, blocks)
-            for manager, blocks in zip(self.managers, hit_blocks)
-        )
+        num_needed = 0
+        for manager, blocks in zip(managers, hit_blocks):
+            num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, blocks)
         if sources:
             num_needed += self.pool.num_free_among(sources)  # touching takes them off
         if num_needed > self.pool.get_num_free_blocks():
@@ -312,11 +318,15 @@ class KVCacheManager:
             self._copy_sources[request_id] = sources
         new_block_ids = []
         copies: list[BlockCopy] = []
-        for manager, blocks, source in zip(self.managers, hit_blocks,
-                                           sources or (None,) * len(self.managers)):
-            manager.save_new_computed_blocks(request_id, blocks)
-            new = manager.allocate_new_blocks(request_id, num_total)
-            new_block_ids.append([block.block_id for block in (*blocks, *new)])
+        for manager, blocks, source in zip(managers, hit_blocks,
+                                           sources or (None,) * len(managers)):
+            if blocks:
+                manager.save_new_computed_blocks(request_id, blocks)
+                new = manager.allocate_new_blocks(request_id, num_total)
+                new_block_ids.append([block.block_id for block in (*blocks, *new)])
+            else:  # allocate_new_blocks starts the request's list when it has none
+                new = manager.allocate_new_blocks(request_id, num_total)
+                new_block_ids.append([block.block_id for block in new] if new else [])
             if source is not None:  # into the block after the hit: the request's own
                 copies.append(BlockCopy(manager.group.group_id, source.block_id,
                                         new[0].block_id))
@@ -328,7 +338,7 @@ class KVCacheManager:
             num_to_cache = num_cacheable  # the loaded range is cached once the load succeeded
         self._cache_blocks(request, num_to_cache)
         # only after caching: a block leaving the window may be one a later hit needs
-        for manager in self.managers:
+        for manager in self._managers_that_skip:
             manager.remove_skipped_blocks(request_id, num_computed)
         return Allocation(tuple(new_block_ids), tuple(copies))
 

@@ -60,6 +60,8 @@ class SingleTypeManager:
         num_required = cdiv(num_tokens, self.block_size)
         num_held = len(self.blocks_of(request_id)) + len(new_computed_blocks)
         num_new = max(0, num_required - num_held)
+        if not new_computed_blocks:
+            return num_new
         return num_new + self.pool.num_free_among(new_computed_blocks)
 
     # ---- mutations ---------------------------------------------------------------------------

@@ -112,32 +112,39 @@ class Scheduler:
         copies: list[BlockCopy] = []  # divergent block reuse of the hits taken this step
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_pending = request.num_tokens - request.num_computed_tokens  # real tokens
-            num_drafts = len(request.spec_token_ids)
+        running = self.running
+        allocate_slots = self.manager.allocate_slots
+        num_spec_tokens = self.num_spec_tokens
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_tokens = len(request.all_token_ids)  # real tokens
+            start = request.num_computed_tokens
+            num_pending = num_tokens - start
+            drafts = request.spec_token_ids
+            num_drafts = len(drafts)
             num_new = min(num_pending + num_drafts, budget)
             if num_new < num_pending + num_drafts:
                 # the budget cuts the drafts (or the prefill chunk): drop what does not fit
                 num_drafts = max(0, num_new - num_pending)
-                request.spec_token_ids = request.spec_token_ids[:num_drafts]
-            lookahead = self.num_spec_tokens if num_new >= num_pending else 0
+                request.spec_token_ids = drafts = drafts[:num_drafts]
+            lookahead = num_spec_tokens if num_new >= num_pending else 0
             while True:
-                allocation = self.manager.allocate_slots(request, num_new, None, lookahead)
+                allocation = allocate_slots(request, num_new, None, lookahead)
                 if allocation is not None:
                     break
-                victim = self.running.pop()  # the most recently added running request
+                victim = running.pop()  # the most recently added running request
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if allocation is None:
                 break  # preempted itself: everything after it is preempted too
-            start = request.num_computed_tokens
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens = start + num_new
             scheduled.append(ScheduledRequest(
-                request.request_id, start, num_new, tuple(request.spec_token_ids),
-                allocation.new_block_ids, False, 0, self._samples(request),
+                request.request_id, start, num_new, tuple(drafts),
+                allocation.new_block_ids, False, 0,
+                # does this step compute the last real token? (see `_samples`)
+                start + num_new - num_drafts >= num_tokens,
             ))
             budget -= num_new
             index += 1
@@ -245,28 +252,37 @@ class Scheduler:
                 if request is not None:
                     apply_load_failure(request, items[failure.request_id], failure)
         sampled_by_id = runner_output.sampled_token_ids
+        drafts_by_id = runner_output.draft_token_ids
+        requests = self.requests
+        record_verification = self.stats.record_verification
         for item in scheduler_output.scheduled:
-            sampled = sampled_by_id.get(item.request_id)
-            request = self.requests.get(item.request_id)
-            if sampled is None or request is None:
+            request_id = item.request_id
+            sampled = sampled_by_id.get(request_id)
+            if sampled is None:
                 continue  # a prefill chunk that does not sample yet
+            request = requests.get(request_id)
+            if request is None:
+                continue
             # the runner already cut `sampled` at the first stop; this names the reason
             num_kept, reason = first_stop(
-                sampled, request.num_tokens, request.num_prompt_tokens, request.stop_limits
+                sampled, len(request.all_token_ids), request.num_prompt_tokens,
+                request.stop_limits
             )
             sampled = sampled[:num_kept]
-            request.apply_verification(item.num_drafts, sampled)
-            self.stats.record_verification(item.num_drafts, len(sampled) - 1)
+            num_drafts = len(item.draft_token_ids)
+            request.apply_verification(num_drafts, sampled)
+            num_accepted = len(sampled) - 1
+            if num_drafts:
+                record_verification(num_drafts, num_accepted)
             if reason is None:
-                request.spec_token_ids = list(runner_output.draft_token_ids.get(
-                    item.request_id, ()))
+                next_drafts = drafts_by_id.get(request_id)
+                request.spec_token_ids = list(next_drafts) if next_drafts else []
             else:
                 self._finish(request, reason)
             outputs.append(EngineCoreOutput(
-                item.request_id, sampled, reason, request.num_cached_tokens,
-                num_draft_tokens=item.num_drafts, num_accepted_tokens=len(sampled) - 1,
-                num_preemptions=request.num_preemptions,
-                num_external_cached_tokens=request.num_external_cached_tokens,
+                request_id, sampled, reason, request.num_cached_tokens, num_drafts,
+                num_accepted, request.num_preemptions, None,
+                request.num_external_cached_tokens,
             ))
         # the runner has copied this step's copy sources and written its blocks' KV
         self.manager.step_executed()
