@@ -113,6 +113,9 @@ class SpecDecodeStats:
     steps_by_num_spec_tokens: tuple[int, ...]  # decode steps that asked for k drafts (index k)
     acceptance_estimate: tuple[float, ...]  # current a_j (conditional, decayed, with prior)
     last_num_spec_tokens: int  # the latest choice
+    # predicted tokens/s of the latest choice over no drafts, at the latest batch size (None:
+    # not predicted yet, or not adaptive)
+    predicted_speedup: float | None = None
 
     @property
     def acceptance_by_position(self) -> tuple[float, ...]:
@@ -194,6 +197,7 @@ class AdaptiveSpeculation:
         self._current = s
         self._steps_since_probe = 0
         self._tried_zero = False
+        self._predicted_speedup: float | None = None
 
     # ---- measurements -------------------------------------------------------------------------
     def observe_verifications(self, verifications: Sequence[Verification]) -> None:
@@ -283,6 +287,8 @@ class AdaptiveSpeculation:
         current = known.get(self._current)
         if current is None or known[best] > current * (1.0 + self.config.switch_margin):
             self._current = best
+        if known.get(0):
+            self._predicted_speedup = known[self._current] / known[0]
         self._steps_since_probe += 1
         ranked = sorted((k for k in known if k != self._current), key=lambda k: -known[k])
         if ranked:
@@ -303,4 +309,5 @@ class AdaptiveSpeculation:
             steps_by_num_spec_tokens=tuple(self._steps_by_k),
             acceptance_estimate=tuple(self.acceptance()),
             last_num_spec_tokens=self._current,
+            predicted_speedup=self._predicted_speedup,
         )
