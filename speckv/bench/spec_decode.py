@@ -43,6 +43,7 @@ class ModeResult:
     num_tokens: int = 0
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # the process's CPU time over the same waves
+    draft_cpu_seconds: float = 0.0  # of it, in the proposer (draft-KV catch-up + drafting)
     outputs: list[list[int]] = field(default_factory=list)
     num_drafts_by_position: list[int] = field(default_factory=list)
     num_accepted_by_position: list[int] = field(default_factory=list)
@@ -60,6 +61,7 @@ class ModeResult:
         """Both results pooled (tokens and seconds summed, counters added)."""
         out = ModeResult(self.mode, self.num_tokens + other.num_tokens,
                          self.seconds + other.seconds, self.cpu_seconds + other.cpu_seconds,
+                         self.draft_cpu_seconds + other.draft_cpu_seconds,
                          self.outputs + other.outputs)
         for name in ("num_drafts_by_position", "num_accepted_by_position",
                      "steps_by_num_spec_tokens"):
@@ -106,12 +108,20 @@ def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
 
     params = SamplingParams(max_tokens=max_tokens)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
+    from speckv.spec.proposer import ProposeTiming
+
     done = {}
+    proposer = engine.proposer
     start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
+        if proposer is not None:
+            proposer.last_timing = ProposeTiming()
         for output in engine.step():
             if output.finished:
                 done[output.request_id] = output
+        if proposer is not None:  # timed on the engine's clock: CPU time on CPU
+            result.draft_cpu_seconds += proposer.last_timing.catch_up_s \
+                + proposer.last_timing.draft_s
     result.seconds += time.perf_counter() - start
     result.cpu_seconds += time.process_time() - cpu_start
     for request_id in ids:
@@ -259,6 +269,8 @@ def _rows(batch_size: int, family: str, num_prompts: int, results: dict[str, Mod
         "tokens_per_s": result.tokens_per_s,
         "speedup": result.tokens_per_s / plain.tokens_per_s,
         "cpu_speedup": result.tokens_per_cpu_s / plain.tokens_per_cpu_s,
+        "draft_share": result.draft_cpu_seconds / result.cpu_seconds if result.cpu_seconds
+        else 0.0,
         "mean_acceptance_length": result.mean_acceptance_length,
         "acceptance_by_position": result.acceptance_by_position,
         "steps_by_num_spec_tokens": result.steps_by_num_spec_tokens,
@@ -306,8 +318,8 @@ def _print(payload: list[dict], args: argparse.Namespace) -> None:
     table = Table(title=f"greedy decode, built-in model (fp32, {args.threads} thread), held-out "
                         f"prompt set {HELDOUT_SET} ({args.families}), {args.max_tokens} output "
                         f"tokens, up to {args.num_spec_tokens} drafts", title_justify="left")
-    for column in ("B", "prompts", "mode", "tok/s", "x", "x cpu", "AL", "acc. %", "steps by k",
-                   "same"):
+    for column in ("B", "prompts", "mode", "tok/s", "x", "x cpu", "draft %", "AL", "acc. %",
+                   "steps by k", "same"):
         table.add_column(column, justify="left" if column in ("mode", "prompts") else "right",
                          no_wrap=True)
     for i, row in enumerate(payload):
@@ -317,6 +329,7 @@ def _print(payload: list[dict], args: argparse.Namespace) -> None:
             str(row["batch_size"]), f"{row['family']} ({row['num_prompts']})",
             LABELS[row["mode"]], f"{row['tokens_per_s']:.1f}",
             f"{row['speedup']:.2f}", f"{row['cpu_speedup']:.2f}",
+            f"{100 * row['draft_share']:.1f}" if row["mode"] != "none" else "-",
             f"{length:.2f}" if length is not None else "-",
             "/".join(f"{100 * a:.0f}" for a in row["acceptance_by_position"]) or "-",
             "/".join(str(n) for n in row["steps_by_num_spec_tokens"]) or "-",
@@ -329,7 +342,9 @@ def _print(payload: list[dict], args: argparse.Namespace) -> None:
     console.print("[dim]B: batch size. prompts: held-out family (distinct prompts); all: the "
                   "families pooled. EAGLE3 and n-gram choose their draft length per step "
                   "(adaptive); EAGLE3 k=S always drafts S. x: tokens/s over no spec's (wall "
-                  "time); x cpu: the same by the process's CPU time. AL: mean acceptance length, "
+                  "time); x cpu: the same by the process's CPU time. draft %: share of the mode's "
+                  "CPU time spent in the proposer (draft-KV catch-up and drafting): what "
+                  "speculation costs before any draft is accepted. AL: mean acceptance length, "
                   "tokens per verification step with drafts (accepted + 1). acc. %: share of "
                   "those steps that accepted draft 1, 2, ... steps by k: decode steps that "
                   "drafted k = 0, 1, ... tokens. same: greedy output equals no spec's.[/dim]")
