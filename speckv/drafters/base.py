@@ -45,6 +45,7 @@ Engine contract (block tables and slots):
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -311,8 +312,9 @@ class Drafter(nn.Module, ABC):
             if j > 1:
                 avail = [_merge(_carried(r.carry, j), out) for r, out in zip(requests, avail)]
             kv_only = j == k and (k > 1 or not will_propose)
+            # a lone module feeds only `propose`, which reads its output at the last position
             outs, written = self._run_module(j, avail, tokens, starts, tables, kv_cache,
-                                             kv_only=kv_only)
+                                             kv_only=kv_only, last_only=k == 1)
             if j == 1 and not kv_only:
                 # Module 1 writes every position (a next token is known for each), so its
                 # last output is at start_position + num_positions - 1.
@@ -345,12 +347,15 @@ class Drafter(nn.Module, ABC):
         kv_cache: PagedKVCache,
         max_position: list[int] | None = None,
         kv_only: bool = False,
+        last_only: bool = False,
     ) -> tuple[list[torch.Tensor | None], list[int]]:
         """Run module j on every position it can write: p with t[p + j] in `tokens`.
 
         tokens[i] are t[token_starts[i] + 1 ...]. Returns per request the outputs [w, hidden]
-        (None when w = 0, or always with `kv_only`: the module only writes its KV) and w, the
-        number of rows written from the front of avail[i].
+        (None when w = 0, or always with `kv_only`: the module only writes its KV; with
+        `last_only` only the last row's, [1, hidden]: the other rows only write their KV,
+        which spares the attention and MLP of a prefill's rows) and w, the number of rows
+        written from the front of avail[i].
         """
         module = self.modules_chain[j - 1]
         ids: list[int] = []
@@ -379,18 +384,38 @@ class Drafter(nn.Module, ABC):
         if not q_lens:
             return [None] * len(avail), counts
         device = self.device
-        md = AttentionMetadata.build(q_lens, s_lens, tables, kv_cache.block_size, device)
-        inputs = (
-            torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.cat(rows),  # already in the drafter's dtype (first_hidden / module outputs)
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            kv_cache,
-            md,
-        )
+        block_size = kv_cache.block_size
+
+        def inputs(ids, rows, positions, q_lens, s_lens, tables):
+            md = AttentionMetadata.build(q_lens, s_lens, tables, block_size, device)
+            return (
+                torch.tensor(ids, dtype=torch.int64, device=device),
+                torch.cat(rows),  # already in the drafter's dtype (first_hidden / outputs)
+                torch.tensor(positions, dtype=torch.int64, device=device),
+                kv_cache,
+                md,
+            )
+
         if kv_only:
-            module.write_kv(*inputs)
+            module.write_kv(*inputs(ids, rows, positions, q_lens, s_lens, tables))
             return [None] * len(avail), counts
-        out = module(*inputs)  # [sum(w), hidden]
+        if last_only and max(q_lens) > 1:
+            # KV of every row but each request's last, then the last rows in full (their
+            # attention reads the KV just written)
+            ends = list(itertools.accumulate(q_lens))
+            head = [i for i, q in enumerate(q_lens) if q > 1]
+            module.write_kv(*inputs(
+                [t for i in head for t in ids[ends[i] - q_lens[i] : ends[i] - 1]],
+                [rows[i][:-1] for i in head],
+                [p for i in head for p in positions[ends[i] - q_lens[i] : ends[i] - 1]],
+                [q_lens[i] - 1 for i in head], [s_lens[i] - 1 for i in head],
+                [tables[i] for i in head]))
+            out = module(*inputs([ids[e - 1] for e in ends], [r[-1:] for r in rows],
+                                 [positions[e - 1] for e in ends], [1] * len(q_lens), s_lens,
+                                 tables))  # [num requests written, hidden]
+            last = iter(out.split(1))
+            return [next(last) if w else None for w in counts], counts
+        out = module(*inputs(ids, rows, positions, q_lens, s_lens, tables))  # [sum(w), hidden]
         res: list[torch.Tensor | None] = []
         o = 0
         for w in counts:
