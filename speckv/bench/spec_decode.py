@@ -1,17 +1,23 @@
 """`speckv bench spec-decode`: decode speed with speculation versus without, same prompts.
 
-The built-in model (fp32, CPU, `--threads` torch threads), greedy, on held-out chat prompts
-(never in the drafter's training data), at each batch size: output tokens/s without
-speculation, with the built-in EAGLE3 head (adaptive draft length: the engine drafts fewer
-tokens or none when that is faster) and with n-gram prompt lookup as a peer; the ratios; the
+The built-in model (fp32, CPU, `--threads` torch threads), greedy, at each batch size, on the
+held-out prompt set (`speckv/drafters/heldout_prompts.py`, named in the output): chat, code and
+list requests in templates and on topics that neither the drafter's training prompts nor the
+prompts its training and the adaptive policy were evaluated on use, and random-token prompts
+(no chat template). Per batch size and family: output tokens/s without speculation, with the
+built-in EAGLE3 head (adaptive draft length: the engine drafts fewer tokens or none when that is
+faster) and optionally with the head at a fixed length or n-gram prompt lookup; the ratios, by
+wall time and by the process's CPU time (steadier where other processes share the cores); the
 drafts' mean acceptance length and per-position acceptance; which draft lengths the engine
 chose; and whether every output equals the plain run's (it must: greedy verification is
-lossless).
+lossless). The `all` rows pool the families (tokens over seconds).
 
+Each (batch size, family) gets fresh engines, so every figure includes the policy's learning.
 The modes run interleaved, wave by wave (a wave = `batch` prompts decoded together; batch 1
-runs one prompt at a time), so slow drift in a shared machine's load hits every mode alike.
-`--record` stores the EAGLE3 figures next to the shipped head (`benchmark.json`), where
-`speckv generate` and the demo read them to decide whether speculation is on by default.
+runs one prompt at a time), the order reversed every other wave, so slow drift in a shared
+machine's load hits every mode alike. `--record` stores the EAGLE3 figures next to the shipped
+head (`benchmark.json`), where `speckv generate`, `serve` and the demo read them to decide
+whether speculation is on by default (`speckv/drafters/builtin.py`).
 
 `--model hybrid-swa` or `--model DIR` (e.g. a Gemma 4 checkpoint with `--speculative-model` its
 MTP assistant) runs the `mtp` modes instead (adaptive, and `mtp-fixed`: always S drafts), with
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -41,6 +48,8 @@ class ModeResult:
     mode: str
     num_tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the process's CPU time over the same waves
+    draft_cpu_seconds: float = 0.0  # of it, in the proposer (draft-KV catch-up + drafting)
     outputs: list[list[int]] = field(default_factory=list)
     num_drafts_by_position: list[int] = field(default_factory=list)
     num_accepted_by_position: list[int] = field(default_factory=list)
@@ -49,6 +58,22 @@ class ModeResult:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.num_tokens / self.cpu_seconds if self.cpu_seconds else 0.0
+
+    def merged(self, other: ModeResult) -> ModeResult:
+        """Both results pooled (tokens and seconds summed, counters added)."""
+        out = ModeResult(self.mode, self.num_tokens + other.num_tokens,
+                         self.seconds + other.seconds, self.cpu_seconds + other.cpu_seconds,
+                         self.draft_cpu_seconds + other.draft_cpu_seconds,
+                         self.outputs + other.outputs)
+        for name in ("num_drafts_by_position", "num_accepted_by_position",
+                     "steps_by_num_spec_tokens"):
+            for part in (self, other):
+                _add(getattr(out, name), getattr(part, name))
+        return out
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -90,13 +115,22 @@ def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
 
     params = SamplingParams(max_tokens=max_tokens)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
+    from speckv.spec.proposer import ProposeTiming
+
     done = {}
-    start = time.perf_counter()
+    proposer = engine.proposer
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
+        if proposer is not None:
+            proposer.last_timing = ProposeTiming()
         for output in engine.step():
             if output.finished:
                 done[output.request_id] = output
+        if proposer is not None:  # timed on the engine's clock: CPU time on CPU
+            result.draft_cpu_seconds += proposer.last_timing.catch_up_s \
+                + proposer.last_timing.draft_s
     result.seconds += time.perf_counter() - start
+    result.cpu_seconds += time.process_time() - cpu_start
     for request_id in ids:
         output = done[request_id]
         result.num_tokens += len(output.token_ids)
@@ -105,17 +139,20 @@ def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
         _add(result.num_accepted_by_position, output.num_accepted_by_position)
 
 
-def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec, modes
-            ) -> dict[str, ModeResult]:
-    """Every mode over all `prompts`, `batch_size` at a time, the modes interleaved per wave.
-    `drafter`: the EAGLE3 drafter, or {family: drafter} ("eagle3", "mtp")."""
+def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec, modes,
+            first_wave: int = 0) -> dict[str, ModeResult]:
+    """Every mode over all `prompts` (texts or token ids), `batch_size` at a time, on fresh
+    engines, the modes interleaved per wave (`first_wave`: the index of the first wave in a
+    longer run, so the order keeps alternating across calls). `drafter`: the EAGLE3 drafter, or
+    {family: drafter} ("eagle3", "mtp")."""
     drafters = drafter if isinstance(drafter, dict) else {"eagle3": drafter}
     engines = {mode: _engine(model, tokenizer, drafters, mode, batch_size, num_spec)
                for mode in modes}
     results = {mode: ModeResult(mode) for mode in modes}
     for wave_start in range(0, len(prompts), batch_size):
         wave = prompts[wave_start : wave_start + batch_size]
-        order = list(modes) if (wave_start // batch_size) % 2 == 0 else list(reversed(modes))
+        index = first_wave + wave_start // batch_size
+        order = list(modes) if index % 2 == 0 else list(reversed(modes))
         for mode in order:
             _run_wave(engines[mode], wave, max_tokens, results[mode])
     for mode, engine in engines.items():
@@ -126,6 +163,7 @@ def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from speckv.drafters.heldout_prompts import FAMILIES, HELDOUT_SET
     from speckv.engine.config import MAX_NUM_SPEC_TOKENS
 
     parser.add_argument("--model", default="builtin",
@@ -139,23 +177,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "deprecated alias")
     parser.add_argument("--num-spec-tokens", type=int, default=3,
                         help=f"most drafts per step, 1..{MAX_NUM_SPEC_TOKENS}")
-    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt")
+    parser.add_argument("--max-tokens", type=int, default=48, help="output tokens per prompt")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
-    parser.add_argument("--num-prompts", type=int, default=24,
-                        help="held-out chat prompts (at least the largest batch is decoded: "
-                        "prompts repeat to fill it)")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated prompt families of the held-out set "
+                        f"{HELDOUT_SET}: {', '.join(FAMILIES)}")
+    parser.add_argument("--num-prompts", type=int, default=4,
+                        help="distinct prompts per family and batch size (at least the batch "
+                        "size: a batch decodes that many distinct prompts)")
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated subset of {', '.join(MODES)}; 'none' is the "
-                        "reference and always runs (default none,eagle3,ngram on the built-in "
-                        "model, none,mtp,mtp-fixed,ngram otherwise)")
+                        "reference and always runs (default none,eagle3 on the built-in model, "
+                        "none,mtp,mtp-fixed otherwise)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--record", action="store_true",
                         help="store the EAGLE3 figures with the shipped head (benchmark.json)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
-def _check(args: argparse.Namespace) -> tuple[list[int], tuple[str, ...]]:
-    from speckv.drafters.prompts import eval_prompts
+def _check(args: argparse.Namespace) -> tuple[list[int], tuple[str, ...], tuple[str, ...]]:
+    from speckv.drafters.heldout_prompts import FAMILIES, family_size
     from speckv.engine.config import MAX_NUM_SPEC_TOKENS
 
     try:
@@ -167,14 +208,22 @@ def _check(args: argparse.Namespace) -> tuple[list[int], tuple[str, ...]]:
         raise ValueError("--batch-sizes must all be >= 1")
     if not 1 <= args.num_spec_tokens <= MAX_NUM_SPEC_TOKENS:
         raise ValueError(f"--num-spec-tokens must be between 1 and {MAX_NUM_SPEC_TOKENS}")
-    available = len(eval_prompts(None))
-    if not 1 <= args.num_prompts <= available:
-        raise ValueError(f"--num-prompts must be between 1 and {available} (held-out prompts)")
+    families = tuple(dict.fromkeys(f.strip() for f in args.families.split(",") if f.strip()))
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        raise ValueError(f"--families: unknown {unknown}; choose from {list(FAMILIES)}")
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    for family in families:
+        size = family_size(family)
+        need = max(args.num_prompts, *batch_sizes)
+        if size is not None and need > size:
+            raise ValueError(f"--num-prompts / --batch-sizes: the {family} family has {size} "
+                             f"distinct prompts, {need} needed")
     if args.max_tokens < 1 or args.threads < 1:
         raise ValueError("--max-tokens and --threads must be >= 1")
     if args.modes is None:
-        args.modes = ("none,eagle3,ngram" if args.model == "builtin"
-                      else "none,mtp,mtp-fixed,ngram")
+        args.modes = "none,eagle3" if args.model == "builtin" else "none,mtp,mtp-fixed"
     modes = tuple(dict.fromkeys(["none", *(m.strip() for m in args.modes.split(","))]))
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -194,102 +243,149 @@ def _check(args: argparse.Namespace) -> tuple[list[int], tuple[str, ...]]:
             and args.speculative_model != "builtin":
         raise ValueError("--modes: eagle3 and mtp modes each need their own drafter; run them "
                          "separately")
-    return batch_sizes, modes
+    return batch_sizes, families, modes
+
+
+def family_prompts(tokenizer, family: str, num: int, vocab_size: int | None = None) -> list:
+    """`num` prompts of a held-out family: chat-templated texts, or token ids (random). A model
+    without a tokenizer (`vocab_size` given) gets the texts' bytes as token ids."""
+    from speckv.drafters.heldout_prompts import random_token_prompts, text_prompts
+
+    if family == "random":
+        special = tokenizer.backend.get_added_tokens_decoder() if tokenizer else {}
+        vocab = tokenizer.vocab_size if tokenizer is not None else vocab_size
+        return random_token_prompts(num, vocab, exclude=sorted(special))
+    texts = text_prompts(family, num)
+    if tokenizer is None:
+        assert vocab_size is not None
+        return [[b % vocab_size for b in text.encode()] for text in texts]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            for text in texts]
 
 
 def run(args: argparse.Namespace) -> int:
-    from speckv.drafters.prompts import eval_prompts
     from speckv.engine.llm import load_model
     from speckv.engine.speculative import load_drafter_model
 
-    batch_sizes, modes = _check(args)
+    batch_sizes, families, modes = _check(args)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, "float32", "cpu", progress=not args.json)
-    drafters = {}
-    for family in dict.fromkeys(DRAFTER_MODES[m] for m in modes if m in DRAFTER_MODES):
+    drafter = {}
+    for kind in dict.fromkeys(DRAFTER_MODES[m] for m in modes if m in DRAFTER_MODES):
         name = args.speculative_model
-        if family == "mtp" and name == "builtin":  # hybrid-swa: a random-init assistant
+        if kind == "mtp" and name == "builtin":  # hybrid-swa: a random-init assistant
             name = "random-assistant"
-        drafters[family] = load_drafter_model(name, model, family)
-    texts = eval_prompts(args.num_prompts)
-    if tokenizer is not None:
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    else:  # a directory without a tokenizer: the texts' bytes as token ids
-        vocab = model.config.vocab_size
-        chats = [[b % vocab for b in t.encode()] for t in texts]
-    table_rows = []
-    for batch_size in batch_sizes:
-        count = max(len(chats), batch_size)
-        prompts = [chats[i % len(chats)] for i in range(count)]
-        results = measure(model, tokenizer, drafters, prompts, batch_size, args.max_tokens,
-                          args.num_spec_tokens, modes)
-        table_rows.append((batch_size, len(prompts), results))
+        drafter[kind] = load_drafter_model(name, model, kind)
+    vocab_size = model.config.vocab_size
     payload = []
-    for batch_size, num_prompts, results in table_rows:
-        plain = results["none"]
-        for mode, result in results.items():
-            payload.append({
-                "batch_size": batch_size, "num_prompts": num_prompts, "mode": mode,
-                "tokens_per_s": result.tokens_per_s,
-                "speedup": result.tokens_per_s / plain.tokens_per_s,
-                "mean_acceptance_length": result.mean_acceptance_length,
-                "acceptance_by_position": result.acceptance_by_position,
-                "steps_by_num_spec_tokens": result.steps_by_num_spec_tokens,
-                "identical_to_no_spec": result.outputs == plain.outputs,
-                **{k: v for k, v in asdict(result).items()
-                   if k in ("num_tokens", "seconds")},
-            })
+    wave = 0
+    for batch_size in batch_sizes:
+        count = max(args.num_prompts, batch_size)
+        pooled: dict[str, ModeResult] = {}
+        for family in families:
+            prompts = family_prompts(tokenizer, family, count, vocab_size)
+            results = measure(model, tokenizer, drafter, prompts, batch_size, args.max_tokens,
+                              args.num_spec_tokens, modes, first_wave=wave)
+            wave += -(-count // batch_size)
+            payload += _rows(batch_size, family, count, results)
+            pooled = {mode: pooled[mode].merged(r) if mode in pooled else r
+                      for mode, r in results.items()}
+        if len(families) > 1:
+            payload += _rows(batch_size, "all", count * len(families), pooled)
     if args.record:
         _record(payload, args)
     if args.json:
         print(json.dumps(payload))
         return 0
-    _print(payload, args, len(texts))
+    _print(payload, args)
     return 0
+
+
+def _rows(batch_size: int, family: str, num_prompts: int, results: dict[str, ModeResult]
+          ) -> list[dict]:
+    plain = results["none"]
+    return [{
+        "batch_size": batch_size, "family": family, "num_prompts": num_prompts, "mode": mode,
+        "tokens_per_s": result.tokens_per_s,
+        "speedup": result.tokens_per_s / plain.tokens_per_s,
+        "cpu_speedup": result.tokens_per_cpu_s / plain.tokens_per_cpu_s,
+        "draft_share": result.draft_cpu_seconds / result.cpu_seconds if result.cpu_seconds
+        else 0.0,
+        "mean_acceptance_length": result.mean_acceptance_length,
+        "acceptance_by_position": result.acceptance_by_position,
+        "steps_by_num_spec_tokens": result.steps_by_num_spec_tokens,
+        "identical_to_no_spec": result.outputs == plain.outputs,
+        **{k: v for k, v in asdict(result).items()
+           if k in ("num_tokens", "seconds", "cpu_seconds")},
+    } for mode, result in results.items()]
+
+
+def _command(args: argparse.Namespace) -> str:
+    return (f"speckv bench spec-decode --batch-sizes {args.batch_sizes} --families "
+            f"{args.families} --num-prompts {args.num_prompts} --max-tokens {args.max_tokens} "
+            f"--num-spec-tokens {args.num_spec_tokens} --threads {args.threads}")
 
 
 def _record(payload: list[dict], args: argparse.Namespace) -> None:
     from speckv.drafters.builtin import BENCHMARK_FILE, BUILTIN_DRAFTER_DIR
+    from speckv.drafters.heldout_prompts import HELDOUT_SET
 
+    pooled_family = "all" if any(r["family"] == "all" for r in payload) else payload[0]["family"]
     rows = [r for r in payload if r["mode"] == "eagle3"]
-    lengths = [r["mean_acceptance_length"] for r in rows if r["batch_size"] == min(
-        x["batch_size"] for x in rows) and r["mean_acceptance_length"] is not None]
+    pooled = [r for r in rows if r["family"] == pooled_family]
+    smallest = min(r["batch_size"] for r in pooled)
+    lengths = [r["mean_acceptance_length"] for r in pooled
+               if r["batch_size"] == smallest and r["mean_acceptance_length"] is not None]
     record = {
-        "speedup_by_batch": {str(r["batch_size"]): round(r["speedup"], 3) for r in rows},
+        "prompt_set": HELDOUT_SET,
+        "families": args.families,
+        "speedup_by_batch": {str(r["batch_size"]): round(r["speedup"], 3) for r in pooled},
+        "cpu_speedup_by_batch": {str(r["batch_size"]): round(r["cpu_speedup"], 3)
+                                 for r in pooled},
+        "speedup_by_family": {f"{r['family']}@{r['batch_size']}": round(r["speedup"], 3)
+                              for r in rows if r["family"] != "all"},
         "mean_acceptance_length": round(lengths[0], 3) if lengths else 1.0,
         "num_spec_tokens": args.num_spec_tokens,
-        "command": (f"speckv bench spec-decode --batch-sizes {args.batch_sizes} "
-                    f"--num-prompts {args.num_prompts} --max-tokens {args.max_tokens} "
-                    f"--threads {args.threads}"),
+        "command": _command(args),
         "rows": payload,
     }
-    (BUILTIN_DRAFTER_DIR / BENCHMARK_FILE).write_text(json.dumps(record, indent=1))
+    (BUILTIN_DRAFTER_DIR / BENCHMARK_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _print(payload: list[dict], args: argparse.Namespace, num_texts: int) -> None:
-    name = "built-in model" if args.model == "builtin" else args.model
-    if args.model == "hybrid-swa":
-        name += " (RANDOM-INIT weights, random-init MTP assistant: few drafts accepted)"
-    table = Table(title=f"greedy decode, {name} (fp32, {args.threads} thread), "
-                        f"{num_texts} held-out chat prompts, {args.max_tokens} output tokens, "
-                        f"up to {args.num_spec_tokens} drafts", title_justify="left")
-    for column in ("B", "mode", "tok/s", "x", "AL", "acc. %", "steps by k", "same"):
-        table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
-    for row in payload:
+def _print(payload: list[dict], args: argparse.Namespace) -> None:
+    from speckv.drafters.heldout_prompts import HELDOUT_SET
+
+    model = "built-in model" if args.model == "builtin" else args.model
+    table = Table(title=f"greedy decode, {model} (fp32, {args.threads} thread), held-out "
+                        f"prompt set {HELDOUT_SET} ({args.families}), {args.max_tokens} output "
+                        f"tokens, up to {args.num_spec_tokens} drafts", title_justify="left")
+    for column in ("B", "prompts", "mode", "tok/s", "x", "x cpu", "draft %", "AL", "acc. %",
+                   "steps by k", "same"):
+        table.add_column(column, justify="left" if column in ("mode", "prompts") else "right",
+                         no_wrap=True)
+    for i, row in enumerate(payload):
         length = row["mean_acceptance_length"]
+        following = payload[i + 1] if i + 1 < len(payload) else None
         table.add_row(
-            str(row["batch_size"]), LABELS[row["mode"]], f"{row['tokens_per_s']:.1f}",
-            f"{row['speedup']:.2f}", f"{length:.2f}" if length is not None else "-",
+            str(row["batch_size"]), f"{row['family']} ({row['num_prompts']})",
+            LABELS[row["mode"]], f"{row['tokens_per_s']:.1f}",
+            f"{row['speedup']:.2f}", f"{row['cpu_speedup']:.2f}",
+            f"{100 * row['draft_share']:.1f}" if row["mode"] != "none" else "-",
+            f"{length:.2f}" if length is not None else "-",
             "/".join(f"{100 * a:.0f}" for a in row["acceptance_by_position"]) or "-",
             "/".join(str(n) for n in row["steps_by_num_spec_tokens"]) or "-",
             "yes" if row["identical_to_no_spec"] else "NO",
+            end_section=following is None or (following["batch_size"], following["family"])
+            != (row["batch_size"], row["family"]),
         )
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)  # a pipe: do not wrap at 80
     console.print(table)
-    console.print("[dim]B: batch size. EAGLE3, MTP and n-gram choose their draft length per "
-                  "step (adaptive); EAGLE3 / MTP k=S always draft S. x: tokens/s over no "
-                  "spec's. AL: mean acceptance length, tokens per verification step with "
-                  "drafts (accepted + 1). "
-                  "acc. %: share of those steps that accepted draft 1, 2, ... steps by k: "
-                  "decode steps that drafted k = 0, 1, ... tokens. same: greedy output equals "
-                  "no spec's.[/dim]")
+    console.print("[dim]B: batch size. prompts: held-out family (distinct prompts); all: the "
+                  "families pooled. EAGLE3 and n-gram choose their draft length per step "
+                  "(adaptive); EAGLE3 k=S always drafts S. x: tokens/s over no spec's (wall "
+                  "time); x cpu: the same by the process's CPU time. draft %: share of the mode's "
+                  "CPU time spent in the proposer (draft-KV catch-up and drafting): what "
+                  "speculation costs before any draft is accepted. AL: mean acceptance length, "
+                  "tokens per verification step with drafts (accepted + 1). acc. %: share of "
+                  "those steps that accepted draft 1, 2, ... steps by k: decode steps that "
+                  "drafted k = 0, 1, ... tokens. same: greedy output equals no spec's.[/dim]")

@@ -3,8 +3,8 @@
 Owns a short, real run of the engine on SmolLM2-135M-Instruct: one chat prompt sent twice
 (cached prompt tokens, time to first token and accepted drafts for each), then a small batch
 with tokens/s. Speculation follows the measurement: the shipped EAGLE3 head (adaptive draft
-length, lookahead block hashes) is on when its recorded benchmark is faster at batch 1, and
-the first line says so with the measured speed-ups.
+length, lookahead block hashes) is on when its recorded held-out figure at batch 1 passes
+`speculation_default`, and the first line says so with the measured figure.
 """
 
 from __future__ import annotations
@@ -29,31 +29,25 @@ BATCH = [
 
 
 def run_model_demo(console: Console, max_tokens: int = 32) -> None:
-    from speckv.drafters.builtin import measured_speedup
+    from speckv.drafters.builtin import measured_speedup, speculation_default
     from speckv.engine.llm import LLM
     from speckv.engine.sampling_params import SamplingParams
     from speckv.models.builtin import BuiltinModelMissingError
 
     measured = measured_speedup()
-    speculate = measured is not None and (measured.at(1) or 0.0) > 1.0
+    default = speculation_default(measured)
     speculative = {"speculative_method": "eagle3", "num_spec_tokens": 3,
-                   "speculative_model": "builtin"} if speculate else {}
+                   "speculative_model": "builtin"} if default.on else {}
     try:
         llm = LLM("builtin", **speculative)
     except BuiltinModelMissingError as error:
         console.print(f"[yellow]built-in model unavailable:[/] {error}")
         return
     engine = llm.engine
-    if measured is None:
-        spec_line = "speculation off (no benchmark recorded for the shipped EAGLE3 head)"
-    else:
-        figures = ", ".join(f"{s:.2f}x at batch {b}"
-                            for b, s in sorted(measured.speedup_by_batch.items()))
-        spec_line = (
-            f"EAGLE3 speculation (the shipped head, up to {engine.num_spec_tokens} drafts, "
-            "adaptive: fewer or none where drafting does not pay)" if speculate else
-            "speculation off (slower on this model)"
-        ) + f"; measured {figures} ({measured.command})"
+    spec_line = (
+        f"EAGLE3 speculation (the shipped head, up to {engine.num_spec_tokens} drafts, "
+        "adaptive: fewer or none where drafting does not pay)" if default.on else
+        "speculation off") + f": {default.reason}"
     console.print(
         f"[bold]Built-in model[/] SmolLM2-135M-Instruct on {engine.runner.device} "
         f"({engine.model.dtype}), {engine.num_blocks} KV blocks of {engine.config.block_size}, "

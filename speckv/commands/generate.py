@@ -133,6 +133,12 @@ def _generate(llm, args: argparse.Namespace, params, with_tiers: bool) -> int:
                         "draft j accepted " + " / ".join(
                             f"{rate:.0%}" for rate in last.acceptance_by_position)
                         + f" ({llm.engine.hash_mode.label})")
+        stats = llm.engine.spec_decode_stats()
+        if stats is not None:  # what the adaptive draft length chose
+            accepted += (", steps drafting k = 0.." + str(stats.max_spec_tokens) + ": "
+                         + "/".join(str(n) for n in stats.steps_by_num_spec_tokens))
+            if stats.predicted_speedup is not None:
+                accepted += f", predicted {stats.predicted_speedup:.2f}x over no drafts"
         cached = f", cached {last.num_cached_tokens}/{len(last.prompt_token_ids)} prompt tokens"
         if with_tiers:
             cached += f" ({last.num_external_cached_tokens} from the tiers)"

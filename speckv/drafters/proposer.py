@@ -7,12 +7,23 @@ step, their target hidden states, the request's real tokens and block table) to 
 `DraftCarry` (dropped when a request's next pass does not continue where the last ended: a
 prefix hit or a resumed preemption starts fresh, which is correct because every position below
 the new start already has all modules' draft KV).
+
+Lazy catch-up: a request that gets no drafts next step does not need its draft KV yet, except
+where a block hash can name it. A block's hash exists only once the block is full of real
+tokens (and, with lookahead hashes, its successors are known too), so while every position
+some module has not written yet lies in the request's last, not yet full block, those
+positions are kept (their target hidden states, copied) and written in one batched pass when
+the request drafts again or its block fills, whichever comes first.
+Every position of a full block is written in the step that fills it, before the scheduler
+appends the token that creates its hash: a hit never reads draft KV that is not written. On a
+step without drafts this skips the drafter entirely for most requests.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,6 +56,17 @@ def _target_states(items: Sequence[ProposerInput], num_aux: int) -> TargetStates
     )
 
 
+@dataclass(frozen=True)
+class _Deferred:
+    """Positions [start, end) of one request whose draft KV is not written yet (copies of the
+    target rows, each [end - start, hidden])."""
+
+    start: int
+    end: int
+    hidden_states: torch.Tensor
+    aux_hidden_states: tuple[torch.Tensor, ...]
+
+
 class DrafterProposer:
     """Runner adapter: call `propose(inputs)` once per step (see speckv/spec/proposer.py)."""
 
@@ -54,6 +76,7 @@ class DrafterProposer:
         num_spec_tokens: int,
         num_blocks: int,
         block_size: int,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
@@ -63,43 +86,95 @@ class DrafterProposer:
         self.aux_layers: tuple[int, ...] = drafter.target_aux_layers
         self.kv_cache = drafter.make_kv_cache(num_blocks, block_size)
         self._carries: dict[str, DraftCarry] = {}
+        self._deferred: dict[str, _Deferred] = {}  # lazy catch-up (module docstring)
+        self.clock = clock  # times the catch-up and the drafts (the adaptive policy's clock)
         self.last_timing = ProposeTiming()
 
     def free(self, request_id: str) -> None:
         """Forget a finished request's carry (the engine should call this when it frees one)."""
         self._carries.pop(request_id, None)
+        self._deferred.pop(request_id, None)
+
+    def num_deferred_positions(self, request_id: str) -> int:
+        """Final positions of a request whose draft KV is not written yet (lazy catch-up)."""
+        deferred = self._deferred.get(request_id)
+        return deferred.end - deferred.start if deferred is not None else 0
+
+    def _with_deferred(self, x: ProposerInput) -> _Deferred:
+        """x's rows after the positions deferred before them (dropped when x does not continue
+        them: after a prefix hit or a preemption those positions are computed again)."""
+        deferred = self._deferred.pop(x.request_id, None)
+        if deferred is None or deferred.end != x.start:
+            return _Deferred(x.start, x.end, x.hidden_states, tuple(x.aux_hidden_states))
+        return _Deferred(
+            deferred.start, x.end, torch.cat([deferred.hidden_states, x.hidden_states]),
+            tuple(torch.cat([a, b]) for a, b in zip(deferred.aux_hidden_states,
+                                                    x.aux_hidden_states)))
+
+    def _first_unwritten(self, request_id: str, rows: _Deferred) -> int:
+        """The first position some module has not written the draft KV of: `rows.start`, or
+        earlier where a lagging module (k-module MTP) still holds carried rows."""
+        carry = self._carries.get(request_id)
+        if carry is None or carry.next_position != rows.start:
+            return rows.start
+        return min([rows.start, *carry.start])
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
-        start = time.perf_counter()
+        start = self.clock()
         self.last_timing = ProposeTiming()
-        items = [x for x in inputs if x.end > x.start]
-        if not items:
-            return {}
         L = self.drafter.draft_kv_lookahead_tokens
+        block_size = self.kv_cache.block_size
+        items: list[tuple[ProposerInput, _Deferred]] = []
+        want: list[int] = []
+        for x in inputs:
+            if x.end <= x.start:
+                continue
+            rows = self._with_deferred(x)
+            # Draft only for requests whose catch-up reaches their last real token.
+            drafts = x.wants_drafts and x.max_drafts > 0 and x.end == len(x.token_ids) - 1
+            first_open_block = len(x.token_ids) // block_size * block_size
+            if not drafts and self._first_unwritten(x.request_id, rows) >= first_open_block:
+                # no hash can name these positions yet: write them later, in one pass
+                self._deferred[x.request_id] = _Deferred(
+                    rows.start, rows.end, rows.hidden_states.clone(),
+                    tuple(a.clone() for a in rows.aux_hidden_states))
+                continue
+            if drafts:
+                want.append(len(items))
+            items.append((x, rows))
+        if not items:
+            self.last_timing = ProposeTiming(self.clock() - start, 0.0)
+            return {}
         reqs = []
-        for x in items:
+        for x, rows in items:
             carry = self._carries.get(x.request_id)
-            if carry is not None and carry.next_position != x.start:
+            if carry is not None and carry.next_position != rows.start:
                 carry = None  # prefix hit / preemption: positions below start are complete
             # Real tokens after each final position, plus up to L - 1 more known ones (prefill).
-            nxt = list(x.token_ids[x.start + 1 : x.end + L])
-            reqs.append(CatchUpRequest(x.start, x.end - x.start, nxt, x.block_table, carry))
-        states = _target_states(items, len(self.aux_layers))
-        # Draft only for requests whose catch-up reaches their last real token.
-        want = [
-            i
-            for i, x in enumerate(items)
-            if x.wants_drafts and x.max_drafts > 0 and x.end == len(x.token_ids) - 1
-        ]
+            nxt = list(x.token_ids[rows.start + 1 : rows.end + L])
+            reqs.append(CatchUpRequest(rows.start, rows.end - rows.start, nxt, x.block_table,
+                                       carry))
+        if all(rows.hidden_states is x.hidden_states for x, rows in items):
+            # nothing deferred joined these rows: one gather from the step's shared rows
+            states = _target_states([x for x, _ in items], len(self.aux_layers))
+        else:
+            states = TargetStates(
+                torch.cat([rows.hidden_states for _, rows in items]),
+                tuple(
+                    torch.cat([rows.aux_hidden_states[i] for _, rows in items])
+                    for i in range(len(self.aux_layers))
+                ),
+            )
         state = self.drafter.write_draft_kv(states, reqs, self.kv_cache, will_propose=bool(want))
-        for x, c in zip(items, state.carries):
+        for (x, _), c in zip(items, state.carries):
             self._carries[x.request_id] = c
-        caught_up = time.perf_counter()
+        caught_up = self.clock()
         self.last_timing = ProposeTiming(caught_up - start, 0.0)
         if not want:
             return {}
+        asked = [items[i][0] for i in want]
         # Greedy drafts are a prefix of longer runs: draft no more than any request may take.
-        num = min(self.num_spec_tokens, max(items[i].max_drafts for i in want))
+        num = min(self.num_spec_tokens, max(x.max_drafts for x in asked))
         drafts = self.drafter.propose(state.subset(want), num, self.kv_cache).tolist()
-        self.last_timing = ProposeTiming(caught_up - start, time.perf_counter() - caught_up)
-        return {items[i].request_id: d[: items[i].max_drafts] for i, d in zip(want, drafts)}
+        self.last_timing = ProposeTiming(caught_up - start, self.clock() - caught_up)
+        return {x.request_id: d[: x.max_drafts] for x, d in zip(asked, drafts)}

@@ -60,7 +60,13 @@ from speckv.hashing.functions import get_hash_algo
 from speckv.models.kv_layout import KVCacheLayout
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
-from speckv.spec.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation, SpecDecodeStats
+from speckv.spec.adaptive import (
+    AdaptiveSpecConfig,
+    AdaptiveSpeculation,
+    Clock,
+    SpecDecodeStats,
+    default_clock,
+)
 from speckv.spec.policy import NO_DRAFTER, DrafterPolicy
 from speckv.spec.proposer import Proposer
 
@@ -84,6 +90,7 @@ class LLMEngine:
         layout: KVCacheLayout | None = None,
         retention_interval: int | None = None,
         tail_widening: TailWidening = TailWidening.UNIT,
+        spec_clock: Clock | None = None,
     ) -> None:
         """`connector`: a KV connector to use instead of the one `config.kv_connector` names
         (not yet initialized; the engine initializes it and closes it).
@@ -91,7 +98,9 @@ class LLMEngine:
         Cache-policy overrides (benches, tests): `layout` replaces the model's KV cache groups
         (e.g. other block sizes per group; the drafter's group keeps `config.block_size`);
         `retention_interval` / `tail_widening` go to the `KVCacheManager` (sliding-window
-        tails kept only at multiples of the interval, and how they widen)."""
+        tails kept only at multiples of the interval, and how they widen). `spec_clock`: what
+        the adaptive draft length times steps with (default `default_clock` of the model's
+        device; tests pass a scripted one)."""
         self.config = config = config or EngineConfig()
         if connector is not None and config.kv_connector is not None:
             raise ValueError("pass a connector or set EngineConfig.kv_connector, not both")
@@ -133,8 +142,9 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes:,} "
                                  f"bytes) fits {self.num_blocks} KV blocks of {per_block:,} "
                                  "bytes; at least 2 are needed (block 0 is the null block)")
+        clock = spec_clock or default_clock(model.device.type)
         if proposer is None:
-            proposer = make_proposer(config, drafter, self.num_blocks)
+            proposer = make_proposer(config, drafter, self.num_blocks, clock)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         layout = layout or (
@@ -192,7 +202,7 @@ class LLMEngine:
         )
         # how many drafts each step verifies (adaptive unless config says otherwise)
         self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
-            self.num_spec_tokens, adaptive=config.adaptive_speculation))
+            self.num_spec_tokens, adaptive=config.adaptive_speculation), clock)
         self.runner = ModelRunner(
             model, self.num_blocks, block_size, proposer,
             RunnerConnector(connector, block_size) if connector is not None else None,

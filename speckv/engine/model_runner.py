@@ -144,14 +144,15 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
         if scheduled:
-            start = time.perf_counter()
+            clock = self.spec_policy.clock if self.spec_policy is not None else time.perf_counter
+            start = clock()
             forward = self._forward(scheduled)
             sampled, stopped = self._sample(scheduled, forward)
             if self.states is not None and forward.state_plan is not None:
                 # rejected drafts must not advance the recurrent state
                 self.states.commit(forward.state_plan, scheduled, self._state_tables(scheduled),
                                    sampled)
-            target_s = time.perf_counter() - start
+            target_s = clock() - start
             drafts = self._propose(scheduled, forward, sampled, stopped, target_s)
         if self.connector is None:
             return ModelRunnerOutput(sampled, drafts)

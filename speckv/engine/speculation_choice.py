@@ -1,10 +1,10 @@
 """Which drafter runs for a command's speculation flags: the one rule `speckv generate` and
 `speckv serve` (and through them the demo) share.
 
-Owns the defaults (the built-in model's shipped head only where its recorded benchmark is
-faster; a random-init MTP head on the random `hybrid-gdn`, a random-init Gemma 4 MTP assistant
-on `hybrid-swa`), the method a drafter directory implies, and the errors, in flag words, for
-combinations that cannot run. Nothing is loaded.
+Owns the defaults (the built-in model's shipped head only where its recorded held-out figure
+passes `speculation_default`; a random-init MTP head on the random `hybrid-gdn`, a random-init
+Gemma 4 MTP assistant on `hybrid-swa`), the method a drafter directory implies, and the errors,
+in flag words, for combinations that cannot run. Nothing is loaded.
 """
 
 from __future__ import annotations
@@ -27,13 +27,18 @@ def choose_speculation(model: str, method: str | None, speculative_model: str | 
                        num_spec_tokens: int) -> SpeculationChoice:
     """The choice for `--model`, `--speculative-method`, `--speculative-model` and
     `--num-spec-tokens`; ValueError in flag words before anything is loaded."""
-    from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, measured_speedup
+    from speckv.drafters.builtin import (
+        BUILTIN_DRAFTER_METHOD,
+        measured_speedup,
+        speculation_default,
+    )
 
     if not 1 <= num_spec_tokens <= MAX_NUM_SPEC_TOKENS:
         raise ValueError(f"--num-spec-tokens must be between 1 and {MAX_NUM_SPEC_TOKENS}, got "
                          f"{num_spec_tokens}")
     builtin = model == "builtin"
     measured = measured_speedup() if builtin else None
+    default = speculation_default(measured) if builtin else None
     if model == "hybrid-gdn" and speculative_model is None and method == "mtp":
         speculative_model = "random-mtp"  # a random-init MTP drafter on the random hybrid
     if model == "hybrid-swa" and speculative_model is None and method == "mtp":
@@ -45,8 +50,7 @@ def choose_speculation(model: str, method: str | None, speculative_model: str | 
             from speckv.drafters.loaders import detect_format
 
             method = detect_format(speculative_model)[0]
-        elif builtin and (speculative_model == "builtin" or (
-                measured is not None and (measured.at(1) or 0.0) > 1.0)):
+        elif builtin and (speculative_model == "builtin" or (default is not None and default.on)):
             method = BUILTIN_DRAFTER_METHOD
         else:
             method = "none"
@@ -56,9 +60,8 @@ def choose_speculation(model: str, method: str | None, speculative_model: str | 
                              f"{'/'.join(DRAFTER_METHODS)}, got {method}")
         summary = ("speculation off" if method == "none"
                    else f"speculation: n-gram prompt lookup, {num_spec_tokens} drafts")
-        if method == "none" and builtin and measured is not None:
-            summary += (f" (the built-in EAGLE3 head measured {measured.at(1) or 0:.2f}x at "
-                        "batch 1; --speculative-method eagle3 turns it on)")
+        if method == "none" and default is not None:
+            summary += f": {default.reason}; --speculative-method eagle3 turns it on"
         return SpeculationChoice(method, None, summary)
     if speculative_model is None or speculative_model == "builtin":
         if not builtin:
@@ -69,11 +72,10 @@ def choose_speculation(model: str, method: str | None, speculative_model: str | 
                 f"the built-in model has no built-in {method.upper()} drafter (it ships an "
                 f"{BUILTIN_DRAFTER_METHOD.upper()} head): use --speculative-method "
                 f"{BUILTIN_DRAFTER_METHOD}, or --speculative-model DIR with a {method} drafter")
-        summary = f"speculation: the built-in EAGLE3 head, up to {num_spec_tokens} drafts"
+        summary = (f"speculation: the built-in EAGLE3 head, up to {num_spec_tokens} drafts "
+                   "(adaptive)")
         if measured is not None:
-            summary += (f"; measured {measured.at(1) or 0:.2f}x decode tokens/s at batch 1, "
-                        f"mean acceptance length {measured.mean_acceptance_length:.2f} "
-                        f"({measured.command})")
+            summary += f"; {measured.describe(1)}"
         return SpeculationChoice(method, "builtin", summary)
     return SpeculationChoice(method, speculative_model, f"speculation: {method} drafter "
                              f"{speculative_model}, up to {num_spec_tokens} drafts")

@@ -9,6 +9,7 @@ modules live in `speckv.drafters`; the proposer protocol and the n-gram proposer
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +18,7 @@ from speckv.connectors.capability import lookahead_blocker
 from speckv.drafters.base import Drafter
 from speckv.engine.config import DRAFTER_METHODS, EngineConfig
 from speckv.models import LlamaForCausalLM
+from speckv.spec.adaptive import Clock
 from speckv.spec.ngram import NgramProposer
 from speckv.spec.policy import DrafterPolicy, resolve_hash_mode
 from speckv.spec.proposer import Proposer
@@ -31,9 +33,9 @@ def speculative_args(drafter: Drafter | None, num_spec_tokens: int) -> dict[str,
     return {"speculative_method": method, "num_spec_tokens": num_spec_tokens}
 
 
-def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
-                  ) -> Proposer | None:
-    """The proposer for the config (None: no speculation)."""
+def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int,
+                  clock: Clock = time.perf_counter) -> Proposer | None:
+    """The proposer for the config (None: no speculation), timing itself with `clock`."""
     method = config.speculative_method
     build = getattr(drafter, "make_proposer", None)
     if build is not None:  # a drafter with its own proposer (the Gemma 4 assistant)
@@ -50,10 +52,11 @@ def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
             )
         from speckv.drafters.proposer import DrafterProposer
 
-        return DrafterProposer(drafter, config.num_spec_tokens, num_blocks, config.block_size)
+        return DrafterProposer(drafter, config.num_spec_tokens, num_blocks, config.block_size,
+                               clock)
     if method == "ngram":
         return NgramProposer(config.num_spec_tokens, config.prompt_lookup_min,
-                             config.prompt_lookup_max)
+                             config.prompt_lookup_max, clock)
     if method in DRAFTER_METHODS:
         raise ValueError(
             f"speculative_method {method!r} needs a drafter: set speculative_model (a drafter "

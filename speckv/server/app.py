@@ -97,7 +97,8 @@ class OpenAIServer:
         self.limits = ModelLimits(config.served_model_name, engine.max_model_len,
                                   engine.vocab_size)
         self.metrics = ServerMetrics(config.served_model_name, engine.hash_mode,
-                                     engine.num_spec_tokens)
+                                     engine.num_spec_tokens,
+                                     spec_stats=engine.spec_decode_stats)
         self.client = AsyncEngineClient(engine, self.metrics, config.max_waiting_requests,
                                         config.retry_after_s)
         self.app = build_app(self)

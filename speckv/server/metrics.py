@@ -15,6 +15,10 @@ Owns one `CollectorRegistry` per server (tests run several servers in one proces
     ours
         speckv:hash_mode_info {hash_mode, reason} = 1, speckv:lookahead_tokens (L, 0 when
         off), speckv:legacy_block_drop (1 while the last matched block is dropped)
+    the adaptive draft length (`LLMEngine.spec_decode_stats`, read at each scrape)
+        speckv:spec_decode_steps_by_num_spec_tokens {num_spec_tokens}: decode steps that
+        drafted k tokens; speckv:spec_decode_num_spec_tokens: the current choice;
+        speckv:spec_decode_predicted_speedup: its predicted tokens/s over no drafts
 
 Labels `model_name` and `engine` as vLLM sets them; buckets are vLLM's. Counters are exposed
 with prometheus_client's `_total` suffix, as vLLM's are. Times run from the HTTP arrival.
@@ -22,6 +26,7 @@ with prometheus_client's `_total` suffix, as vLLM's are. Times run from the HTTP
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -38,6 +43,7 @@ from speckv.cache.hash_mode import HashMode
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.stats import SchedulerStats
 from speckv.server.engine_loop import EngineRequest
+from speckv.spec.adaptive import SpecDecodeStats
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -117,7 +123,9 @@ class ServerMetrics:
     plus `success` per finish reason and `accepted_per_pos` per draft position."""
 
     def __init__(self, model_name: str, hash_mode: HashMode, num_spec_tokens: int,
-                 engine_index: int = 0) -> None:
+                 engine_index: int = 0,
+                 spec_stats: Callable[[], SpecDecodeStats | None] | None = None) -> None:
+        """`spec_stats`: the engine's `spec_decode_stats` (None: no draft-length gauges)."""
         disable_created_metrics()  # vLLM exposes no *_created series either
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
@@ -140,8 +148,28 @@ class ServerMetrics:
         self.lookahead_tokens.set(hash_mode.lookahead_tokens)
         self.legacy_block_drop.set(int(hash_mode.drops_last_unit))
         self._timings: dict[str, _Timing] = {}
+        self._spec_stats = spec_stats if num_spec_tokens else None
+        if self._spec_stats is not None:
+            by_k = Gauge("speckv:spec_decode_steps_by_num_spec_tokens", "Decode steps that "
+                         "drafted k tokens (the adaptive draft length's choices).",
+                         [*labels, "num_spec_tokens"], registry=r)
+            self.steps_by_k = [by_k.labels(*values, str(k)) for k in range(num_spec_tokens + 1)]
+            self.current_k = Gauge("speckv:spec_decode_num_spec_tokens", "Drafts per request "
+                                   "the adaptive policy chooses now.", labels,
+                                   registry=r).labels(*values)
+            self.predicted_speedup = Gauge(
+                "speckv:spec_decode_predicted_speedup", "Predicted tokens/s of the current "
+                "draft length over no drafts (0 until predicted).", labels,
+                registry=r).labels(*values)
 
     def render(self) -> bytes:
+        if self._spec_stats is not None:
+            stats = self._spec_stats()  # tuples and floats the engine thread replaces whole
+            if stats is not None:
+                for gauge, steps in zip(self.steps_by_k, stats.steps_by_num_spec_tokens):
+                    gauge.set(steps)
+                self.current_k.set(stats.last_num_spec_tokens)
+                self.predicted_speedup.set(stats.predicted_speedup or 0.0)
         return generate_latest(self.registry)
 
     # ---- LoopObserver (engine loop thread) -----------------------------------------------------

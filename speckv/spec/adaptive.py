@@ -25,17 +25,32 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
 
 It starts with one draft per request (cheap even where drafting does not pay; it measures
 g, a_1 and T at 2B), then no drafts for one step (T at B), then keeps the best k, T at
-unmeasured token counts following the measured segments. Every `probe_interval` steps it
+unmeasured token counts following the measured segments and never below T at fewer tokens
+(noise must not make verifying more tokens look cheaper). Every `probe_interval` steps it
 tries the runner-up for one step (8x less often when the runner-up is predicted to lose by
-more than 10%), so a change in batch size or acceptance is noticed. A switch needs a
+more than 5%), so a change in batch size or acceptance is noticed. A switch needs a
 `switch_margin` gain (timings are noisy).
+
+The costs are read from one injectable clock (`AdaptiveSpeculation.clock`, which the runner
+and the proposer use too): on CPU the process's CPU time by default, because the steps the
+policy compares run at different times and wall time also counts the time other processes
+held the cores, which drifts between them; on an accelerator the wall clock.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+Clock = Callable[[], float]  # seconds, monotonic within a run
+
+
+def default_clock(device_type: str) -> Clock:
+    """The cost clock for an engine on `device_type` ("cpu", "cuda", ...): see the module
+    docstring."""
+    return time.process_time if device_type == "cpu" else time.perf_counter
 
 
 @dataclass(frozen=True)
@@ -44,8 +59,10 @@ class AdaptiveSpecConfig:
     probe_interval: int = 16  # steps between tries of the runner-up draft length
     cost_decay: float = 0.7  # weight of the old mean when a cost is measured again
     acceptance_decay: float = 0.98  # per step, on the acceptance counts
-    prior_acceptance: float = 0.6  # a_j before any verification ...
-    prior_weight: float = 4.0  # ... worth this many verified drafts
+    # a_j before any verification, worth `prior_weight` verified drafts: light, because where
+    # drafts are never accepted every step spent unlearning the prior costs the draft path
+    prior_acceptance: float = 0.5
+    prior_weight: float = 1.0
     switch_margin: float = 0.03  # a new k must promise this much more goodput
     adaptive: bool = True  # False: always max_spec_tokens (statistics are still kept)
 
@@ -96,6 +113,9 @@ class SpecDecodeStats:
     steps_by_num_spec_tokens: tuple[int, ...]  # decode steps that asked for k drafts (index k)
     acceptance_estimate: tuple[float, ...]  # current a_j (conditional, decayed, with prior)
     last_num_spec_tokens: int  # the latest choice
+    # predicted tokens/s of the latest choice over no drafts, at the latest batch size (None:
+    # not predicted yet, or not adaptive)
+    predicted_speedup: float | None = None
 
     @property
     def acceptance_by_position(self) -> tuple[float, ...]:
@@ -138,16 +158,19 @@ class _DecayedMeans:
         keys = self._keys
         if not keys:
             return None
+        i = bisect.bisect_right(keys, key)
+        # costs do not fall as work grows: never below a mean measured at fewer tokens
+        floor = max((self.means[k] for k in keys[:i]), default=0.0)
         if key in self.means:
-            return self.means[key]
+            return max(floor, self.means[key])
         if len(keys) == 1:
-            return self.means[keys[0]] * key / keys[0]
+            return max(floor, self.means[keys[0]] * key / keys[0])
         i = bisect.bisect_left(keys, key)
         lo, hi = (keys[0], keys[1]) if i == 0 else (
             (keys[-2], keys[-1]) if i == len(keys) else (keys[i - 1], keys[i]))
         y0, y1 = self.means[lo], self.means[hi]
-        slope = max(0.0, (y1 - y0) / (hi - lo))  # costs do not fall as work grows
-        return max(0.0, y0 + slope * (key - lo))
+        slope = max(0.0, (y1 - y0) / (hi - lo))
+        return max(floor, y0 + slope * (key - lo))
 
 
 @dataclass
@@ -159,8 +182,9 @@ class _Counts:
 class AdaptiveSpeculation:
     """The draft-length policy of one engine (see the module docstring). Not thread-safe."""
 
-    def __init__(self, config: AdaptiveSpecConfig) -> None:
+    def __init__(self, config: AdaptiveSpecConfig, clock: Clock = time.perf_counter) -> None:
         self.config = config
+        self.clock = clock  # what the runner and the proposer time the step with
         s = config.max_spec_tokens
         self._target = _DecayedMeans(config.cost_decay)  # n tokens -> seconds
         self._draft = _DecayedMeans(config.cost_decay)  # B -> seconds per draft position
@@ -173,6 +197,7 @@ class AdaptiveSpeculation:
         self._current = s
         self._steps_since_probe = 0
         self._tried_zero = False
+        self._predicted_speedup: float | None = None
 
     # ---- measurements -------------------------------------------------------------------------
     def observe_verifications(self, verifications: Sequence[Verification]) -> None:
@@ -262,11 +287,13 @@ class AdaptiveSpeculation:
         current = known.get(self._current)
         if current is None or known[best] > current * (1.0 + self.config.switch_margin):
             self._current = best
+        if known.get(0):
+            self._predicted_speedup = known[self._current] / known[0]
         self._steps_since_probe += 1
         ranked = sorted((k for k in known if k != self._current), key=lambda k: -known[k])
         if ranked:
             runner_up = ranked[0]
-            close = known[runner_up] >= 0.9 * known[self._current]
+            close = known[runner_up] >= 0.95 * known[self._current]
             interval = self.config.probe_interval * (1 if close else 8)
             if self._steps_since_probe >= interval:
                 self._steps_since_probe = 0
@@ -282,4 +309,5 @@ class AdaptiveSpeculation:
             steps_by_num_spec_tokens=tuple(self._steps_by_k),
             acceptance_estimate=tuple(self.acceptance()),
             last_num_spec_tokens=self._current,
+            predicted_speedup=self._predicted_speedup,
         )

@@ -10,6 +10,21 @@ from speckv.bench.spec_decode import measure
 from speckv.drafters.loaders import random_drafter
 
 
+def test_pooled_results_add_up(tiny_model):
+    drafter = random_drafter("eagle3", tiny_model, init_std=0.2, seed=4, aux_layers=(0, 1, 1))
+    prompts = [[(3 * i + j) % 90 + 1 for j in range(5 + i)] for i in range(4)]
+    a = measure(tiny_model, None, drafter, prompts[:2], 1, 6, 2, ("none", "eagle3"))
+    b = measure(tiny_model, None, drafter, prompts[2:], 2, 6, 2, ("none", "eagle3"),
+                first_wave=2)
+    pooled = a["eagle3"].merged(b["eagle3"])
+    assert pooled.num_tokens == a["eagle3"].num_tokens + b["eagle3"].num_tokens
+    assert pooled.outputs == a["eagle3"].outputs + b["eagle3"].outputs
+    assert pooled.num_drafts_by_position == [
+        x + y for x, y in zip(a["eagle3"].num_drafts_by_position,
+                              b["eagle3"].num_drafts_by_position)]
+    assert pooled.cpu_seconds > 0 and pooled.tokens_per_cpu_s > 0
+
+
 def test_every_mode_decodes_the_same_tokens(tiny_model):
     drafter = random_drafter("eagle3", tiny_model, init_std=0.2, seed=4, aux_layers=(0, 1, 1))
     prompts = [[(5 * i + j) % 90 + 1 for j in range(6 + i)] for i in range(5)]
@@ -30,6 +45,8 @@ def test_every_mode_decodes_the_same_tokens(tiny_model):
     (["--modes", "none,medusa"], "--modes"),
     (["--batch-sizes", "1,x"], "--batch-sizes"),
     (["--num-prompts", "0"], "--num-prompts"),
+    (["--families", "chat,poetry"], "--families"),
+    (["--families", "code", "--num-prompts", "60"], "the code family has 50 distinct prompts"),
 ])
 def test_bad_arguments_stop_before_the_model_loads(argv, message, monkeypatch, capsys):
     import speckv.engine.llm as llm

@@ -3,6 +3,7 @@ is written even on steps that draft nothing, and acceptance is reported per posi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from speckv.drafters.loaders import random_drafter
@@ -95,3 +96,87 @@ def test_acceptance_is_reported_per_position(tiny_model):
     assert tuple(by_position) == stats.num_drafts_by_position
     assert tuple(accepted) == stats.num_accepted_by_position
     assert sum(accepted) > 0
+
+
+@pytest.mark.parametrize("method, kwargs", [("eagle", {}), ("mtp", {"num_modules": 2})])
+def test_a_hit_after_lazy_catch_up_reads_the_draft_kv_of_a_cold_run(tiny_model, method, kwargs):
+    """Steps without drafts defer the draft KV of a request's open block; a later request's
+    hit on the blocks it filled reads the draft KV a cold run (a fresh engine prefilling the
+    same tokens) writes."""
+    drafter = random_drafter(method, tiny_model, init_std=0.2, seed=6, **kwargs)
+    engine = _engine(tiny_model, drafter, [0])
+    calls = []
+    write = drafter.write_draft_kv
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return write(*args, **kw)
+
+    drafter.write_draft_kv = counting
+    prompt = PROMPTS[1]  # 13 tokens: blocks of 4, the fourth still open
+    engine.add_request(prompt, SamplingParams(max_tokens=14, ignore_eos=True))
+    deferred, steps = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deferred.append(engine.proposer.num_deferred_positions(out.request_id))
+            tokens = out.prompt_token_ids + out.token_ids
+        steps += 1
+    del drafter.write_draft_kv
+    assert max(deferred) > 0 and len(calls) < steps  # the drafter skipped steps
+    hit_len = (len(tokens) - 2) // 4 * 4  # whole blocks whose lookahead token is known
+    again = engine.add_request(tokens[:-1], SamplingParams(max_tokens=2, ignore_eos=True))
+    (out,) = engine.step()  # still running: its blocks are held
+    assert out.num_cached_tokens == hit_len == 24
+    blocks = engine.manager.get_block_ids(again)[0][: hit_len // 4]
+    assert len(blocks) == 6
+    hit = engine.proposer.kv_cache.storage[:, :, blocks].clone()
+    cold = _engine(tiny_model, drafter, [3])  # drafts after its prefill: writes every position
+    cold_id = cold.add_request(tokens[:-1], SamplingParams(max_tokens=2, ignore_eos=True))
+    cold.step()
+    assert hit.abs().amax(dim=(0, 1, 3, 4, 5)).min() > 0  # every hit block holds draft KV
+    cold_blocks = cold.manager.get_block_ids(cold_id)[0][: hit_len // 4]
+    # [layers, 2, blocks, block_size, kv_heads, head_dim]; the cold run computes the 24
+    # positions in one prefill, the first run in passes of other sizes: fp32 rounding apart
+    # (values up to ~3, so a relative bound of a few ulps per accumulated product)
+    torch.testing.assert_close(hit, cold.proposer.kv_cache.storage[:, :, cold_blocks],
+                               rtol=2e-5, atol=1e-5)
+
+
+class ScriptedClock:
+    """A clock that moves only when the test says: the target's forward costs 100 ms + 1 ms
+    per token, each draft position 30 ms (a drafter as slow as in a worst case)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_policy_reads_an_injected_clock_and_stops_drafts_that_do_not_pay(
+        tiny_model, monkeypatch):
+    choices = []
+    for _ in range(2):
+        clock = ScriptedClock()
+        drafter = random_drafter("eagle", tiny_model, init_std=0.2, seed=2)
+        forward, propose = tiny_model.forward, drafter.propose
+
+        def timed_forward(ids, *args, clock=clock, forward=forward, **kw):
+            clock.now += 0.100 + 0.001 * ids.shape[0]
+            return forward(ids, *args, **kw)
+
+        def timed_propose(state, num, kv, clock=clock, propose=propose):
+            clock.now += 0.030 * num
+            return propose(state, num, kv)
+
+        monkeypatch.setattr(tiny_model, "forward", timed_forward)
+        monkeypatch.setattr(drafter, "propose", timed_propose)
+        config = EngineConfig(num_blocks=128, block_size=4, speculative_method="eagle",
+                              num_spec_tokens=3)
+        engine = LLMEngine(tiny_model, config, drafter=drafter, spec_clock=clock)
+        run_engine(engine, PROMPTS[:1], SamplingParams(max_tokens=60, ignore_eos=True))
+        monkeypatch.undo()
+        choices.append(engine.spec_decode_stats().steps_by_num_spec_tokens)
+    assert choices[0] == choices[1]  # the same clock readings, the same choices
+    steps_without, *steps_with = choices[0]
+    assert steps_without >= 3 * sum(steps_with)  # a random head's drafts never pay here

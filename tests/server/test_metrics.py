@@ -65,6 +65,12 @@ def test_spec_decode_and_hash_mode_metrics(eagle_server):
     assert value(metrics, "speckv:lookahead_tokens") == 1
     assert value(metrics, "speckv:legacy_block_drop") == 0
     assert value(metrics, "speckv:hash_mode_info", hash_mode="lookahead L=1") == 1
+    # the adaptive draft length's choices: every step that verified drafts asked for k >= 1
+    by_k = [value(metrics, "speckv:spec_decode_steps_by_num_spec_tokens",
+                  num_spec_tokens=str(k)) for k in range(4)]
+    assert sum(by_k[1:]) > 0 and sum(by_k) > 0
+    assert 0 <= value(metrics, "speckv:spec_decode_num_spec_tokens") <= 3
+    assert value(metrics, "speckv:spec_decode_predicted_speedup") >= 0
 
 
 def test_legacy_mode_shows_the_block_drop(eagle_server):
