@@ -28,6 +28,7 @@ engines load adapters from. Not thread-safe: callers serialise (`RouterService` 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,6 +164,8 @@ class EngineState:
     mismatched_blocks: int = 0
     unverifiable_blocks: int = 0
     last_seq: int | None = None
+    # low64 hash -> monotonic expiry: blocks routed here whose BlockStored has not arrived yet
+    pending: dict[int, float] = field(default_factory=dict)
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -175,6 +178,7 @@ class EngineState:
             "mismatched_blocks": self.mismatched_blocks,
             "unverifiable_blocks": self.unverifiable_blocks,
             "last_seq": self.last_seq,
+            "pending_blocks": sum(until > time.monotonic() for until in self.pending.values()),
         }
 
 
@@ -194,6 +198,30 @@ class RouterIndex:
         self.state = {name: EngineState() for name in engines}
         self._algos = {name: cfg.hash_algo for name, cfg in engines.items()}
         self._none_hashes = {name: cfg.none_hash for name, cfg in engines.items()}
+
+    # ---- engines -----------------------------------------------------------------------------
+    def reset_engine(self, engine: str, config: EngineHashConfig | None = None) -> None:
+        """Forget everything an engine's events said (a restart, an expiry); a new hash
+        configuration with it. Mutates."""
+        if config is not None:
+            self.configs[engine] = config
+            self._algos[engine] = config.hash_algo
+            self._none_hashes[engine] = config.none_hash
+        self.state[engine] = EngineState()
+
+    def add_pending(self, engine: str, hashes: Sequence[bytes], until_s: float,
+                    max_pending: int = 65_536) -> None:
+        """Count `hashes` as held by `engine` until `until_s` (monotonic seconds) or until its
+        events say so: the blocks a routed request will store. Mutates."""
+        state = self.state[engine]
+        pending = state.pending
+        if len(pending) + len(hashes) > max_pending:
+            pending.clear()  # a bound, not an LRU: pending entries live for a second or so
+        group = self.configs[engine].route_group
+        for block_hash in hashes:
+            key = low64(block_hash)
+            if (group, key) not in state.blocks:
+                pending[key] = until_s
 
     # ---- events ------------------------------------------------------------------------------
     def apply_batch(self, engine: str, batch: KVEventBatch, seq: int | None = None) -> None:
@@ -232,6 +260,7 @@ class RouterIndex:
         keys = [low64(block_hash) for block_hash in event.block_hashes]
         for key in keys:
             state.blocks.setdefault((group, key), set()).add(medium)
+            state.pending.pop(key, None)
         state.stored_blocks += len(keys)
         config = self.configs[engine]
         if not config.verify:
@@ -274,13 +303,19 @@ class RouterIndex:
             format_for(config.lookahead_tokens), token_ids, inputs,
         )
 
-    def matched_blocks(self, engine: str, hashes: Sequence[bytes]) -> int:
-        """Leading blocks of the chain that the engine holds in its routed group. Pure."""
-        blocks = self.state[engine].blocks
+    def matched_blocks(self, engine: str, hashes: Sequence[bytes],
+                       pending_at_s: float | None = None) -> int:
+        """Leading blocks of the chain that the engine holds in its routed group; with
+        `pending_at_s`, blocks routed to it and still pending at that time count too. Pure."""
+        state = self.state[engine]
+        blocks = state.blocks
+        pending = state.pending if pending_at_s is not None else {}
+        now = pending_at_s if pending_at_s is not None else 0.0
         group = self.configs[engine].route_group
         matched = 0
         for block_hash in hashes:
-            if (group, low64(block_hash)) not in blocks:
+            key = low64(block_hash)
+            if (group, key) not in blocks and not pending.get(key, -1.0) > now:
                 break
             matched += 1
         return matched
