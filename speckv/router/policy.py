@@ -4,7 +4,8 @@ round-robin counter.
     kv            cost(e) = prefill_load_scale * (N - cached(e))
                           + request_load_tokens * load(e) + kv_usage_tokens * kv_usage(e)
                   over the engines with load(e) <= min_e' load(e') + max_imbalance;
-                  the cheapest wins (ties: more cached tokens, then less load, then order)
+                  the cheapest wins (ties: more cached tokens, then less load, then
+                  equal engines take turns)
     round-robin   the next healthy engine in turn
     least-loaded  the smallest load (then KV usage)
 
@@ -33,8 +34,8 @@ POLICIES = ("kv", "round-robin", "least-loaded")
 @dataclass(frozen=True)
 class ScoringConfig:
     prefill_load_scale: float = 1.0  # cost of one uncached prompt token
-    request_load_tokens: float = 128.0  # cost of one running or waiting request, in tokens
-    kv_usage_tokens: float = 256.0  # cost of a full KV cache, in tokens
+    request_load_tokens: float = 32.0  # cost of one running or waiting request, in tokens
+    kv_usage_tokens: float = 128.0  # cost of a full KV cache, in tokens
     max_imbalance: int = 4  # requests above the least-loaded engine before a prefix spills
 
     def __post_init__(self) -> None:
@@ -92,9 +93,12 @@ class Policy:
         costs = {v.name: kv_cost(v, num_prompt_tokens, self.scoring) for v in views}
         cap = min(v.load_requests for v in views) + self.scoring.max_imbalance
         allowed = [v for v in views if v.load_requests <= cap]
-        order = {v.name: i for i, v in enumerate(views)}
-        best = min(allowed, key=lambda v: (costs[v.name], -v.cached_tokens, v.load_requests,
-                                           order[v.name]))
+        ranked = sorted(allowed, key=lambda v: (costs[v.name], -v.cached_tokens,
+                                                 v.load_requests))
+        top = ranked[0]
+        tied = [v for v in ranked if (costs[v.name], v.cached_tokens, v.load_requests)
+                == (costs[top.name], top.cached_tokens, top.load_requests)]
+        best = tied[next(self._turn) % len(tied)]  # equal engines take turns
         longest = max(v.cached_tokens for v in views)
         if longest > best.cached_tokens and all(
                 v.load_requests > cap for v in views if v.cached_tokens == longest):

@@ -1,0 +1,105 @@
+"""The fleet's event thread over a real ZeroMQ PUB socket: malformed frames, undecodable
+payloads, out-of-order and duplicate batches and inconsistent events are counted, never
+fatal; later events still apply; a reset drops an engine's entries; pending routed blocks
+count for scoring (not prediction) until their events arrive or their time runs out."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from speckv.events.endpoints import loopback_endpoint
+from speckv.events.schema import BlockStored, KVEventBatch, encode_batch
+from speckv.hashing.formats import format_for
+from speckv.hashing.functions import get_hash_algo, make_none_hash
+from speckv.hashing.request_hasher import hash_prompt
+from speckv.router.contract import parse_contract
+from speckv.router.fleet import EngineLink, EngineSpec, Fleet, FleetConfig
+from speckv.router.tokenizer import TokenizerCache
+from tests.router.test_contract import contract_body
+
+B = 4
+ALGO = get_hash_algo("sha256")
+
+
+def stored(tokens, lookahead=1, num_blocks=None):
+    """A BlockStored of the chain of `tokens` from the root, as the engine would send it."""
+    hashes = hash_prompt(ALGO, make_none_hash(ALGO, "0"), B, format_for(lookahead), tokens)
+    n = len(hashes) if num_blocks is None else num_blocks
+    return BlockStored(block_hashes=hashes[:n], parent_block_hash=None,
+                       token_ids=list(tokens[: n * B]), block_size=B, lora_id=None,
+                       medium=None, lora_name=None,
+                       lookahead_token_ids=[[tokens[(i + 1) * B]] for i in range(n)])
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_bad_events_are_counted_and_later_ones_apply():
+    endpoint = loopback_endpoint()
+    context = zmq.Context.instance()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(endpoint)
+    body = contract_body(kv_events={"endpoint": endpoint, "replay_endpoint": None,
+                                    "topic": "", "hash_encoding": "bytes"})
+    link = EngineLink(EngineSpec("a", "http://127.0.0.1:1"),
+                      parse_contract("a", "http://127.0.0.1:1", body))
+    fleet = Fleet([link], TokenizerCache(), FleetConfig(pending_ttl_s=0.5))
+    fleet.start()
+    first, second = list(range(1, 22)), list(range(100, 121))
+
+    def send(seq, payload):
+        pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+
+    try:
+        batch = encode_batch(KVEventBatch(ts=0.0, events=[stored(first)]))
+        # the SUB socket joins late: resend seq 0 until it lands (repeats are duplicates)
+        deadline = time.monotonic() + 10
+        while link.events_applied == 0:
+            send(0, batch)
+            time.sleep(0.05)
+            assert time.monotonic() < deadline
+        assert fleet.plan(first, ["a"])["a"].predicted_cached_tokens == 20
+        stats = link.subscriber_stats()
+        base_duplicates = stats["duplicate_batches"]
+        pub.send_multipart((b"only", b"two"))  # wrong frame layout
+        send(1, b"\xc1 not msgpack")  # undecodable payload
+        send(1, batch)  # out of order: seq 1 was taken by the bad payload
+        bad_shape = stored(second)
+        bad_shape.token_ids = bad_shape.token_ids[:-1]  # inconsistent with its block count
+        send(5, encode_batch(KVEventBatch(ts=0.0, events=[bad_shape])))  # a gap: 2..4
+        send(6, encode_batch(KVEventBatch(ts=0.0, events=[stored(second, num_blocks=3)])))
+        wait_for(lambda: link.events_applied >= 3)
+        stats = link.subscriber_stats()
+        assert stats["malformed_messages"] == 2
+        assert stats["duplicate_batches"] == base_duplicates + 1
+        assert stats["seq_gaps"] == 1 and stats["lost_batches"] == 3
+        state = fleet.state()["a"]
+        assert state["index"]["unverifiable_blocks"] == 5  # indexed, but counted
+        assert state["apply_errors"] == 0
+        # the good batch after the bad ones applied: 5 blocks of `second` (bad shape) indexed
+        assert fleet.plan(second, ["a"])["a"].predicted_cached_tokens == 20
+
+        # pending: a routed prompt's blocks steer scoring at once, predictions wait
+        third = list(range(300, 321))
+        plan = fleet.plan(third, ["a"])["a"]
+        fleet.routed("a", plan)
+        now = fleet.plan(third, ["a"])["a"]
+        assert (now.predicted_cached_tokens, now.scored_cached_tokens) == (0, 20)
+        time.sleep(0.6)  # past pending_ttl_s
+        assert fleet.plan(third, ["a"])["a"].scored_cached_tokens == 0
+        fleet.finished("a")
+
+        # a reset (restart / expiry) drops the engine's entries
+        with fleet.lock:
+            fleet._reset(link)
+        assert fleet.plan(first, ["a"])["a"].predicted_cached_tokens == 0
+    finally:
+        fleet.stop()
+        pub.close(linger=0)
