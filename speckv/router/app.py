@@ -13,7 +13,8 @@ parsing with the server's own code (`speckv.server.protocol`: the engine's token
 template, and the engine's errors for bad input), the policy's choice, one retry on another
 engine for a request that failed before any byte was sent back (connection refused, 5xx), an
 error chunk + `[DONE]` for a stream that breaks mid-way, and checking each reported
-`cached_tokens` against the prediction. The engine's own key (`--engine-api-key`) is sent on;
+`cached_tokens` against the prediction. Every answer from an engine carries its name in the
+`x-speckv-engine` header. The engine's own key (`--engine-api-key`) is sent on;
 the client's never is.
 """
 
@@ -57,6 +58,7 @@ from speckv.server.protocol import (
 )
 
 logger = logging.getLogger("speckv.router")
+ENGINE_HEADER = "x-speckv-engine"  # which engine answered (debugging, tests)
 _LOAD_METRICS = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
                  "vllm:kv_cache_usage_perc": "kv_usage"}
 
@@ -227,7 +229,7 @@ class _Stream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", self.response.headers.get(
                         "content-type", "text/event-stream").encode()),
-                   (b"cache-control", b"no-cache")]
+                   (b"cache-control", b"no-cache"), (ENGINE_HEADER.encode(), self.engine.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         pump = asyncio.ensure_future(self._pump(send))
         watcher = asyncio.ensure_future(self._wait_disconnect(receive))
@@ -276,8 +278,9 @@ def _check_api_key(router: Router, request: Request) -> None:
         raise errors.unauthorized()
 
 
-def _passthrough(response: httpx.Response, content: bytes) -> Response:
+def _passthrough(response: httpx.Response, content: bytes, engine: str) -> Response:
     headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+    headers[ENGINE_HEADER] = engine
     return Response(content, status_code=response.status_code, headers=headers,
                     media_type=response.headers.get("content-type", "application/json"))
 
@@ -328,7 +331,7 @@ def build_app(router: Router) -> Starlette:
                     if len(tried) < 2 and len(fleet.links) > 1:
                         router.metrics.retries.labels(engine).inc()
                         continue
-                    return _passthrough(response, content)
+                    return _passthrough(response, content, engine)
                 if stream and response.status_code == 200:
                     settled = True  # the stream's end settles it
                     return _Stream(router, engine, response, plan, done)
@@ -339,7 +342,7 @@ def build_app(router: Router) -> Starlette:
                         router.metrics.report(engine, plan.predicted_cached_tokens,
                                               json.loads(content).get("usage"),
                                               plan.num_prompt_tokens)
-                return _passthrough(response, content)
+                return _passthrough(response, content, engine)
             except httpx.HTTPError as error:
                 router.metrics.upstream_errors.labels(engine).inc()
                 fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")

@@ -58,6 +58,7 @@ class EngineLink:
     waiting: int = 0
     kv_usage: float = 0.0
     inflight: int = 0  # requests through this router not yet answered
+    external_load: int = 0  # running + waiting at the last poll that were not the router's
     events_applied: int = 0
     apply_errors: int = 0
     subscriber: EventSubscriber | None = None
@@ -74,7 +75,9 @@ class EngineLink:
 
     @property
     def load_requests(self) -> int:
-        return max(self.inflight, self.running + self.waiting)
+        """Running + waiting: the router's own in flight now, plus the others the engine
+        reported at the last poll (a poll lags; the router's count does not)."""
+        return self.inflight + self.external_load
 
     def subscriber_stats(self) -> dict[str, int]:
         live: SubscriberStats | None = self.subscriber.stats if self.subscriber else None
@@ -231,6 +234,7 @@ class Fleet:
             link.unhealthy_since = None
             link.running = int(load.get("running", 0))
             link.waiting = int(load.get("waiting", 0))
+            link.external_load = max(0, link.running + link.waiting - link.inflight)
             link.kv_usage = float(load.get("kv_usage", 0.0))
 
     # ---- requests ----------------------------------------------------------------------------

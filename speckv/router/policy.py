@@ -11,8 +11,9 @@ round-robin counter.
 
 N is the prompt's token count, cached(e) the tokens engine e will serve from its prefix cache
 (its published blocks plus the blocks routed to it whose events are pending, under its own
-hit rule), load(e) its running + waiting requests (the larger of the router's in-flight count
-and the engine's `/metrics`), kv_usage(e) in [0, 1]. Costs are in prefill tokens: one
+hit rule), load(e) its running + waiting requests (the router's own in flight now, plus
+those the engine's `/metrics` showed at the last poll beyond the router's), kv_usage(e) in
+[0, 1]. Costs are in prefill tokens: one
 uncached prompt token costs `prefill_load_scale`. The `max_imbalance` cap keeps a hot prefix
 from pinning all traffic to one engine (its requests spill to the next cheapest engine).
 
@@ -98,7 +99,7 @@ class Policy:
         top = ranked[0]
         tied = [v for v in ranked if (costs[v.name], v.cached_tokens, v.load_requests)
                 == (costs[top.name], top.cached_tokens, top.load_requests)]
-        best = tied[next(self._turn) % len(tied)]  # equal engines take turns
+        best = tied[next(self._turn) % len(tied)] if len(tied) > 1 else top  # take turns
         longest = max(v.cached_tokens for v in views)
         if longest > best.cached_tokens and all(
                 v.load_requests > cap for v in views if v.cached_tokens == longest):

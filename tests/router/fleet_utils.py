@@ -111,6 +111,11 @@ class RouterProcess:
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
+    @property
+    def api_key(self) -> str | None:
+        return self.flags[self.flags.index("--api-key") + 1] if "--api-key" in self.flags \
+            else None
+
     def run(self, timeout_s: float = 60) -> subprocess.CompletedProcess:
         """Run to completion (a router expected to refuse its engines)."""
         return subprocess.run(self.command(), env=ENV, capture_output=True, text=True,
@@ -129,7 +134,9 @@ class RouterProcess:
         return self
 
     def state(self) -> dict:
-        return httpx.get(f"{self.url}/router/state", timeout=10).json()["engines"]
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.get(f"{self.url}/router/state", headers=headers,
+                         timeout=10).json()["engines"]
 
     def wait_state(self, predicate, timeout_s: float = 20.0) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -42,6 +42,11 @@ def test_equal_engines_take_turns():
     picks = Counter(policy.choose(views(("a", 0, 0, 0.0), ("b", 0, 0, 0.0)), 50).engine
                     for _ in range(10))
     assert picks == {"a": 5, "b": 5}
+    # a decision without a tie does not take a turn: cold requests between hits alternate
+    cold, hot = views(("a", 0, 0, 0.0), ("b", 0, 0, 0.0)), views(("a", 40, 0, 0), ("b", 0, 0, 0))
+    picks = [(policy.choose(cold, 50).engine, policy.choose(hot, 50).engine)[0]
+             for _ in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
 
 
 def test_round_robin_least_loaded_and_edge_cases():
