@@ -103,3 +103,32 @@ def test_bad_events_are_counted_and_later_ones_apply():
     finally:
         fleet.stop()
         pub.close(linger=0)
+
+
+def test_a_silent_engine_expires_and_a_restart_is_a_new_epoch():
+    link = EngineLink(EngineSpec("a", "http://127.0.0.1:1"),
+                      parse_contract("a", "http://127.0.0.1:1", contract_body()))
+    fleet = Fleet([link], TokenizerCache(), FleetConfig(stale_after_s=10.0))
+    tokens = list(range(1, 22))
+    fleet.apply(link, 0, 0, KVEventBatch(ts=0.0, events=[stored(tokens)]))
+    assert fleet.plan(tokens, ["a"])["a"].predicted_cached_tokens == 20
+    fleet.mark_unhealthy(link, "test")
+    assert fleet.views(fleet.plan(tokens, ["a"]), set()) == []  # out of rotation
+    fleet.expire_stale(now=link.unhealthy_since + 9.0)
+    assert fleet.plan(tokens, ["a"])["a"].predicted_cached_tokens == 20  # not yet
+    fleet.expire_stale(now=link.unhealthy_since + 10.0)
+    assert link.expired and fleet.plan(tokens, ["a"])["a"].predicted_cached_tokens == 0
+    # back with the same epoch: in rotation, and its thread replays from 0 (new generation)
+    generation = link.generation
+    fleet.engine_healthy(link, contract_body(), {"running": 2, "waiting": 1})
+    assert link.in_rotation and not link.expired and link.generation == generation + 1
+    assert link.load_requests == 3
+    fleet.apply(link, generation, 1, KVEventBatch(ts=0.0, events=[stored(tokens)]))
+    assert fleet.plan(tokens, ["a"])["a"].predicted_cached_tokens == 0  # stale generation
+    # a restart: a new epoch drops the entries; a contract it cannot reproduce is refused
+    fleet.apply(link, link.generation, 0, KVEventBatch(ts=0.0, events=[stored(tokens)]))
+    assert fleet.plan(tokens, ["a"])["a"].predicted_cached_tokens == 20
+    fleet.engine_healthy(link, contract_body(engine_epoch="e2"), {})
+    assert link.epochs_seen == 2 and fleet.plan(tokens, ["a"])["a"].predicted_cached_tokens == 0
+    fleet.engine_healthy(link, contract_body(engine_epoch="e3", hash_seed=None), {})
+    assert not link.in_rotation and "hash_seed" in link.refused

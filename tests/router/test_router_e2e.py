@@ -96,7 +96,7 @@ def pair(fleet):
     early = httpx.post(f"{engines['a'].url}/v1/completions", timeout=60, json={
         "model": MODEL_NAME, "prompt": tokens(0, 30), "max_tokens": 2})
     assert early.status_code == 200
-    routers = [RouterProcess(engines).start()]
+    routers = [RouterProcess(engines, ["--max-request-body-bytes", "65536"]).start()]
     try:
         yield engines, routers
     finally:
@@ -164,6 +164,9 @@ def test_the_openai_client_against_the_router(pair):
             client.completions.create(model="other", prompt="x", max_tokens=1)
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
             client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=0)
+        with pytest.raises(openai.APIStatusError, match="limit of 65536 bytes") as raised:
+            client.completions.create(model=MODEL_NAME, prompt="x" * 70_000, max_tokens=1)
+        assert raised.value.status_code == 413
     assert total(router_metrics(router), "speckv_router:prediction_mismatches_total") == 0
 
 
