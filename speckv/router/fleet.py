@@ -94,8 +94,10 @@ class EnginePlan:
     """One engine's side of a request: its token ids' blocks and the hits predicted."""
 
     hashes: list[bytes]
-    predicted_cached_tokens: int  # from blocks the engine has published as stored
-    scored_cached_tokens: int  # pending routed blocks included (what steers the choice)
+    published_cached_tokens: int  # from blocks the engine has published as stored
+    # the published blocks and the pending ones (routed there, events not yet in): what the
+    # policy scores and the metrics check against the engine's report
+    predicted_cached_tokens: int
     num_prompt_tokens: int
 
 
@@ -264,7 +266,7 @@ class Fleet:
 
     def views(self, plans: Mapping[str, EnginePlan], exclude: set[str]) -> list[EngineView]:
         with self.lock:
-            return [EngineView(name, plans[name].scored_cached_tokens, link.load_requests,
+            return [EngineView(name, plans[name].predicted_cached_tokens, link.load_requests,
                                link.kv_usage)
                     for name, link in self.links.items()
                     if link.in_rotation and name not in exclude and name in plans]

@@ -1,7 +1,7 @@
 """The fleet's event thread over a real ZeroMQ PUB socket: malformed frames, undecodable
 payloads, out-of-order and duplicate batches and inconsistent events are counted, never
 fatal; later events still apply; a reset drops an engine's entries; pending routed blocks
-count for scoring (not prediction) until their events arrive or their time runs out."""
+count until their events arrive or their time runs out."""
 
 from __future__ import annotations
 
@@ -86,14 +86,15 @@ def test_bad_events_are_counted_and_later_ones_apply():
         # the good batch after the bad ones applied: 5 blocks of `second` (bad shape) indexed
         assert fleet.plan(second, ["a"])["a"].predicted_cached_tokens == 20
 
-        # pending: a routed prompt's blocks steer scoring at once, predictions wait
+        # pending: a routed prompt's blocks count as the engine's at once, until their
+        # events arrive or their time runs out
         third = list(range(300, 321))
         plan = fleet.plan(third, ["a"])["a"]
         fleet.routed("a", plan)
         now = fleet.plan(third, ["a"])["a"]
-        assert (now.predicted_cached_tokens, now.scored_cached_tokens) == (0, 20)
+        assert (now.published_cached_tokens, now.predicted_cached_tokens) == (0, 20)
         time.sleep(0.6)  # past pending_ttl_s
-        assert fleet.plan(third, ["a"])["a"].scored_cached_tokens == 0
+        assert fleet.plan(third, ["a"])["a"].predicted_cached_tokens == 0
         fleet.finished("a")
 
         # a reset (restart / expiry) drops the engine's entries

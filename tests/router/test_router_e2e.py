@@ -17,6 +17,9 @@ import openai
 import pytest
 
 from speckv.engine.config import EngineConfig
+from speckv.router.app import fetch_contracts
+from speckv.router.contract import ContractError
+from speckv.router.fleet import EngineSpec
 from tests.router.fleet_utils import (
     BLOCK,
     MODEL_NAME,
@@ -262,5 +265,5 @@ def test_contracts_the_router_cannot_reproduce_are_refused(start_server, monkeyp
     assert "Traceback" not in result.stderr
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     random_seed = start_server(EngineConfig(block_size=4, num_blocks=32))
-    result = RouterProcess({"y": random_seed}).run()
-    assert result.returncode == 2 and "cache contract field 'hash_seed'" in result.stderr
+    with pytest.raises(ContractError, match="'hash_seed': the engine hashes with a random"):
+        fetch_contracts([EngineSpec("y", random_seed.url)])  # what the CLI calls
