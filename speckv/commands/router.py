@@ -15,6 +15,7 @@ import os
 from urllib.parse import urlsplit
 
 from speckv.router.policy import POLICIES, ScoringConfig
+from speckv.server.cli import parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "entries expire")
     parser.add_argument("--health-interval", type=float, default=0.5,
                         help="seconds between health / contract / load polls")
-    parser.add_argument("--max-request-body-bytes", type=int, default=8 * 1024**2)
+    parser.add_argument("--max-request-body-bytes", type=parse_size, default="8M",
+                        help="larger bodies get 413")
     parser.add_argument("--max-inflight-requests", type=int, default=1024,
                         help="requests in flight before new ones get 503 + Retry-After")
     parser.add_argument("--uvicorn-log-level", default="warning",
@@ -98,12 +100,11 @@ def build_router(args: argparse.Namespace):
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_inflight_requests=args.max_inflight_requests,
                           health_interval_s=args.health_interval)
-    if not args.pending_ttl >= 0 or not args.stale_after > 0:
-        raise ValueError("--pending-ttl must be >= 0 and --stale-after > 0")
+    fleet_config = FleetConfig(stale_after_s=args.stale_after, pending_ttl_s=args.pending_ttl)
+    policy = Policy(args.policy, scoring)
     links = fetch_contracts(parse_engines(args.engine, args.engine_api_key))
-    fleet = Fleet(links, TokenizerCache(args.tokenizer),
-                  FleetConfig(stale_after_s=args.stale_after, pending_ttl_s=args.pending_ttl))
-    return Router(fleet, Policy(args.policy, scoring), config)
+    fleet = Fleet(links, TokenizerCache(args.tokenizer), fleet_config)
+    return Router(fleet, policy, config)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -101,12 +101,20 @@ class EnginePlan:
     num_prompt_tokens: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class FleetConfig:
     stale_after_s: float = 10.0  # unhealthy this long: the engine's entries expire
     pending_ttl_s: float = 2.0  # routed blocks count as held this long, awaiting events
     poll_timeout_s: float = 0.05  # subscriber poll
     replay_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.stale_after_s > 0:
+            raise ValueError(f"--stale-after must be > 0, got {self.stale_after_s}")
+        if not self.pending_ttl_s >= 0:
+            raise ValueError(f"--pending-ttl must be >= 0, got {self.pending_ttl_s}")
+        if not (self.poll_timeout_s > 0 and self.replay_timeout_s > 0):
+            raise ValueError("FleetConfig poll and replay timeouts must be > 0")
 
 
 class Fleet:
