@@ -45,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-imbalance", type=int, default=defaults.max_imbalance,
                         help="requests above the least-loaded engine before a cached prefix "
                         "spills to another engine")
-    parser.add_argument("--pending-ttl", type=float, default=2.0,
-                        help="seconds a routed prompt's blocks count as cached on its engine "
-                        "before their KV events arrive")
+    parser.add_argument("--pending-ttl", type=float, default=1.0,
+                        help="a routed prompt's blocks count as cached on its engine while "
+                        "the request is in flight and this many seconds after, until their "
+                        "KV events arrive")
     parser.add_argument("--stale-after", type=float, default=10.0,
                         help="seconds an engine may fail its health checks before its index "
                         "entries expire")

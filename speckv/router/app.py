@@ -313,9 +313,9 @@ def build_app(router: Router) -> Starlette:
             router.inflight += 1
             settled = False
 
-            def done(engine: str = engine) -> None:
+            def done(engine: str = engine, plan: EnginePlan = plan) -> None:
                 router.inflight -= 1
-                fleet.finished(engine)
+                fleet.finished(engine, plan)
 
             try:
                 upstream = router.client.build_request(

@@ -104,7 +104,8 @@ class EnginePlan:
 @dataclass(frozen=True)
 class FleetConfig:
     stale_after_s: float = 10.0  # unhealthy this long: the engine's entries expire
-    pending_ttl_s: float = 2.0  # routed blocks count as held this long, awaiting events
+    # routed blocks count as held while their request is in flight and this long after
+    pending_ttl_s: float = 1.0
     poll_timeout_s: float = 0.05  # subscriber poll
     replay_timeout_s: float = 1.0
 
@@ -282,14 +283,16 @@ class Fleet:
     def routed(self, name: str, plan: EnginePlan) -> None:
         """A request goes to `name`: its blocks are pending there; one more in flight."""
         with self.lock:
-            link = self.links[name]
-            link.inflight += 1
-            self.index.add_pending(name, plan.hashes,
-                                   time.monotonic() + self.config.pending_ttl_s)
+            self.links[name].inflight += 1
+            self.index.add_pending(name, plan.hashes)
 
-    def finished(self, name: str) -> None:
+    def finished(self, name: str, plan: EnginePlan) -> None:
+        """The request routed to `name` is answered (or failed): its blocks stay pending for
+        `pending_ttl_s` more, for their events to arrive."""
         with self.lock:
             self.links[name].inflight -= 1
+            self.index.release_pending(name, plan.hashes,
+                                       time.monotonic() + self.config.pending_ttl_s)
 
     def state(self) -> dict[str, Any]:
         """Per engine: rotation, contract summary, load, index and event counters (JSON)."""

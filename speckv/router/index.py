@@ -148,6 +148,10 @@ def _chain_is_contiguous(
     return True
 
 
+def _is_pending(entry: tuple[int, float] | None, now: float) -> bool:
+    return entry is not None and (entry[0] > 0 or entry[1] > now)
+
+
 @dataclass
 class EngineState:
     """One engine's cached blocks as its events describe them."""
@@ -164,8 +168,9 @@ class EngineState:
     mismatched_blocks: int = 0
     unverifiable_blocks: int = 0
     last_seq: int | None = None
-    # low64 hash -> monotonic expiry: blocks routed here whose BlockStored has not arrived yet
-    pending: dict[int, float] = field(default_factory=dict)
+    # low64 hash -> (routed requests in flight, monotonic expiry once none is): blocks routed
+    # here whose BlockStored has not arrived yet
+    pending: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -178,7 +183,8 @@ class EngineState:
             "mismatched_blocks": self.mismatched_blocks,
             "unverifiable_blocks": self.unverifiable_blocks,
             "last_seq": self.last_seq,
-            "pending_blocks": sum(until > time.monotonic() for until in self.pending.values()),
+            "pending_blocks": sum(_is_pending(entry, time.monotonic())
+                                  for entry in self.pending.values()),
         }
 
 
@@ -209,19 +215,35 @@ class RouterIndex:
             self._none_hashes[engine] = config.none_hash
         self.state[engine] = EngineState()
 
-    def add_pending(self, engine: str, hashes: Sequence[bytes], until_s: float,
+    def add_pending(self, engine: str, hashes: Sequence[bytes],
                     max_pending: int = 65_536) -> None:
-        """Count `hashes` as held by `engine` until `until_s` (monotonic seconds) or until its
-        events say so: the blocks a routed request will store. Mutates."""
+        """Count `hashes` as held by `engine` from now on, while the routed request that
+        brings them is in flight and for a grace period after (`release_pending`), or until
+        its events say so. Mutates."""
         state = self.state[engine]
         pending = state.pending
         if len(pending) + len(hashes) > max_pending:
-            pending.clear()  # a bound, not an LRU: pending entries live for a second or so
+            now = time.monotonic()
+            for key in [k for k, entry in pending.items() if not _is_pending(entry, now)]:
+                del pending[key]
+            if len(pending) + len(hashes) > max_pending:
+                pending.clear()  # a bound: losing them only costs a burst's routing
         group = self.configs[engine].route_group
         for block_hash in hashes:
             key = low64(block_hash)
             if (group, key) not in state.blocks:
-                pending[key] = until_s
+                count, until = pending.get(key, (0, 0.0))
+                pending[key] = (count + 1, until)
+
+    def release_pending(self, engine: str, hashes: Sequence[bytes], until_s: float) -> None:
+        """The routed request that brought `hashes` is answered: they stay pending until
+        `until_s` (monotonic) unless their events arrive first. Mutates."""
+        pending = self.state[engine].pending
+        for block_hash in hashes:
+            key = low64(block_hash)
+            entry = pending.get(key)
+            if entry is not None:
+                pending[key] = (max(0, entry[0] - 1), max(entry[1], until_s))
 
     # ---- events ------------------------------------------------------------------------------
     def apply_batch(self, engine: str, batch: KVEventBatch, seq: int | None = None) -> None:
@@ -315,7 +337,7 @@ class RouterIndex:
         matched = 0
         for block_hash in hashes:
             key = low64(block_hash)
-            if (group, key) not in blocks and not pending.get(key, -1.0) > now:
+            if (group, key) not in blocks and not _is_pending(pending.get(key), now):
                 break
             matched += 1
         return matched
