@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -77,12 +78,22 @@ def _load(target: str):
     return add, run
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("speckv")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speckv",
         description="Prefix caching and speculative decoding that keep their cache hits "
         "(lookahead block hashes).",
     )
+    parser.add_argument("--version", action="version", version=f"speckv {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     wanted = [arg for arg in argv if not arg.startswith("-")][:2]
@@ -110,15 +121,34 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         default = action.default
         if (not action.option_strings or default is None or default is False
-                or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction)
-                or "%(default)" in (action.help or "") or action.help == argparse.SUPPRESS):
+                or default is argparse.SUPPRESS
+                or isinstance(action, argparse._HelpAction | argparse._VersionAction)
+                or "default" in (action.help or "")  # the help already says it
+                or action.help == argparse.SUPPRESS):
             continue
         action.help = f"{action.help} (default: %(default)s)" if action.help \
             else "default: %(default)s"
 
 
+def _attach_dash_lists(argv: list[str]) -> list[str]:
+    """`--tokens -1,2` as `--tokens=-1,2`: argparse reads a value starting with '-' that is not
+    a plain number as an unknown option, so the command's own check could never say what is
+    wrong with it."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] \
+                and _DASH_LIST.match(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+_DASH_LIST = re.compile(r"^-\d+\s*,")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _attach_dash_lists(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)

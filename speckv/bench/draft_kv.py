@@ -33,6 +33,7 @@ import argparse
 import json
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -287,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         args.prompt_len = 300 if args.model == "hybrid-swa" else 100
     if args.prompt_len < 2 * args.block_size + 2:
         raise ValueError("--prompt-len must cover at least two blocks plus two tokens")
+    if args.kv_offload_dir is not None:  # created if missing, as `speckv generate` does
+        Path(args.kv_offload_dir).mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model, "float32", "cpu", progress=not args.json)
     generator = torch.Generator().manual_seed(0)
@@ -315,7 +318,11 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_connector is not None and "store" in args.kv_connector.split(","):
         source = f"the {args.kv_connector} tier, read by a fresh engine"
     table = Table(title=f"KV of the hit blocks vs a cold run, max |diff| ({len(prompt)}-token "
-                        f"prompt, B={args.block_size}, all layers, K and V); hits from {source}")
+                        f"prompt, B={args.block_size}, all layers, K and V); hits from {source}",
+                  caption="a hit reads the bytes the first request's prefill wrote, and the cold "
+                          "run computes the same prefill on the same shapes: the lookahead hit "
+                          "is bit-exact (0 in every dtype); the negative control's draft KV "
+                          "must differ")
     numeric = ("hit tokens", "from tier", "target KV", "draft KV")
     for column in ("drafter", "dtype", "case", *numeric):
         table.add_column(column, justify="right" if column in numeric else "left")

@@ -145,7 +145,11 @@ def run_hybrid_gdn(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"[{RANDOM_INIT_NOTE}] hit vs a cold run, max |diff| ({prompt_len}-token "
                         f"prompt, KV block {args.block_size}, GDN state unit {unit}): target KV "
-                        "(attention layers), draft KV, GDN conv + recurrent state at the hit")
+                        "(attention layers), draft KV, GDN conv + recurrent state at the hit",
+                  caption="a hit reads the bytes the first request's prefill wrote, and the cold "
+                          "run computes the same prefill on the same shapes: the lookahead hit "
+                          "is bit-exact (0 in every dtype); the negative control's draft KV "
+                          "must differ")
     numeric = ("hit tokens", "target KV", "draft KV", "GDN state")
     for column in ("drafter", "dtype", "case", *numeric):
         table.add_column(column, justify="right" if column in numeric else "left")

@@ -19,6 +19,12 @@ prefix-cache reset sometimes clears the tiers too, and `--fault-rate` fails that
 block loads (the request recomputes from the first failed block). Checked on top: every block a
 tier stores or serves holds the KV its header names, and after every step every scheduled
 request's computed positions hold what a cold run writes.
+
+`--copy-mode` says who runs the tiers' stores. `replayable` (the default): no copy thread; the
+stores run at the points a schedule seeded from `--seed` picks (between lookups, pins, the
+saves of one snapshot pass, fetches), so a violation replays exactly from its seed.
+`threaded`: the real copy thread, whose timing no seed fixes; a violation found that way is
+looked for again over many seeds in replayable mode.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from tqdm import tqdm
 from speckv.cache import KVCacheManager
 from speckv.cache.specs import parse_group_specs
 from speckv.connectors import ConnectorConfig, KVConnector, TierIdentity, make_connector
+from speckv.connectors.copy_schedule import COPY_MODES
 from speckv.connectors.host_pool import GIB
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
@@ -67,8 +74,12 @@ class SoakConfig:
     kv_connector: str | None = None  # "offload", "disk", "offload,disk": real tiers below
     tier_blocks: int = 48  # each tier's capacity in blocks: small, so tiers evict
     fault_rate: float = 0.0  # share of tier block loads that fail (recomputed)
+    copy_mode: str = "replayable"  # who runs the tiers' stores: a seeded schedule, or a thread
 
     def __post_init__(self) -> None:
+        if self.copy_mode not in COPY_MODES:
+            raise ValueError(f"--copy-mode must be one of {', '.join(COPY_MODES)}, "
+                             f"got {self.copy_mode!r}")
         if self.num_ops < 1:
             raise ValueError(f"--ops must be >= 1, got {self.num_ops}")
         if self.kv_connector is not None:
@@ -150,8 +161,9 @@ def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResul
         stack.callback(connector.shutdown)
         mode = resolve_connector_hash_mode(policy, connector=connector,
                                            disable_lookahead_block_hashes=config.legacy)
-        stores = instrument_tiers(connector, depth, fault_rate=config.fault_rate,
-                                  seed=config.seed)
+        stores = instrument_tiers(
+            connector, depth, fault_rate=config.fault_rate, seed=config.seed,
+            copy_seed=config.seed if config.copy_mode == "replayable" else None)
     manager = KVCacheManager(specs, num_blocks, mode)
     hashing = manager.block_hashing("sha256", "0")
     num_spec = config.num_spec_tokens if policy.draft_kv_lookahead_tokens else 0
@@ -250,6 +262,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each tier's capacity, blocks (default: %(default)s)")
     parser.add_argument("--fault-rate", type=float, default=defaults.fault_rate,
                         help="share of tier block loads that fail (default: %(default)s)")
+    parser.add_argument("--copy-mode", choices=COPY_MODES, default=defaults.copy_mode,
+                        help="who runs the tiers' stores: replayable (a schedule drawn from "
+                        "--seed; a violation replays) or threaded (the real copy thread) "
+                        "(default: %(default)s)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -258,14 +274,16 @@ def run(args: argparse.Namespace) -> int:
                         drafter=args.drafter, num_modules=args.mtp_num_modules,
                         legacy=args.mode == "legacy", num_blocks=args.num_blocks,
                         kv_connector=args.kv_connector, tier_blocks=args.tier_blocks,
-                        fault_rate=args.fault_rate)
+                        fault_rate=args.fault_rate, copy_mode=args.copy_mode)
     result = run_soak(config, progress=not args.json)
     if args.json:
         print(json.dumps({**asdict(result), "ops_per_s": round(result.ops_per_s, 1)}))
     else:
         table = Table(title=f"soak: {config.groups}, {config.drafter}"
                             f"{'' if config.num_modules == 1 else f' x{config.num_modules}'}, "
-                            f"{args.mode}, seed {config.seed}")
+                            f"{args.mode}, seed {config.seed}"
+                            + (f", {config.kv_connector} ({config.copy_mode} copies)"
+                               if config.kv_connector is not None else ""))
         table.add_column("measure")
         table.add_column("value", justify="right")
         for label, value in [
@@ -296,4 +314,11 @@ def run(args: argparse.Namespace) -> int:
         Console().print(table)
     verdict = "0 violations" if result.violation is None else f"VIOLATION at {result.violation}"
     print(f"verdict: {verdict} in {result.num_ops:,} operations")
+    if result.violation is not None and config.kv_connector is not None:
+        if config.copy_mode == "replayable":
+            print("replay: the same command replays it exactly (the copy schedule is drawn "
+                  "from --seed)")
+        else:
+            print("replay: --copy-mode threaded depends on the copy thread's timing; look for "
+                  "it with --copy-mode replayable over many seeds")
     return 0 if result.violation is None else 1

@@ -12,6 +12,10 @@ The modes run interleaved, wave by wave (a wave = `batch` prompts decoded togeth
 runs one prompt at a time), so slow drift in a shared machine's load hits every mode alike.
 `--record` stores the EAGLE3 figures next to the shipped head (`benchmark.json`), where
 `speckv generate` and the demo read them to decide whether speculation is on by default.
+
+`--model hybrid-swa` or `--model DIR` (e.g. a Gemma 4 checkpoint with `--speculative-model` its
+MTP assistant) runs the `mtp` modes instead (adaptive, and `mtp-fixed`: always S drafts), with
+the same columns: the acceptance of that drafter on the same prompts.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-MODES = ("none", "eagle3", "eagle3-fixed", "ngram")
+MODES = ("none", "eagle3", "eagle3-fixed", "ngram", "mtp", "mtp-fixed")
 LABELS = {"none": "no spec", "eagle3": "EAGLE3", "eagle3-fixed": "EAGLE3 k=S",
-          "ngram": "n-gram"}
+          "ngram": "n-gram", "mtp": "MTP", "mtp-fixed": "MTP k=S"}
+DRAFTER_MODES = {"eagle3": "eagle3", "eagle3-fixed": "eagle3", "mtp": "mtp",
+                 "mtp-fixed": "mtp"}  # mode -> the drafter family it runs
 
 
 @dataclass
@@ -62,20 +68,21 @@ def _add(into: list[int], values) -> None:
         into[i] += v
 
 
-def _engine(model, tokenizer, drafter, mode: str, batch_size: int, num_spec: int):
+def _engine(model, tokenizer, drafters, mode: str, batch_size: int, num_spec: int):
     from speckv.engine.config import EngineConfig
     from speckv.engine.llm_engine import LLMEngine
 
     speculative: dict = {}
-    if mode.startswith("eagle3"):
-        speculative = {"speculative_method": drafter.policy.name, "num_spec_tokens": num_spec,
-                       "adaptive_speculation": mode == "eagle3"}
+    drafter = drafters.get(DRAFTER_MODES.get(mode, ""))
+    if drafter is not None:
+        method = getattr(drafter, "speculative_method", drafter.policy.name)
+        speculative = {"speculative_method": method, "num_spec_tokens": num_spec,
+                       "adaptive_speculation": not mode.endswith("-fixed")}
     elif mode == "ngram":
         speculative = {"speculative_method": "ngram", "num_spec_tokens": num_spec}
     config = EngineConfig(max_num_seqs=batch_size, num_blocks=max(256, 16 * batch_size),
                           dtype=str(model.dtype).removeprefix("torch."), **speculative)
-    return LLMEngine(model, config, tokenizer,
-                     drafter=drafter if mode.startswith("eagle3") else None)
+    return LLMEngine(model, config, tokenizer, drafter=drafter)
 
 
 def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
@@ -100,8 +107,10 @@ def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
 
 def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec, modes
             ) -> dict[str, ModeResult]:
-    """Every mode over all `prompts`, `batch_size` at a time, the modes interleaved per wave."""
-    engines = {mode: _engine(model, tokenizer, drafter, mode, batch_size, num_spec)
+    """Every mode over all `prompts`, `batch_size` at a time, the modes interleaved per wave.
+    `drafter`: the EAGLE3 drafter, or {family: drafter} ("eagle3", "mtp")."""
+    drafters = drafter if isinstance(drafter, dict) else {"eagle3": drafter}
+    engines = {mode: _engine(model, tokenizer, drafters, mode, batch_size, num_spec)
                for mode in modes}
     results = {mode: ModeResult(mode) for mode in modes}
     for wave_start in range(0, len(prompts), batch_size):
@@ -119,10 +128,15 @@ def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from speckv.engine.config import MAX_NUM_SPEC_TOKENS
 
+    parser.add_argument("--model", default="builtin",
+                        help="'builtin', 'hybrid-swa' (random-init) or a model directory "
+                        "(e.g. a Gemma 4 checkpoint, with --speculative-model its assistant)")
     parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
                         default="builtin",
-                        help="EAGLE3 drafter dir, or 'builtin' (the shipped head); "
-                        "--draft-model is a deprecated alias")
+                        help="EAGLE3 drafter dir or 'builtin' (the shipped head) for the eagle3 "
+                        "modes; an MTP drafter dir (e.g. a Gemma 4 assistant) for the mtp modes "
+                        "('random-assistant' on hybrid-swa by default); --draft-model is a "
+                        "deprecated alias")
     parser.add_argument("--num-spec-tokens", type=int, default=3,
                         help=f"most drafts per step, 1..{MAX_NUM_SPEC_TOKENS}")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt")
@@ -130,9 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=24,
                         help="held-out chat prompts (at least the largest batch is decoded: "
                         "prompts repeat to fill it)")
-    parser.add_argument("--modes", default="none,eagle3,ngram",
+    parser.add_argument("--modes", default=None,
                         help=f"comma-separated subset of {', '.join(MODES)}; 'none' is the "
-                        "reference and always runs")
+                        "reference and always runs (default none,eagle3,ngram on the built-in "
+                        "model, none,mtp,mtp-fixed,ngram otherwise)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--record", action="store_true",
                         help="store the EAGLE3 figures with the shipped head (benchmark.json)")
@@ -157,12 +172,28 @@ def _check(args: argparse.Namespace) -> tuple[list[int], tuple[str, ...]]:
         raise ValueError(f"--num-prompts must be between 1 and {available} (held-out prompts)")
     if args.max_tokens < 1 or args.threads < 1:
         raise ValueError("--max-tokens and --threads must be >= 1")
+    if args.modes is None:
+        args.modes = ("none,eagle3,ngram" if args.model == "builtin"
+                      else "none,mtp,mtp-fixed,ngram")
     modes = tuple(dict.fromkeys(["none", *(m.strip() for m in args.modes.split(","))]))
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; choose from {list(MODES)}")
-    if args.record and (args.speculative_model != "builtin" or "eagle3" not in modes):
-        raise ValueError("--record needs the built-in head and the eagle3 mode")
+    if args.record and (args.speculative_model != "builtin" or "eagle3" not in modes
+                        or args.model != "builtin"):
+        raise ValueError("--record needs the built-in model, its head and the eagle3 mode")
+    if args.model != "builtin" and any(m.startswith("eagle3") for m in modes) \
+            and args.speculative_model == "builtin":
+        raise ValueError("--modes eagle3: the shipped EAGLE3 head is the built-in model's; give "
+                         "--speculative-model DIR for another --model")
+    if any(m.startswith("mtp") for m in modes) and args.model not in ("hybrid-swa",) \
+            and args.speculative_model == "builtin":
+        raise ValueError("--modes mtp needs --speculative-model DIR (an MTP drafter, e.g. the "
+                         "Gemma 4 assistant of --model)")
+    if any(m.startswith("eagle3") for m in modes) and any(m.startswith("mtp") for m in modes) \
+            and args.speculative_model != "builtin":
+        raise ValueError("--modes: eagle3 and mtp modes each need their own drafter; run them "
+                         "separately")
     return batch_sizes, modes
 
 
@@ -173,17 +204,24 @@ def run(args: argparse.Namespace) -> int:
 
     batch_sizes, modes = _check(args)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model("builtin", "float32", "cpu", progress=not args.json)
-    drafter = None
-    if any(mode.startswith("eagle3") for mode in modes):
-        drafter = load_drafter_model(args.speculative_model, model, "eagle3")
+    model, tokenizer = load_model(args.model, "float32", "cpu", progress=not args.json)
+    drafters = {}
+    for family in dict.fromkeys(DRAFTER_MODES[m] for m in modes if m in DRAFTER_MODES):
+        name = args.speculative_model
+        if family == "mtp" and name == "builtin":  # hybrid-swa: a random-init assistant
+            name = "random-assistant"
+        drafters[family] = load_drafter_model(name, model, family)
     texts = eval_prompts(args.num_prompts)
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    if tokenizer is not None:
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    else:  # a directory without a tokenizer: the texts' bytes as token ids
+        vocab = model.config.vocab_size
+        chats = [[b % vocab for b in t.encode()] for t in texts]
     table_rows = []
     for batch_size in batch_sizes:
         count = max(len(chats), batch_size)
         prompts = [chats[i % len(chats)] for i in range(count)]
-        results = measure(model, tokenizer, drafter, prompts, batch_size, args.max_tokens,
+        results = measure(model, tokenizer, drafters, prompts, batch_size, args.max_tokens,
                           args.num_spec_tokens, modes)
         table_rows.append((batch_size, len(prompts), results))
     payload = []
@@ -229,7 +267,10 @@ def _record(payload: list[dict], args: argparse.Namespace) -> None:
 
 
 def _print(payload: list[dict], args: argparse.Namespace, num_texts: int) -> None:
-    table = Table(title=f"greedy decode, built-in model (fp32, {args.threads} thread), "
+    name = "built-in model" if args.model == "builtin" else args.model
+    if args.model == "hybrid-swa":
+        name += " (RANDOM-INIT weights, random-init MTP assistant: few drafts accepted)"
+    table = Table(title=f"greedy decode, {name} (fp32, {args.threads} thread), "
                         f"{num_texts} held-out chat prompts, {args.max_tokens} output tokens, "
                         f"up to {args.num_spec_tokens} drafts", title_justify="left")
     for column in ("B", "mode", "tok/s", "x", "AL", "acc. %", "steps by k", "same"):
@@ -245,9 +286,10 @@ def _print(payload: list[dict], args: argparse.Namespace, num_texts: int) -> Non
         )
     console = Console()
     console.print(table)
-    console.print("[dim]B: batch size. EAGLE3 and n-gram choose their draft length per step "
-                  "(adaptive); EAGLE3 k=S always drafts S. x: tokens/s over no spec's. AL: mean "
-                  "acceptance length, tokens per verification step with drafts (accepted + 1). "
+    console.print("[dim]B: batch size. EAGLE3, MTP and n-gram choose their draft length per "
+                  "step (adaptive); EAGLE3 / MTP k=S always draft S. x: tokens/s over no "
+                  "spec's. AL: mean acceptance length, tokens per verification step with "
+                  "drafts (accepted + 1). "
                   "acc. %: share of those steps that accepted draft 1, 2, ... steps by k: "
                   "decode steps that drafted k = 0, 1, ... tokens. same: greedy output equals "
                   "no spec's.[/dim]")

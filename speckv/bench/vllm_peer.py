@@ -3,9 +3,15 @@
 Owns everything the benches need from vLLM: importing it (it is never a dependency; without
 it the benches print why and skip), building vLLM requests and managers for the same prompts,
 block size and lookahead as speckv's, and the side-by-side timing loop. vLLM 0.33's
-scheduler-side code runs on a CPU-only torch; /work/shared/vllm-cpu/README.md (the team's
-notes) sets it up in a scratch environment. Both sides run in this one process, on identical
-token lists; the hash bench checks the two hash chains are byte-identical before timing.
+scheduler-side code runs on a CPU-only torch. To compare, in a scratch virtual environment:
+
+    pip install torch==2.13.0 && pip install -e /path/to/speckv
+    pip install --no-deps vllm==0.33.0     # --no-deps: its pins would pull a CUDA torch
+    pip install --no-deps <the requirements the vllm wheel lists (`pip show vllm`, Requires),
+                           except torch and the CUDA-only ones>
+
+Both sides run in this one process, on identical token lists; the hash bench checks the two
+hash chains are byte-identical before timing.
 """
 
 from __future__ import annotations

@@ -18,10 +18,12 @@ QUESTION = (
     "You are a concise assistant. Explain in two sentences why caching the KV of a shared "
     "prompt prefix makes the second request answer faster."
 )
+# questions a 135M model answers well greedily (it answered "Il Coriobella, Italy." to the
+# capital of Italy): the batch shows throughput, and its answers should not distract from it
 BATCH = [
     "Name three primary colors.",
-    "What is the capital of Italy?",
-    "Give one tip for writing clean code.",
+    "What is the capital of France?",
+    "What is 2 + 2?",
     "What does a CPU do?",
 ]
 
@@ -80,7 +82,9 @@ def run_model_demo(console: Console, max_tokens: int = 32) -> None:
     elapsed = time.perf_counter() - start
     num_tokens = sum(len(o.token_ids) for o in outs)
     batch = Table(title=f"batch of {len(BATCH)}: {num_tokens} tokens, "
-                        f"{num_tokens / elapsed:.1f} tokens/s")
+                        f"{num_tokens / elapsed:.1f} tokens/s",
+                  caption="SmolLM2-135M answers, greedy, 32 tokens at most: a small model, "
+                          "good at short factual questions")
     batch.add_column("prompt")
     batch.add_column("answer")
     for question, out in zip(BATCH, outs):

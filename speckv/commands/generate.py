@@ -64,9 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speckv.engine.llm import LLM
+    from speckv.engine.llm import LLM, random_init_note
     from speckv.engine.sampling_params import SamplingParams
 
+    if not args.prompt:  # one rule with the server's: an empty prompt is refused
+        raise ValueError("the prompt is empty: give the text to complete, e.g. "
+                         "speckv generate \"What is the capital of France?\"")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.max_model_len is not None and args.max_model_len < 1:
@@ -93,20 +96,15 @@ def run(args: argparse.Namespace) -> int:
                          "can reproduce: pass --hash-seed (e.g. --hash-seed 0) or set "
                          "PYTHONHASHSEED")
     tiers = {} if connector is None else connector_engine_kwargs(args.kv_connector, connector)
-    print(f"[{line}]", file=sys.stderr, flush=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len,
               disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,
               hash_seed=args.hash_seed, **speculative, **tiers)
-    if args.model == "hybrid-swa":  # say it every time: its text is noise
-        from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
-
-        print(f"[{RANDOM_INIT_NOTE}; KV groups {llm.engine.layout.describe()}]",
-              file=sys.stderr)
-    if args.model == "hybrid-gdn":  # say it every time: its text is noise
-        from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE as GDN_NOTE
-
-        print(f"[{GDN_NOTE}; KV groups {llm.engine.layout.describe()}]", file=sys.stderr)
+    # after the engine is built: an error in the flags or the model files comes alone
+    print(f"[{line}]", file=sys.stderr, flush=True)
+    note = random_init_note(args.model)
+    if note is not None:  # say it every time: its text is noise
+        print(f"[{note}; KV groups {llm.engine.layout.describe()}]", file=sys.stderr)
     with llm:
         return _generate(llm, args, params, connector is not None)
 

@@ -9,6 +9,7 @@ block needs.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from speckv.commands.hash_seed import add_seed_argument, resolve_seed
@@ -18,17 +19,24 @@ from speckv.hashing.functions import HASH_ALGOS, get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
 
 
-def parse_token_list(text: str) -> list[int]:
+def parse_token_list(text: str, source: str = "--tokens") -> list[int]:
+    """Token ids separated by commas, spaces or newlines; `source` names where they came from
+    in the errors (an empty item, a non-integer, a negative id)."""
+    text = text.strip()
+    if not text:
+        return []
     tokens = []
-    for piece in text.replace("\n", ",").replace(" ", ",").split(","):
+    for position, piece in enumerate(re.split(r"\s*,\s*|\s+", text), 1):
         if not piece:
-            continue
+            raise ValueError(f"{source}: item {position} is empty (two commas in a row, or a "
+                             "comma at an end); give one integer token id between commas")
         try:
-            tokens.append(int(piece))
+            token = int(piece)
         except ValueError:
-            raise ValueError(f"token {piece!r} is not an integer") from None
-        if tokens[-1] < 0:
-            raise ValueError(f"token {tokens[-1]} is negative")
+            raise ValueError(f"{source}: token {piece!r} is not an integer") from None
+        if token < 0:
+            raise ValueError(f"{source}: token {token} is negative; token ids are >= 0")
+        tokens.append(token)
     return tokens
 
 
@@ -54,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lookahead must be >= 0, got {args.lookahead}")
     if (args.lora_name is None) != (args.lora_path is None):
         raise ValueError("--lora-name and --lora-path go together")
-    text = args.tokens if args.tokens is not None else args.tokens_file.read_text()
-    tokens = parse_token_list(text)
+    if args.tokens is not None:
+        tokens = parse_token_list(args.tokens)
+    else:
+        tokens = parse_token_list(args.tokens_file.read_text(), f"--tokens-file {args.tokens_file}")
     needed = args.block_size + args.lookahead
     if len(tokens) < needed:
         raise ValueError(

@@ -98,6 +98,9 @@ class DiskBlockStore:
         self._index: PinnedLru[int] = PinnedLru()  # key -> file bytes
         self._total_bytes = 0
         self._writing: set[CacheKey] = set()
+        # evicted from the index, file not yet unlinked: a lookup must not take the file
+        # for another process's block and put the key back in the index
+        self._deleting: set[CacheKey] = set()
         self._read_buffer = bytearray()  # loads only (engine thread)
         self._scan()
 
@@ -145,14 +148,16 @@ class DiskBlockStore:
         with self._lock:
             if key in self._index:
                 return True
-            if key in self._writing:
+            if key in self._writing or key in self._deleting:
                 return False
         try:  # another process (or an earlier life of this one) may have written it
             size = block_path(self.directory, key).stat().st_size
         except OSError:
             return False
         with self._lock:
-            if key not in self._index and key not in self._writing:
+            if key in self._writing or key in self._deleting:
+                return False  # evicted (or being written) while we looked
+            if key not in self._index:
                 self._index.add(key, size)
                 self._total_bytes += size
         return True
@@ -250,16 +255,20 @@ class DiskBlockStore:
         return victims if excess <= 0 else None
 
     def _remove(self, keys: list[CacheKey]) -> list[CacheKey]:
-        """Drop keys from the index (under the lock); their files go after."""
+        """Drop keys from the index (under the lock); their files go after (`_drop_files`),
+        and until then lookups miss them."""
         for key in keys:
             size = self._index.pop(key)
             assert size is not None, "removing a key the index does not hold"
             self._total_bytes -= size
+            self._deleting.add(key)
         return keys
 
     def _drop_files(self, keys: list[CacheKey]) -> None:
         for key in keys:
             block_path(self.directory, key).unlink(missing_ok=True)
+            with self._lock:
+                self._deleting.discard(key)
 
     def _forget(self, key: CacheKey) -> None:
         with self._lock:

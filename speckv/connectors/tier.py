@@ -18,6 +18,16 @@ slow tier never blocks a step. Lookups see pending and in-flight blocks too, and
 same step reads them from the snapshot: a request that finishes and comes straight back hits
 everything it stored.
 
+A staging slot has two possible readers: the copy thread (until the block is stored) and this
+step's loads (a block saved and loaded in the same step, or found in flight). It is counted
+out to each and goes back to the free list only when both are done, so a later snapshot of
+the same step can never overwrite a slot a load is about to read (the copy thread may settle
+a block between two saves of one snapshot pass).
+
+The copy thread is real by default; `run_copies_on(schedule)` replaces it with a seeded
+schedule that runs queued stores at chosen points on the engine thread (`copy_schedule.py`),
+so a run that found a race replays from its seed.
+
 Loads are pinned in the store from `update_state_after_alloc` until copied, so eviction never
 takes a block that is being loaded. A load stops at the first block it cannot serve (evicted,
 corrupt, or not what the request expects); that block and the rest of the load are reported
@@ -44,6 +54,7 @@ from speckv.connectors.base import (
     RequestBlocks,
 )
 from speckv.connectors.codec import CodecMiss, MissReason
+from speckv.connectors.copy_schedule import CopyPoint, CopySchedule
 from speckv.connectors.layout import BlockLayout, BlockTensors, DeviceKV
 from speckv.connectors.metadata import (
     BlockDescriptor,
@@ -100,8 +111,9 @@ class _Snapshot:
 class _Staging:
     """Host buffers where snapshots wait until the copy thread has stored them (pinned on a
     GPU machine). Reused, so a step never pays for fresh memory; its size is the copy queue's
-    bound. A released slot is only written again by the next snapshot, which comes after the
-    current step's loads have read it."""
+    bound. Each slot counts its readers (the copy thread, this step's loads): `take` gives
+    the slot to its first reader, `hold` adds one, and the slot is free again only once every
+    reader has called `release`. Called under the connector's lock."""
 
     def __init__(self, layout: BlockLayout, capacity: int, pin: bool) -> None:
         # zeros, not empty: the memory is committed now, not by page faults in a step
@@ -111,12 +123,31 @@ class _Staging:
             for segment in layout.segments
         )
         self._free = list(range(capacity - 1, -1, -1))
+        self._readers: Counter[int] = Counter()
 
     def take(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._readers[slot] = 1
+        return slot
+
+    def hold(self, slot: int) -> None:
+        if self._readers[slot] < 1:
+            raise RuntimeError(f"staging slot {slot} is free: nothing to hold")
+        self._readers[slot] += 1
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        if self._readers[slot] < 1:
+            raise RuntimeError(f"staging slot {slot} released more often than taken")
+        self._readers[slot] -= 1
+        if self._readers[slot] == 0:
+            del self._readers[slot]
+            self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def block(self, slot: int) -> BlockTensors:
         return tuple(data[slot] for data in self._data)
@@ -159,6 +190,8 @@ class TierConnector(KVConnector):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._store_wrapper: Callable[[BlockStore], BlockStore] | None = None
+        self._schedule: CopySchedule | None = None  # None: a real copy thread
+        self._held_slots: list[int] = []  # staging slots this step's loads read (engine thread)
 
     @property
     def supports_lookahead_block_hashes(self) -> bool:
@@ -177,6 +210,13 @@ class TierConnector(KVConnector):
             raise RuntimeError(f"connector {self.name!r}: wrap_store after initialize")
         self._store_wrapper = wrapper
 
+    def run_copies_on(self, schedule: CopySchedule) -> None:
+        """Run queued stores where `schedule` says, on the engine thread, instead of on a copy
+        thread (before `initialize`): the seam that makes tier runs replayable from a seed."""
+        if self._store is not None:
+            raise RuntimeError(f"connector {self.name!r}: run_copies_on after initialize")
+        self._schedule = schedule
+
     def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:
         if self._store is not None:
             raise RuntimeError(f"connector {self.name!r} is already initialized")
@@ -189,9 +229,10 @@ class TierConnector(KVConnector):
         self._store = self._store_wrapper(store) if self._store_wrapper is not None else store
         self._staging = _Staging(kv.layout, self.max_pending_blocks, kv.device.type == "cuda")
         self._kv, self._mode = kv, mode
-        self._thread = threading.Thread(target=self._copy_loop, name=f"speckv-{self.name}-copy",
-                                        daemon=True)
-        self._thread.start()
+        if self._schedule is None:
+            self._thread = threading.Thread(target=self._copy_loop,
+                                            name=f"speckv-{self.name}-copy", daemon=True)
+            self._thread.start()
 
     def _ready(self) -> tuple[DeviceKV, ConnectorMode, BlockStore]:
         if self._store is None or self._kv is None or self._mode is None:
@@ -209,6 +250,7 @@ class TierConnector(KVConnector):
 
     # ---- scheduler side ----------------------------------------------------------------------
     def _contains(self, key: CacheKey) -> bool:
+        self._copy_point(CopyPoint.LOOKUP)
         if key in self._pending:
             return True
         with self._cond:
@@ -264,6 +306,7 @@ class TierConnector(KVConnector):
             )
         hashes = request.get_block_hashes(mode.lookahead_tokens)
         blocks = tuple(describe_block(request, hashes, i, mode) for i in range(start, end))
+        self._copy_point(CopyPoint.BEFORE_PIN)  # a store may have evicted one since the lookup
         for block in blocks:
             store.pin(block.key)
         self._planned_loads[request_id] = RequestLoad(
@@ -279,6 +322,7 @@ class TierConnector(KVConnector):
                 f"connector {self.name!r}: the metadata of step {self._unstarted_step} was "
                 "never passed to start_load_kv"
             )
+        self._copy_point(CopyPoint.BUILD_META)
         self._step += 1
         self._unstarted_step = self._step
         saves = self._exit_saves
@@ -408,10 +452,13 @@ class TierConnector(KVConnector):
                                          slot, ready)
                     if block.key in needed:
                         self._step_snapshots[block.key] = snapshot
+                        if slot is not None:
+                            self._hold(slot)  # this step's load reads it after the copy
                     if slot is not None:
                         self._in_flight[block.key] = snapshot
                         self._queue.append(snapshot)
                 self._cond.notify_all()
+            self._copy_point(CopyPoint.AFTER_QUEUE)
 
     def load_blocks(self, meta: StepMetadata) -> None:
         meta = self._own(meta)
@@ -422,6 +469,7 @@ class TierConnector(KVConnector):
             miss: CodecMiss | None = None
             writer = kv.begin_write(len(load.blocks))
             for block, block_id in zip(load.blocks, load.device_block_ids):
+                self._copy_point(CopyPoint.BEFORE_FETCH)
                 found = self._fetch(block, store)
                 if isinstance(found, CodecMiss):
                     miss = found
@@ -454,7 +502,12 @@ class TierConnector(KVConnector):
                         self._counts["corrupt_blocks"] += 1
         self._failed_block_ids = frozenset(failed)
         self._step_snapshots = {}
+        with self._cond:
+            for slot in self._held_slots:
+                self._release_slot(slot)
+        self._held_slots = []
         self._unstarted_step = None
+        self._copy_point(CopyPoint.AFTER_LOADS)
 
     def _fetch(self, block: BlockDescriptor, store: BlockStore) -> BlockTensors | CodecMiss:
         """The block from this step's snapshots, the copy queue, or the tier, in that order
@@ -463,6 +516,8 @@ class TierConnector(KVConnector):
         if snapshot is None:
             with self._cond:
                 snapshot = self._in_flight.get(block.key)
+                if snapshot is not None and snapshot.slot is not None:
+                    self._hold(snapshot.slot)  # the copy thread may settle it meanwhile
         if snapshot is not None:
             if snapshot.block != block:
                 return CodecMiss(MissReason.BLOCK_MISMATCH, "a different block under this key")
@@ -470,6 +525,7 @@ class TierConnector(KVConnector):
         return store.get(block)
 
     def get_finished(self) -> ConnectorOutput:
+        self._copy_point(CopyPoint.FINISHED)
         loads, self._finished_loads = frozenset(self._finished_loads), set()
         failures, self._load_failures = tuple(self._load_failures), []
         waiting = {save.request_id for save in self._exit_saves}
@@ -486,32 +542,67 @@ class TierConnector(KVConnector):
         return self._failed_block_ids
 
     # ---- copy thread -------------------------------------------------------------------------
+    def _hold(self, slot: int) -> None:
+        """One more reader of `slot`: this step's loads (under _cond)."""
+        assert self._staging is not None
+        self._staging.hold(slot)
+        self._held_slots.append(slot)
+
+    def _release_slot(self, slot: int) -> None:
+        assert self._staging is not None
+        self._staging.release(slot)
+
     def _copy_loop(self) -> None:
-        store = self._ready()[2]
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                snapshot = self._queue.popleft()
-            try:
-                result: PutResult | None = store.put(snapshot.block, snapshot.wait())
-                error = ""
-            except Exception as exc:  # a store that breaks must not stop the thread
-                result, error = None, f"{type(exc).__name__}: {exc}"
-            with self._cond:
-                # only now: a load that misses the queue must find the block in the tier
-                self._in_flight.pop(snapshot.block.key, None)
-                if snapshot.slot is not None and self._staging is not None:
-                    self._staging.release(snapshot.slot)
-                self._outstanding[snapshot.request_id] -= 1
-                if result is None:
-                    self._counts["save_errors"] += 1
-                    self._last_save_error = error
-                else:
-                    self._settle(snapshot, result)
-                self._cond.notify_all()
+            self._copy_one()
+
+    def _copy_one(self) -> bool:
+        """Store the oldest queued snapshot (on the copy thread, or where a schedule runs it).
+        False if nothing was queued."""
+        store = self._ready()[2]
+        with self._cond:
+            if not self._queue:
+                return False
+            snapshot = self._queue.popleft()
+        try:
+            result: PutResult | None = store.put(snapshot.block, snapshot.wait())
+            error = ""
+        except Exception as exc:  # a store that breaks must not stop the thread
+            result, error = None, f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            # only now: a load that misses the queue must find the block in the tier
+            self._in_flight.pop(snapshot.block.key, None)
+            if snapshot.slot is not None and self._staging is not None:
+                self._release_slot(snapshot.slot)
+            self._outstanding[snapshot.request_id] -= 1
+            if result is None:
+                self._counts["save_errors"] += 1
+                self._last_save_error = error
+            else:
+                self._settle(snapshot, result)
+            self._cond.notify_all()
+        return True
+
+    def _copy_point(self, point: CopyPoint) -> None:
+        """A place where the copy thread could have run: under a schedule, run what it says."""
+        if self._schedule is None or self._store is None:
+            return
+        with self._cond:
+            queued = len(self._queue)
+        for _ in range(self._schedule.copies_at(point, queued)):
+            if not self._copy_one():
+                break
+
+    def _drain(self) -> None:
+        """Under a schedule, nobody else runs the queue: a wait for it runs it to the end."""
+        if self._schedule is not None:
+            while self._copy_one():
+                pass
 
     def _settle(self, snapshot: _Snapshot, result: PutResult) -> None:
         """Count and record events for one store (under _cond)."""
@@ -561,6 +652,7 @@ class TierConnector(KVConnector):
         self._ready()
         saves, self._exit_saves = self._exit_saves, []
         self._snapshot(saves, set())
+        self._drain()
         with self._cond:
             return self._cond.wait_for(lambda: not self._in_flight, timeout_s)
 
@@ -575,6 +667,7 @@ class TierConnector(KVConnector):
                 self._outstanding[save.request_id] -= len(save.blocks)
         self._exit_saves = []
         self._pending.clear()
+        self._drain()
         with self._cond:
             self._cond.wait_for(lambda: not self._in_flight)
         resident = store.usage().resident_blocks

@@ -161,6 +161,10 @@ def _config_json(drafter: Drafter, fmt: str) -> dict[str, Any]:
 
 def detect_format(path: str | Path) -> tuple[str, str | None]:
     """(method, MTP layout or None) of a drafter directory."""
+    from speckv.drafters.gemma4_assistant import is_assistant_dir
+
+    if is_assistant_dir(path):  # Gemma4AssistantForCausalLM: an MTP drafter of its own kind
+        return "mtp", None
     return _method_and_layout(_detect_key(path))
 
 

@@ -74,23 +74,34 @@ def load_model(
     )
 
 
+def random_init_note(model: str | Path | None) -> str | None:
+    """What to tell a user of a built-in model with random weights (None for other models)."""
+    if str(model) == "hybrid-swa":
+        from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
+
+        return RANDOM_INIT_NOTE
+    if str(model) == "hybrid-gdn":
+        from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE
+
+        return RANDOM_INIT_NOTE
+    return None
+
+
 def _hf_config_is(path: Path, family: str) -> bool:
     """Whether the HF dir's config.json is of a family ("hybrid": Qwen3-Next / Qwen3.5)."""
-    import json
-
     from speckv.models.hybrid_config import is_hybrid_hf_config
+    from speckv.models.model_files import read_json_file
 
     config = path / "config.json"
-    return config.is_file() and is_hybrid_hf_config(json.loads(config.read_text()))
+    return config.is_file() and is_hybrid_hf_config(read_json_file(config))
 
 
 def _is_gemma_dir(path: Path) -> bool:
-    import json
-
     from speckv.models.gemma import is_gemma_config
+    from speckv.models.model_files import read_json_file
 
     config = path / "config.json"
-    return config.is_file() and is_gemma_config(json.loads(config.read_text()))
+    return config.is_file() and is_gemma_config(read_json_file(config))
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from speckv.attention import bytes_per_block, num_blocks_for_budget
+from speckv.attention import bytes_per_block
 from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
@@ -107,27 +107,32 @@ class LLMEngine:
         if config.mamba_block_size is not None and not getattr(model, "is_hybrid", False):
             raise ValueError("EngineConfig.mamba_block_size applies to models with a GDN / "
                              "Mamba state group only")
-        if config.num_blocks is None and hasattr(model, "kv_cache_bytes_per_block"):
-            # layers of different KV shapes (Gemma 4), KV + GDN state (hybrids): the model
-            # sizes its own blocks
-            per_block = model.kv_cache_bytes_per_block(block_size)
-            if num_draft_layers:
-                per_block += bytes_per_block(num_draft_layers, block_size,
-                                             model_config.num_key_value_heads,
-                                             model_config.head_dim, model.dtype)
-            self.num_blocks = config.kv_cache_memory_bytes // per_block
-            if self.num_blocks < 2:
-                raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} fits "
-                                 f"{self.num_blocks} blocks of {per_block} bytes; need >= 2")
+        context = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > context:
+            # as vLLM: positions past the model's context give noise, not an error
+            raise ValueError(f"max_model_len {config.max_model_len} is more than the model's "
+                             f"context of {context} tokens (max_position_embeddings in its "
+                             "config)")
+        if config.num_blocks is not None:
+            self.num_blocks = config.num_blocks
         else:
-            self.num_blocks = config.num_blocks or num_blocks_for_budget(
-                config.kv_cache_memory_bytes,
-                model_config.num_hidden_layers + num_draft_layers,
-                block_size,
-                model_config.num_key_value_heads,
-                model_config.head_dim,
-                model.dtype,
-            )
+            if hasattr(model, "kv_cache_bytes_per_block"):
+                # layers of different KV shapes (Gemma 4), KV + GDN state (hybrids): the model
+                # sizes its own blocks
+                per_block = model.kv_cache_bytes_per_block(block_size)
+                if num_draft_layers:
+                    per_block += bytes_per_block(num_draft_layers, block_size,
+                                                 model_config.num_key_value_heads,
+                                                 model_config.head_dim, model.dtype)
+            else:
+                per_block = bytes_per_block(model_config.num_hidden_layers + num_draft_layers,
+                                            block_size, model_config.num_key_value_heads,
+                                            model_config.head_dim, model.dtype)
+            self.num_blocks = config.kv_cache_memory_bytes // per_block
+            if self.num_blocks < 2:  # named as the config field: the CLI shows it as its flag
+                raise ValueError(f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes:,} "
+                                 f"bytes) fits {self.num_blocks} KV blocks of {per_block:,} "
+                                 "bytes; at least 2 are needed (block 0 is the null block)")
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks)
         self.proposer = proposer
@@ -135,12 +140,12 @@ class LLMEngine:
         layout = layout or (
             model.kv_cache_layout(block_size, config.mamba_block_size)
             if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
-        if drafter is not None and layout.draft_group is None:
+        if num_draft_layers and layout.draft_group is None:
             # the drafter's KV is full attention: no block of it may be freed
             layout = layout.as_one_full_group()
         self.layout = layout
         draft_group = layout.draft_group
-        if drafter is not None and draft_group is not None \
+        if num_draft_layers and draft_group is not None \
                 and layout.specs[draft_group].block_size != block_size:
             raise ValueError(f"the drafter's KV group has blocks of "
                              f"{layout.specs[draft_group].block_size} tokens; block_size is "

@@ -101,6 +101,9 @@ class ModelRunner:
             RunnerStates(model, num_blocks, self.layout)
             if state_group(self.layout) is not None else None)
         self.proposer = proposer
+        bind = getattr(proposer, "bind_target_kv", None)
+        if bind is not None:  # a drafter that reads the target's KV (Gemma 4 assistant)
+            bind(self.kv_cache, self.layout)
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
         self.requests: dict[str, _RunnerRequest] = {}
@@ -288,6 +291,7 @@ class ModelRunner:
                 slot_mapping=forward.slot_mapping[rows],
                 wants_drafts=sampled is not None and item.request_id not in stopped,
                 max_drafts=max(0, room),
+                block_tables=tuple(state.block_ids),
             ))
         drafts = self.proposer.propose(inputs)
         if self.spec_policy is not None:

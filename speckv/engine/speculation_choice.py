@@ -2,8 +2,9 @@
 `speckv serve` (and through them the demo) share.
 
 Owns the defaults (the built-in model's shipped head only where its recorded benchmark is
-faster; a random-init MTP head on the random `hybrid-gdn`), the method a drafter directory
-implies, and the errors, in flag words, for combinations that cannot run. Nothing is loaded.
+faster; a random-init MTP head on the random `hybrid-gdn`, a random-init Gemma 4 MTP assistant
+on `hybrid-swa`), the method a drafter directory implies, and the errors, in flag words, for
+combinations that cannot run. Nothing is loaded.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def choose_speculation(model: str, method: str | None, speculative_model: str | 
     measured = measured_speedup() if builtin else None
     if model == "hybrid-gdn" and speculative_model is None and method == "mtp":
         speculative_model = "random-mtp"  # a random-init MTP drafter on the random hybrid
+    if model == "hybrid-swa" and speculative_model is None and method == "mtp":
+        speculative_model = "random-assistant"  # a random-init Gemma 4 MTP assistant
     if method is None:
-        if speculative_model == "random-mtp":
+        if speculative_model in ("random-mtp", "random-assistant"):
             method = "mtp"
         elif speculative_model is not None and speculative_model != "builtin":
             from speckv.drafters.loaders import detect_format

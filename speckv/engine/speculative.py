@@ -26,13 +26,22 @@ def speculative_args(drafter: Drafter | None, num_spec_tokens: int) -> dict[str,
     """The `EngineConfig` speculative fields for running `drafter` (None: no speculation)."""
     if drafter is None:
         return {"speculative_method": None, "num_spec_tokens": 0}
-    return {"speculative_method": drafter.policy.name, "num_spec_tokens": num_spec_tokens}
+    # the Gemma 4 assistant's policy is gemma4_mtp; users ask for it as "mtp"
+    method = getattr(drafter, "speculative_method", drafter.policy.name)
+    return {"speculative_method": method, "num_spec_tokens": num_spec_tokens}
 
 
 def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
                   ) -> Proposer | None:
     """The proposer for the config (None: no speculation)."""
     method = config.speculative_method
+    build = getattr(drafter, "make_proposer", None)
+    if build is not None:  # a drafter with its own proposer (the Gemma 4 assistant)
+        if method != drafter.speculative_method:
+            raise ValueError(f"the drafter is a Gemma 4 assistant (an MTP drafter) but "
+                             f"speculative_method is {method!r}; set speculative_method="
+                             f"{drafter.speculative_method!r}")
+        return build(config.num_spec_tokens)
     if drafter is not None:
         if method != drafter.policy.name:
             raise ValueError(
@@ -70,6 +79,10 @@ def load_drafter_model(speculative_model: str, model: LlamaForCausalLM,
         from speckv.drafters.hybrid_mtp import load_hybrid_drafter
 
         return load_hybrid_drafter(speculative_model, model)
+    from speckv.drafters.gemma4_assistant import RANDOM_ASSISTANT, is_assistant_dir
+
+    if speculative_model == RANDOM_ASSISTANT or is_assistant_dir(speculative_model):
+        return _load_assistant(speculative_model, model, method)
     if speculative_model == "builtin":
         from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, load_builtin_drafter
 
@@ -84,6 +97,26 @@ def load_drafter_model(speculative_model: str, model: LlamaForCausalLM,
     from speckv.drafters.loaders import load_drafter
 
     return load_drafter(speculative_model, model)
+
+
+def _load_assistant(speculative_model: str, model: LlamaForCausalLM, method: str | None):
+    """The Gemma 4 MTP assistant: a `Gemma4AssistantForCausalLM` directory, or
+    "random-assistant" (seeded random init) on a Gemma 3 / 4 target."""
+    from speckv.drafters.gemma4_assistant import (
+        RANDOM_ASSISTANT,
+        load_gemma4_assistant,
+        random_gemma4_assistant,
+    )
+
+    if method is not None and method != "mtp":
+        raise ValueError(f"{speculative_model}: a Gemma 4 assistant is an MTP drafter; use "
+                         "--speculative-method mtp")
+    if getattr(model, "gemma", None) is None:
+        raise ValueError(f"{speculative_model}: a Gemma 4 assistant drafts for a Gemma 3 / 4 "
+                         "target (it reads the target's KV); this model is not one")
+    if speculative_model == RANDOM_ASSISTANT:
+        return random_gemma4_assistant(model)
+    return load_gemma4_assistant(speculative_model, model)
 
 
 def resolve_connector_hash_mode(

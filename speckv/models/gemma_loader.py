@@ -19,6 +19,7 @@ from speckv.attention import AttentionBackend, resolve_dtype
 from speckv.models.gemma import GemmaConfig, GemmaForCausalLM
 from speckv.models.gemma4 import Gemma4Config, Gemma4ForCausalLM
 from speckv.models.loader import _iter_safetensors, _safetensors_files, assign_weights
+from speckv.models.model_files import read_json_file
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embed_scale")
 
@@ -74,7 +75,7 @@ def load_gemma_dir(
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no config.json in {d}")
-    config = gemma_config_of(json.loads(cfg_path.read_text()))
+    config = gemma_config_of(read_json_file(cfg_path))
     return build_gemma(config, _iter_safetensors(_safetensors_files(d)), dtype, device, backend)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from speckv.models.config import ModelConfig
+from speckv.models.model_files import reading
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -93,12 +94,13 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self.reader = GGUFReader(str(self.path))
-        self.fields: dict[str, Any] = {}
-        for key, f in self.reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            self.fields[key] = f.contents()
+        with reading(self.path, "GGUF file"):
+            self.reader = GGUFReader(str(self.path))
+            self.fields: dict[str, Any] = {}
+            for key, f in self.reader.fields.items():
+                if key.startswith("GGUF."):
+                    continue
+                self.fields[key] = f.contents()
         self.arch = str(self.fields.get("general.architecture", ""))
         if self.arch not in _SUPPORTED_ARCHS:
             raise ValueError(

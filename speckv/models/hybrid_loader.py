@@ -11,7 +11,6 @@ is built separately). Never unpickles (.bin files are refused by the shared file
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from speckv.attention import AttentionBackend
 from speckv.models.hybrid import HybridForCausalLM
 from speckv.models.hybrid_config import HybridConfig
 from speckv.models.loader import _iter_safetensors, _safetensors_files, assign_weights
+from speckv.models.model_files import read_json_file
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -78,7 +78,7 @@ def load_hybrid_dir(path: str | Path, dtype: torch.dtype | str = torch.float32,
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no config.json in {d}")
-    config = HybridConfig.from_hf_config(json.loads(cfg_path.read_text()))
+    config = HybridConfig.from_hf_config(read_json_file(cfg_path))
     model = build_hybrid(config, _iter_safetensors(_safetensors_files(d)), dtype, device,
                          backend)
     return model, config

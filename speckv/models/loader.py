@@ -22,6 +22,7 @@ from speckv.attention import AttentionBackend, resolve_dtype
 from speckv.models.config import ModelConfig
 from speckv.models.gguf_file import GGUFFile
 from speckv.models.llama import LlamaForCausalLM
+from speckv.models.model_files import read_json_file, reading
 from speckv.models.tokenizer import Tokenizer
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -90,7 +91,7 @@ def assign_weights(
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        weight_map: dict[str, str] = read_json_file(index)["weight_map"]
         return [path / f for f in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -102,9 +103,14 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def _iter_safetensors(files: list[Path]) -> Iterable[tuple[str, torch.Tensor]]:
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, st.get_tensor(name)
+        with reading(f, "safetensors file"):
+            handle = safe_open(str(f), framework="pt", device="cpu")
+            names = list(handle.keys())
+        with handle as st:
+            for name in names:
+                with reading(f, "safetensors file"):
+                    tensor = st.get_tensor(name)
+                yield name, tensor
 
 
 def load_hf_dir(
@@ -118,7 +124,7 @@ def load_hf_dir(
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no config.json in {d}")
-    config = ModelConfig.from_hf_config(json.loads(cfg_path.read_text()))
+    config = ModelConfig.from_hf_config(read_json_file(cfg_path))
     model = build_model(config, _iter_safetensors(_safetensors_files(d)), dtype, device, backend)
     return model, config
 

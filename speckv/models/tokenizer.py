@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from speckv.models.gguf_file import GGUFTokenizerData
+from speckv.models.model_files import read_json_file, reading
 
 # llama.cpp pre-tokenizer names -> split regex (GPT-2's own regex is ByteLevel's default).
 _LLAMA3_RE = (
@@ -110,10 +111,11 @@ class Tokenizer:
         tj = d / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {d}")
-        backend = HFTokenizer.from_file(str(tj))
+        with reading(tj, "tokenizer.json"):
+            backend = HFTokenizer.from_file(str(tj))
         ours = d / _CONFIG_FILE
         if ours.is_file():
-            meta = json.loads(ours.read_text())
+            meta = read_json_file(ours)
             return cls(
                 backend,
                 meta["eos_token_ids"],
@@ -123,7 +125,7 @@ class Tokenizer:
             )
         cfg: dict[str, Any] = {}
         if (d / "tokenizer_config.json").is_file():
-            cfg = json.loads((d / "tokenizer_config.json").read_text())
+            cfg = read_json_file(d / "tokenizer_config.json")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from typing import Any
 
 from speckv.connectors.config import add_connector_arguments, connector_config_from_args
@@ -51,7 +52,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens per engine step")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="prefix caching (default on)")
+                        default=True, help="prefix caching")
     engine.add_argument("--prefix-caching-hash-algo", default="sha256",
                         choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
     engine.add_argument("--seed", type=int, default=0, help="base of per-request seeds")
@@ -170,7 +171,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default="builtin",
-                        help="'builtin' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file")
+                        help="'builtin' (SmolLM2-135M-Instruct), 'hybrid-swa' (tiny random-init "
+                        "Gemma-3-style sliding-window model), 'hybrid-gdn' (small random-init "
+                        "Qwen3-Next-style GDN hybrid), an HF model dir or a .gguf file")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
@@ -180,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="waiting requests before new ones get 503 + Retry-After")
     parser.add_argument("--max-request-body-bytes", type=parse_size, default="8M",
-                        help="larger bodies get 413 (default 8M)")
+                        help="larger bodies get 413")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_engine_arguments(parser)
@@ -206,15 +209,26 @@ def build_server(args: argparse.Namespace, progress: bool = True):
 
 
 def run(args: argparse.Namespace) -> int:
+    from speckv.engine.llm import random_init_note
     from speckv.server.launch import bind_socket, serve_forever
 
-    bind_socket(args.host, args.port).close()  # a busy port fails before the model loads
-    server = build_server(args)
+    # bound before the model loads: a busy port fails first, and --port 0 has its port to print
+    sock = bind_socket(args.host, args.port)
+    try:
+        server = build_server(args)
+    except BaseException:
+        sock.close()
+        raise
     engine = server.engine
-    print(f"speckv serve: {server.config.served_model_name} on http://{args.host}:{args.port} "
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    note = random_init_note(args.model)
+    if note is not None:  # say it every time: its text is noise
+        print(f"[{note}]", file=sys.stderr, flush=True)
+    print(f"speckv serve: {server.config.served_model_name} on http://{host}:{port} "
           f"({engine.model.device}, {engine.num_blocks} KV blocks of {engine.config.block_size}"
           f", {engine.hash_mode.label} block hashes"
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
           + ")", flush=True)
-    serve_forever(server, args.host, args.port, args.uvicorn_log_level)
+    serve_forever(server, sock, args.uvicorn_log_level)
     return 0

@@ -45,10 +45,10 @@ def _uvicorn(server: OpenAIServer, log_level: str) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def serve_forever(server: OpenAIServer, host: str, port: int,
+def serve_forever(server: OpenAIServer, sock: socket.socket,
                   log_level: str = "warning") -> None:
-    """Serve until SIGINT / SIGTERM (the CLI); returns after a graceful shutdown."""
-    sock = bind_socket(host, port)
+    """Serve on the listening `sock` (from `bind_socket`) until SIGINT / SIGTERM (the CLI);
+    returns after a graceful shutdown and closes the socket."""
     try:
         _uvicorn(server, log_level).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on: a normal exit

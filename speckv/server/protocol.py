@@ -257,8 +257,25 @@ def parse_completion(body: dict[str, Any], limits: ModelLimits,
     return GenerationRequest("completion", token_ids, params, stream, include_usage)
 
 
+# the roles of OpenAI's chat API (vLLM accepts the same); anything else is a 400
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _message_text(message: _ChatMessage, index: int) -> str:
-    content = message.content
+    """The message's text; an unknown role or an empty text is a 400 (the one empty-prompt
+    rule: no empty completion prompt, no empty message, no `speckv generate ""`)."""
+    if message.role not in CHAT_ROLES:
+        raise bad_request(f"Invalid value for 'messages[{index}].role': {message.role!r} is not "
+                          f"one of {', '.join(map(repr, CHAT_ROLES))}.", f"messages[{index}].role",
+                          "invalid_value")
+    text = _content_text(message.content, index)
+    if not text:
+        raise bad_request(f"'messages[{index}].content' is empty.", f"messages[{index}].content",
+                          "invalid_value")
+    return text
+
+
+def _content_text(content: Any, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):

@@ -40,6 +40,9 @@ class ProposerInput:
     slot_mapping: torch.Tensor  # [end - start] int64 physical slots of positions [start, end)
     wants_drafts: bool  # False: finishing (write draft KV only) or still prefilling
     max_drafts: int  # drafts allowed for this request next step (<= num_spec_tokens)
+    # one block table per KV cache group of the target (drafters that read the target's
+    # KV in every group: the Gemma 4 assistant); () where the runner does not pass them
+    block_tables: tuple[Sequence[int], ...] = ()
 
 
 @dataclass(frozen=True)

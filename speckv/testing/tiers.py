@@ -9,7 +9,9 @@ proves the tokens it was computed from (all of it with lookahead hashes; with le
 positions whose successors lie inside the block). It also fails loads on demand (a seeded rate,
 or a predicate), as a vanished or unreadable block would, so the engine's recompute path runs.
 
-`instrument_tiers` wraps every tier of a connector (a multi-connector's children included).
+`instrument_tiers` wraps every tier of a connector (a multi-connector's children included) and,
+with `copy_seed`, puts each tier's stores on a seeded schedule instead of its copy thread
+(`speckv.connectors.copy_schedule`), so the run replays exactly from its seeds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from speckv.cache.block import CacheKey
 from speckv.connectors import KVConnector
 from speckv.connectors.codec import CodecMiss, MissReason
+from speckv.connectors.copy_schedule import SeededCopySchedule
 from speckv.connectors.layout import BlockLayout, BlockTensors
 from speckv.connectors.metadata import BlockDescriptor
 from speckv.connectors.store import BlockStore, PutResult, StoreUsage
@@ -116,6 +119,13 @@ class CheckedStore:
         return self.inner.usage()
 
 
+def seeded_copy_schedule(seed: int) -> SeededCopySchedule:
+    """A schedule whose eagerness (lazy: long queues, full staging; eager: stores settled
+    between two saves of one step) is drawn from `seed` as well."""
+    eagerness = random.Random(seed).choice((0.05, 0.2, 0.5, 0.8, 0.95))
+    return SeededCopySchedule(seed, eagerness)
+
+
 def tiers_of(connector: KVConnector) -> list[TierConnector]:
     """The tier connectors inside `connector` (itself, or a multi-connector's children)."""
     children = getattr(connector, "children", None)
@@ -127,12 +137,17 @@ def tiers_of(connector: KVConnector) -> list[TierConnector]:
 def instrument_tiers(connector: KVConnector, draft_depth: int = 0, check_draft: bool = True,
                      fault_rate: float = 0.0, seed: int = 0,
                      fail_load: FailLoad | None = None,
-                     check_content: bool = True) -> list[CheckedStore]:
+                     check_content: bool = True,
+                     copy_seed: int | None = None) -> list[CheckedStore]:
     """Wrap every tier's storage in a `CheckedStore` (before `initialize`); returns the
     wrappers, filled in once the connector is initialized. `check_content=False` over a real
-    model's KV (only a `PagedSymbolicKV` can be read back as tokens)."""
+    model's KV (only a `PagedSymbolicKV` can be read back as tokens). `copy_seed`: run each
+    tier's stores on `SeededCopySchedule(copy_seed + index)` (replayable) rather than on its
+    copy thread; how eagerly it settles stores is drawn from the seed too."""
     stores: list[CheckedStore] = []
     for index, tier in enumerate(tiers_of(connector)):
+        if copy_seed is not None:
+            tier.run_copies_on(seeded_copy_schedule(copy_seed + index))
         def wrap(inner: BlockStore, index: int = index) -> BlockStore:
             store = CheckedStore(inner, draft_depth, check_draft, fault_rate, seed + index,
                                  fail_load, check_content)

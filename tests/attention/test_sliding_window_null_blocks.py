@@ -13,6 +13,7 @@ from tests.attention.test_paged_attention import _dense_reference
 B, KV_HEADS, HEADS, D = 4, 2, 4, 8
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(("window", "reqs"), [
     (5, [(1, 23)]),  # decode far past the window
     (5, [(1, 23), (1, 9), (4, 30)]),  # a batch: decodes and a verification of 3 drafts

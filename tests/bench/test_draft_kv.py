@@ -13,6 +13,7 @@ from speckv.bench.draft_kv import measure
 from speckv.drafters.loaders import random_drafter
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("tier", [None, "offload", "disk", "offload,disk", "store",
                                   "offload,store"])
 @pytest.mark.parametrize(("name", "kwargs"), [("eagle", {}), ("mtp", {"num_modules": 2})])

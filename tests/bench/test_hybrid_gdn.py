@@ -1,9 +1,11 @@
 """The GDN-hybrid scenario on tensors: unit 544, a 1,367-token prompt sent twice. Cached 1,088
-without a drafter and with MTP + lookahead hashes, 544 under the legacy drop; the second
-request's logits and GDN state at the hit equal a cold run's (fp32, max |diff| 0)."""
+without a drafter and with MTP + lookahead hashes, 544 under the legacy drop; the GDN state at
+the hit equals a cold run's bit for bit (the same prefill on the same shapes wrote both), the
+second request's logits equal a cold run's within fp32 rounding (its forward has fewer rows)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from speckv.bench.draft_kv_hybrid import measure_hybrid
@@ -12,6 +14,7 @@ from speckv.drafters.hybrid_mtp import random_hybrid_drafter
 from speckv.models.hybrid_loader import tiny_hybrid
 
 
+@pytest.mark.exactness
 def test_unit_544_scenario_hits_and_equals_a_cold_run():
     model = tiny_hybrid()
     prompt = torch.randint(0, 128, (1367,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -23,9 +26,12 @@ def test_unit_544_scenario_hits_and_equals_a_cold_run():
     }
     for row in rows.values():
         assert row.state_max_abs_diff == 0.0
-        assert row.logits_max_abs_diff == 0.0
+        # fp32 rounding: the hit's forward has 279 (or 823) rows, the cold run's 1,367, and
+        # GEMM kernels round a row differently by row count (logits are of magnitude ~10)
+        assert row.logits_max_abs_diff <= 1e-4
 
 
+@pytest.mark.exactness
 def test_draft_kv_on_the_hybrid_exact_and_stale_control_caught():
     model = tiny_hybrid()
     prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -38,6 +44,7 @@ def test_draft_kv_on_the_hybrid_exact_and_stale_control_caught():
         assert control.hit_tokens == 32 and control.draft_max_abs_diff > 1e-3
 
 
+@pytest.mark.exactness
 def test_cli_draft_kv_on_hybrid_gdn_prints_zero_diffs(capsys):
     import json
 

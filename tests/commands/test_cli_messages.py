@@ -142,3 +142,163 @@ def test_a_prompt_over_max_model_len_is_refused_in_flag_words(capsys):
     assert code == 2, err
     assert "more than --max-model-len (8)" in err
     assert "llm-" not in err and "request " not in err and "max_model_len" not in err
+
+
+# ---- a newcomer's first mistakes: one line each, in the words they typed --------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The tiny random Llama as an HF directory (config.json + model.safetensors)."""
+    from speckv.models.loader import save_hf_dir
+    from speckv.testing.tiny_model import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    model = tiny_model()
+    save_hf_dir(path, model.config, model.state_dict().items())
+    return path
+
+
+def _copy_with(tiny_dir: Path, tmp_path: Path, name: str, data: bytes) -> tuple[Path, Path]:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / name).write_bytes(data)
+    return model, model / name
+
+
+def _one_line_error(code: int, err: str) -> str:
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(("name", "data", "what"), [
+    ("model.safetensors", bytes(range(256)) * 4, "not a valid safetensors file"),
+    ("config.json", b'{\n "architectures": ["LlamaForCausalLM"],\n "hidden_size": 6',
+     "not valid JSON"),
+    ("tokenizer.json", b'{"version": ', "not a valid tokenizer.json"),
+], ids=["garbage-safetensors", "truncated-config", "truncated-tokenizer"])
+def test_a_corrupt_model_file_is_one_line_naming_the_file(tiny_dir, tmp_path, name, data, what,
+                                                          capsys):
+    model, bad = _copy_with(tiny_dir, tmp_path, name, data)
+    code, _, err = run(["generate", "hi", "--model", str(model), "--speculative-method", "none",
+                        "--device", "cpu"], capsys)
+    err = _one_line_error(code, err)
+    assert str(bad) in err and what in err
+
+
+def test_a_fake_gguf_is_one_line_naming_the_file(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file at all" * 8)
+    code, _, err = run(["generate", "hi", "--model", str(fake), "--speculative-method", "none"],
+                       capsys)
+    err = _one_line_error(code, err)
+    assert str(fake) in err and "not a valid GGUF file" in err
+
+
+def test_max_model_len_above_the_models_context_is_refused(tiny_dir, capsys):
+    code, _, err = run(["generate", "hi", "--model", str(tiny_dir), "--max-model-len", "9001",
+                        "--speculative-method", "none"], capsys)
+    err = _one_line_error(code, err)
+    assert "--max-model-len 9001" in err and "context of 256 tokens" in err  # both numbers
+
+
+def test_the_speculation_banner_comes_after_the_arguments_are_checked(tiny_dir, capsys):
+    code, _, err = run(["generate", "hi", "--model", str(tiny_dir), "--device", "cuda:99",
+                        "--speculative-method", "none"], capsys)
+    err = _one_line_error(code, err)
+    assert "--device" in err and "speculation" not in err
+
+
+def test_an_empty_prompt_is_refused(capsys):
+    code, _, err = run(["generate", ""], capsys)
+    assert code == 2 and "the prompt is empty" in _one_line_error(code, err)
+
+
+def test_kv_cache_memory_bytes_too_small_names_the_flag(tiny_dir, capsys):
+    code, _, err = run(["serve", str(tiny_dir), "--port", "0", "--kv-cache-memory-bytes", "1K"],
+                       capsys)
+    err = _one_line_error(code, err)
+    assert "--kv-cache-memory-bytes (1,024 bytes) fits 0 KV blocks" in err
+    assert "memory_bytes=" not in err
+
+
+@pytest.mark.parametrize(("tokens", "fragment"), [
+    ("-1,2", "--tokens: token -1 is negative"),
+    ("1,,2", "--tokens: item 2 is empty"),
+    ("1,2,", "--tokens: item 3 is empty"),
+    ("1,x", "--tokens: token 'x' is not an integer"),
+])
+def test_hash_token_list_errors_say_what_is_wrong(tokens, fragment, capsys):
+    code, out, err = run(["hash", "--block-size", "2", "--tokens", tokens, "--seed", "0"], capsys)
+    assert out == "" and fragment in _one_line_error(code, err)
+
+
+def test_hash_tokens_file_may_use_spaces_and_newlines(tmp_path, capsys):
+    path = tmp_path / "tokens.txt"
+    path.write_text("1, 2\n3 4\n")
+    code, out, _ = run(["hash", "--block-size", "2", "--tokens-file", str(path), "--seed", "0"],
+                       capsys)
+    assert code == 0 and out == run(["hash", "--block-size", "2", "--tokens", "1,2,3,4",
+                                     "--seed", "0"], capsys)[1]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("speckv ")
+
+
+@pytest.mark.parametrize("path", [path for path, _, _ in cli.COMMANDS], ids=" ".join)
+def test_help_says_each_default_once(path):
+    parser = cli.build_parser(list(path))
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = action.choices[path[0]]
+    if len(path) == 2:
+        group = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction))
+        sub = group.choices[path[1]]
+    formatter = sub._get_formatter()
+    for option in sub._actions:
+        text = formatter._expand_help(option) if option.help else ""
+        assert text.count("default") <= 1, (option.option_strings, text)
+
+
+def test_serve_help_lists_the_built_in_models():
+    text = " ".join(_help_text(("serve",)).split())
+    assert "'hybrid-swa'" in text and "'hybrid-gdn'" in text and "random-init" in text
+
+
+def test_serve_port_0_prints_the_bound_port_and_says_hybrid_weights_are_random(monkeypatch,
+                                                                                capsys):
+    import speckv.server.launch as launch
+
+    bound = []
+
+    def no_serving(server, sock, log_level="warning"):
+        bound.append(sock.getsockname()[1])
+        sock.close()
+
+    monkeypatch.setattr(launch, "serve_forever", no_serving)
+    code, out, err = run(["serve", "hybrid-swa", "--port", "0", "--kv-cache-memory-bytes", "64M",
+                          "--threads", "1"], capsys)
+    assert code == 0, err
+    (port,) = bound
+    assert port != 0 and f"on http://127.0.0.1:{port} " in out
+    assert "RANDOM-INIT weights" in err
+
+
+def test_bench_draft_kv_creates_the_offload_dir(tiny_dir, tmp_path, capsys):
+    directory = tmp_path / "not" / "there"
+    code, out, err = run(["bench", "draft-kv", "--model", str(tiny_dir), "--drafters", "eagle",
+                          "--dtypes", "float32", "--block-size", "4", "--prompt-len", "20",
+                          "--kv-connector", "disk", "--kv-offload-dir", str(directory),
+                          "--json"], capsys)
+    assert code == 0, err
+    assert directory.is_dir() and json_rows(out)[0]["external_tokens"] > 0
+
+
+def json_rows(out: str) -> list[dict]:
+    import json
+
+    return json.loads(out)

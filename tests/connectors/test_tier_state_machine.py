@@ -5,6 +5,9 @@ connector (CPU pool, disk directory, or both) stores on its copy thread, evicts 
 loads back, with load failures injected at random. Random interleavings of new requests
 (sharing prefixes), steps with drafts accepted or rejected, chunked prefill, preemption under
 block pressure, aborts, local prefix-cache resets, tier resets and settling the copy thread.
+The stores run either on the real copy thread or, replayably, at points a schedule seeded by
+hypothesis picks (between lookups, pins, the saves of one snapshot pass, fetches): there the
+interleaving is part of the drawn example, so hypothesis explores and shrinks it.
 Checked:
 - after every step: pool integrity; every scheduled request's computed positions hold what a
   cold run writes (target KV, and draft KV where lookahead hashes promise it);
@@ -48,9 +51,10 @@ class TierMachine(RuleBasedStateMachine):
         token_budget=st.sampled_from([5, 8, 16, 1024]),
         max_num_seqs=st.integers(1, 4),
         seed=st.integers(0, 2**16),
+        copy_seed=st.none() | st.integers(0, 2**16),
     )
     def setup(self, tiers, block_size, num_blocks, tier_blocks, drafter, num_spec_tokens,
-              fault_rate, token_budget, max_num_seqs, seed):
+              fault_rate, token_budget, max_num_seqs, seed, copy_seed):
         name, modules, legacy = drafter
         policy = drafter_policy(name, modules)
         depth = policy.draft_kv_lookahead_tokens
@@ -62,7 +66,9 @@ class TierMachine(RuleBasedStateMachine):
         config = ConnectorConfig.parse(tiers, offload_gib=size_gib, offload_dir=self.directory,
                                        disk_gib=size_gib, max_pending_blocks=8)
         self.connector = make_connector(config, TierIdentity("machine", "sha256", "0"))
-        self.stores = instrument_tiers(self.connector, depth, fault_rate=fault_rate, seed=seed)
+        # copy_seed None: the real copy thread; else a replayable seeded copy schedule
+        self.stores = instrument_tiers(self.connector, depth, fault_rate=fault_rate, seed=seed,
+                                       copy_seed=copy_seed)
         self.mode = resolve_connector_hash_mode(policy, connector=self.connector,
                                                 disable_lookahead_block_hashes=legacy)
         self.manager = KVCacheManager([FullAttentionSpec(block_size)], num_blocks, self.mode)

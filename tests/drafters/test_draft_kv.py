@@ -91,6 +91,7 @@ def test_catch_up_without_proposals_writes_the_same_draft_kv(fmt, kw, target):
             d.propose(state, 2, lean)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(("fmt", "kw"), FLAVOURS, ids=FLAVOUR_IDS)
 def test_draft_kv_at_p_depends_on_token_p_plus_j(fmt, kw, target):
     """Module j's KV at p changes with t[p + j] and not with later tokens: the reason block
@@ -111,6 +112,7 @@ def test_draft_kv_at_p_depends_on_token_p_plus_j(fmt, kw, target):
         assert (k0[p] - k1[p]).abs().max() > 1e-3, f"module {j} KV at p ignores t[p+{j}]"
 
 
+@pytest.mark.exactness
 def test_batched_requests_equal_single(target):
     """Two requests in one catch-up pass write what each writes alone."""
     fmt, kw = "mtp", {"num_modules": 3}

@@ -22,6 +22,7 @@ def outputs_in_order(final, n):
     return [final[f"r{i}"].token_ids for i in range(n)]
 
 
+@pytest.mark.exactness
 def test_greedy_equals_reference_loop(tiny_model):
     prompts = shared_prefix_prompts(6, tiny_model.config.vocab_size, seed=1)
     engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=128))
@@ -30,6 +31,7 @@ def test_greedy_equals_reference_loop(tiny_model):
     assert all(final[f"r{i}"].finish_reason == "length" for i in range(len(prompts)))
 
 
+@pytest.mark.exactness
 def test_prefix_caching_equals_no_caching_under_eviction_pressure(tiny_model):
     vocab = tiny_model.config.vocab_size
     prompts = shared_prefix_prompts(16, vocab, seed=2)
@@ -47,6 +49,7 @@ def test_prefix_caching_equals_no_caching_under_eviction_pressure(tiny_model):
     assert sum(o.num_preemptions for o in final.values()) > 0
 
 
+@pytest.mark.exactness
 def test_chunked_prefill_equals_one_shot(tiny_model):
     prompts = shared_prefix_prompts(4, tiny_model.config.vocab_size, seed=3, prefix_lens=(40,))
     one_shot = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=128))

@@ -61,6 +61,7 @@ def test_outputs_match_reference(gemma4, speculative):
                                                                  block_size=B)
 
 
+@pytest.mark.exactness
 def test_hit_reads_cold_run_kv(gemma4):
     prompt = [random.Random(5).randrange(64) for _ in range(45)]
     config = EngineConfig(block_size=B, num_blocks=128)

@@ -42,6 +42,7 @@ def test_layout_groups_and_unit(hybrid):
         EngineConfig(block_size=4, mamba_block_size=10)
 
 
+@pytest.mark.exactness
 def test_second_request_hits_and_reads_the_cold_state(hybrid):
     rng = random.Random(7)
     params = SamplingParams(max_tokens=3)
@@ -66,6 +67,7 @@ def test_second_request_hits_and_reads_the_cold_state(hybrid):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.exactness
 def test_greedy_speculative_output_equals_greedy(hybrid):
     rng = random.Random(3)
     prompts = [[rng.randrange(128) for _ in range(n)] for n in (13, 21, 6)]
@@ -96,6 +98,7 @@ def test_greedy_speculative_output_equals_greedy(hybrid):
     assert 0 < accepted < drafted  # both paths ran
 
 
+@pytest.mark.exactness
 def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
     """Units completed while decoding with partly rejected drafts hold the verified state: a
     request whose prompt is prompt + output hits them and continues like a cold run."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from speckv.engine.config import EngineConfig
@@ -20,6 +21,7 @@ def kv_at(engine: LLMEngine, request_id: str, num_blocks: int) -> torch.Tensor:
     return engine.runner.kv_cache.storage[:, :, block_ids].clone()
 
 
+@pytest.mark.exactness
 def test_hit_length_and_hit_kv_equal_cold_run(tiny_model):
     rng = random.Random(7)
     for n in (1, 4, 5, 23, 24, 25):

@@ -30,6 +30,7 @@ def _run(engine, prompts, max_tokens=10):
     return [done[i].token_ids for i in ids], preemptions, [done[i] for i in ids]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("fmt,kwargs", DRAFTERS)
 def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs):
     drafter = random_drafter(fmt, tiny_model, init_std=0.2, seed=5, **kwargs)
@@ -48,6 +49,7 @@ def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs
     assert sum(o.num_draft_tokens for o in finals) > 0
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("fmt,kwargs", [("eagle", {}), ("mtp", {"num_modules": 2})])
 def test_hit_reads_the_draft_kv_of_a_cold_run(tiny_model, fmt, kwargs):
     drafter = random_drafter(fmt, tiny_model, init_std=0.2, seed=2, **kwargs)

@@ -60,6 +60,7 @@ def test_engine_outputs_match_reference_decode(gemma):
                                                                  block_size=B)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("prompt_len", [9, 45, 101])
 def test_second_request_hit_reads_cold_run_kv(gemma, prompt_len):
     prompt = [random.Random(prompt_len).randrange(256) for _ in range(prompt_len)]

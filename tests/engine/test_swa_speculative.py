@@ -60,6 +60,7 @@ def test_speculative_greedy_equals_greedy_with_preemption(gemma, fmt, kwargs, se
     assert sum(o.num_accepted_tokens for o in finals) > 0, "no draft was ever accepted"
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(("fmt", "kwargs"), [("eagle", {}), ("mtp", {"num_modules": 2})])
 def test_hit_reads_the_cold_runs_target_and_draft_kv(gemma, fmt, kwargs):
     drafter = random_drafter(fmt, gemma, init_std=0.3, seed=2, **kwargs)

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from speckv.events.endpoints import LOOPBACK, free_port, loopback_endpoint
+from speckv.events.endpoints import LOOPBACK, loopback_endpoint
 from speckv.events.schema import BlockStored
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.models import save_hf_dir
@@ -60,15 +60,18 @@ def test_help_and_a_busy_port():
 
 
 def test_serve_end_to_end_with_kv_events(model_dir):
-    port = free_port()
     pub, replay = loopback_endpoint(), loopback_endpoint()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "speckv.cli", "serve", str(model_dir), "--port", str(port),
+    process = subprocess.Popen(  # --port 0: the first stdout line names the port it bound
+        [sys.executable, "-m", "speckv.cli", "serve", str(model_dir), "--port", "0",
          "--served-model-name", "tiny", "--block-size", "4", "--threads", "1",
          "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://{LOOPBACK}:{port}"
     try:
+        first_line = process.stdout.readline()
+        assert "speckv serve: tiny on" in first_line, process.stderr.read()
+        port = int(first_line.split(f"http://{LOOPBACK}:")[1].split()[0])
+        assert port != 0
+        base = f"http://{LOOPBACK}:{port}"
         deadline = time.monotonic() + 120
         while True:
             assert process.poll() is None, process.stderr.read()
@@ -95,9 +98,8 @@ def test_serve_end_to_end_with_kv_events(model_dir):
         assert stored, "no BlockStored event from the server's engine"
     finally:
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=30)
+        _, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
-    assert "speckv serve: tiny on" in out
     assert "Traceback" not in err
 
 
