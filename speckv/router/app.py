@@ -6,6 +6,8 @@
     GET  /health                                 200 while an engine is in rotation, else 503
     GET  /metrics                                the router's Prometheus metrics
     GET  /router/state                           per-engine rotation, load, index, events (JSON)
+    POST /reset_prefix_cache                     sent on to every engine in rotation (their
+                                                 AllBlocksCleared events empty the index)
 
 Owns the request path: the API key (`--api-key`, as `Authorization: Bearer` on every `/v1`
 route and the state), the body limit (413), the in-flight bound (503 + Retry-After), prompt
@@ -384,6 +386,24 @@ def build_app(router: Router) -> Starlette:
         _check_api_key(router, request)
         return JSONResponse({"policy": router.policy.name, "engines": fleet.state()})
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        _check_api_key(router, request)
+        assert router.client is not None
+        links = [link for link in fleet.links.values() if link.in_rotation]
+
+        async def reset(link: EngineLink) -> httpx.Response:
+            return await router.client.post(f"{link.spec.url}/reset_prefix_cache",
+                                            headers=link.headers())
+
+        try:
+            answers = await asyncio.gather(*(reset(link) for link in links))
+        except httpx.HTTPError as error:
+            raise _upstream_failed("?", f"{type(error).__name__}: {error}") from None
+        for link, answer in zip(links, answers):
+            if answer.status_code != 200:
+                return _passthrough(answer, answer.content, link.name)
+        return JSONResponse({"success": True, "engines": [link.name for link in links]})
+
     async def on_api_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, APIError)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
@@ -429,6 +449,7 @@ def build_app(router: Router) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/router/state", state, methods=["GET"]),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         ],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                             Exception: on_unexpected},

@@ -267,7 +267,7 @@ def build_app(server: OpenAIServer) -> Starlette:
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         _check_api_key(server, request)
         try:
-            future = server.client.loop.call(lambda engine: engine.manager.reset_prefix_cache())
+            future = server.client.loop.call(lambda engine: engine.reset_prefix_cache())
             reset = await asyncio.wrap_future(future)
         except Exception as error:
             raise errors.engine_dead(str(error)) from None

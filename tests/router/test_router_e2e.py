@@ -127,7 +127,7 @@ def test_routing_follows_the_prefix_and_predictions_equal_reports(pair):
     served: dict[int, set[str]] = {}
     for round_ in range(3):
         for prefix in range(4):
-            prompt = tokens(100 + prefix, 40) + tokens(1000 * round_ + prefix, 5 + round_)
+            prompt = tokens(100 + prefix, 96) + tokens(1000 * round_ + prefix, 5 + round_)
             response = complete(router, prompt)
             served.setdefault(prefix, set()).add(response.headers["x-speckv-engine"])
             settle(router)
@@ -171,6 +171,12 @@ def test_the_openai_client_against_the_router(pair):
             client.completions.create(model=MODEL_NAME, prompt="x" * 70_000, max_tokens=1)
         assert raised.value.status_code == 413
     assert total(router_metrics(router), "speckv_router:prediction_mismatches_total") == 0
+    # the reset goes to every engine; their AllBlocksCleared events empty the index
+    reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200 and reset.json()["engines"] == ["a", "b"]
+    state = router.wait_state(lambda s: all(e["index"]["cached_blocks"] == 0
+                                            for e in s.values()))
+    assert all(e["index"]["clears"] >= 1 for e in state.values())
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +224,7 @@ def test_an_engine_killed_and_restarted(pair):
     # its own router, polling slowly: the kill is found by the next request
     router = RouterProcess(engines, ["--health-interval", "5"]).start()
     routers.append(router)
-    router.wait_state(lambda s: s["a"]["index"]["cached_blocks"] > 0)
+    router.wait_state(lambda s: s["a"]["subscriber"]["replayed_batches"] > 0)
     prompt = tokens(7, 33)
     victim = complete(router, prompt).headers["x-speckv-engine"]
     other = ({"a", "b"} - {victim}).pop()
