@@ -32,6 +32,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "hash"), "speckv.bench.hash_cost", "CPU cost of the block-hash formats"),
     (("bench", "throughput"), "speckv.bench.throughput",
      "engine vs transformers on the built-in model: prefill, decode, cached TTFT"),
+    (("bench", "step-overhead"), "speckv.bench.step_overhead",
+     "host cost per engine step and per request-step by phase, beside vLLM's scheduler"),
     (("bench", "prefix-repetition"), "speckv.bench.prefix_repetition",
      "end to end on a prefix_repetition workload: no spec / legacy drop / lookahead"),
     (("bench", "hybrid-gdn"), "speckv.bench.hybrid_gdn",

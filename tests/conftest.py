@@ -62,9 +62,10 @@ class CacheWorld:
     """One single-group manager plus the hashing its requests use."""
 
     def __init__(self, block_size=4, num_blocks=64, drafter="eagle", num_modules=1,
-                 legacy=False, algo="sha256", events=False):
+                 legacy=False, algo="sha256", events=False, reuse=True):
         self.hash_mode = resolve_hash_mode(drafter_policy(drafter, num_modules),
-                                           disable_lookahead_block_hashes=legacy)
+                                           disable_lookahead_block_hashes=legacy,
+                                           reuse_divergent_blocks=reuse)
         self.sink = KVEventSink() if events else None
         self.manager = KVCacheManager(
             [FullAttentionSpec(block_size)], num_blocks, self.hash_mode,

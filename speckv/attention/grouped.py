@@ -68,6 +68,12 @@ class GroupedKVCache:
     def nbytes(self) -> int:
         return sum(cache.nbytes for cache in self.caches)
 
+    def copy_blocks(self, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+        """As `PagedKVCache.copy_blocks`, in every group's cache (a block id belongs to one
+        group; the others hold nothing at it)."""
+        for cache in self.caches:
+            cache.copy_blocks(src_block_ids, dst_block_ids)
+
     def layer(self, layer_idx: int) -> LayerKVCache:
         group, local = self._slots[layer_idx]
         return self.caches[group].layer(local)

@@ -131,6 +131,12 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
+    def copy_blocks(self, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+        """Every layer's K and V of block `src[i]` into block `dst[i]` (each [n] int64 on the
+        cache's device; no block both a source and a destination): one gather and one
+        scatter over the whole storage."""
+        self.storage.index_copy_(2, dst_block_ids, self.storage.index_select(2, src_block_ids))
+
     def layer(self, layer_idx: int) -> LayerKVCache:
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer_idx {layer_idx} out of range [0, {self.num_layers})")

@@ -13,7 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+# up to this many requests, lists beat array ops (their fixed cost dominates)
+_SMALL_BATCH = 8
 
 
 @dataclass
@@ -69,19 +73,108 @@ class AttentionMetadata:
             )
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        table_lens = [len(bt) for bt in block_tables]
+        width = max(1, max(table_lens, default=0))
+        if len(block_tables) <= _SMALL_BATCH:
+            return cls._from_lists(query_lens, seq_lens, block_tables, table_lens, width,
+                                   block_size, device)
+        table = np.zeros((len(block_tables), width), dtype=np.int64)  # 0-padded (null)
+        if table_lens:
+            flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
+                               count=sum(table_lens))
+            lens = np.asarray(table_lens, dtype=np.int64)
+            rows = np.repeat(np.arange(len(table_lens)), lens)
+            cols = np.arange(flat.shape[0]) - np.repeat(np.cumsum(lens) - lens, lens)
+            table[rows, cols] = flat
+        return cls.from_block_table(query_lens, seq_lens, table, block_size, device,
+                                    table_lens)
+
+    @classmethod
+    def from_block_table(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_table: np.ndarray,  # [num_reqs, width] int, 0-padded (null)
+        block_size: int,
+        device: torch.device | str = "cpu",
+        table_lens: Sequence[int] | np.ndarray | None = None,  # blocks per row (None: width)
+    ) -> AttentionMetadata:
+        """`build` from a block table already laid out as one padded host array (the
+        runner's persistent table): slots and positions computed with array ops."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        num_reqs = len(query_lens)
+        if len(seq_lens) != num_reqs or block_table.shape[0] != num_reqs:
+            raise ValueError(
+                "query_lens, seq_lens and block_tables must have one entry per request"
+            )
+        if num_reqs <= _SMALL_BATCH:
+            width = block_table.shape[1]
+            return cls._from_lists(
+                query_lens, seq_lens, block_table.tolist(),
+                [width] * num_reqs if table_lens is None else [int(n) for n in table_lens],
+                width, block_size, device)
+        q = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)
+        s = np.asarray(seq_lens, dtype=np.int64).reshape(num_reqs)
+        bad = (q < 0) | (q > s)
+        if bad.any():
+            r = int(np.argmax(bad))
+            raise ValueError(f"query_lens must be in [0, seq_len], got {int(q[r])} for seq_len "
+                             f"{int(s[r])}")
+        lens = (np.full(num_reqs, block_table.shape[1], dtype=np.int64) if table_lens is None
+                else np.asarray(table_lens, dtype=np.int64).reshape(num_reqs))
+        short = lens * block_size < s
+        if short.any():
+            r = int(np.argmax(short))
+            raise ValueError(f"block table of {int(lens[r])} blocks too short for seq_len "
+                             f"{int(s[r])}")
+        width = block_table.shape[1]
+        num_tokens = int(q.sum())
+        # request r's new tokens sit at positions s[r] - q[r] .. s[r] - 1
+        req = np.repeat(np.arange(num_reqs), q)  # [num_tokens] request of each token
+        starts = np.cumsum(q) - q  # [num_reqs] first token of each request
+        positions = (s - q)[req] + (np.arange(num_tokens) - starts[req])
+        table64 = block_table.astype(np.int64, copy=False)
+        slots = table64[req, positions // block_size] * block_size + positions % block_size
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(q, out=query_start_loc[1:])
+        md = cls(
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(
+                np.ascontiguousarray(block_table, dtype=np.int32)).to(device).view(-1, width),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            block_size=block_size,
+            query_lens_host=tuple(q.tolist()),
+            seq_lens_host=tuple(s.tolist()),
+        )
+        md._positions = torch.from_numpy(positions).to(device)
+        return md
+
+    @classmethod
+    def _from_lists(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],  # rows, padded or not (entries past lens unused)
+        table_lens: Sequence[int],
+        width: int,
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """The same metadata with Python lists: cheaper than array ops for a few requests."""
         positions: list[int] = []
         slots: list[int] = []
-        for q, s, bt in zip(query_lens, seq_lens, block_tables):
+        for q, s, bt, n in zip(query_lens, seq_lens, block_tables, table_lens):
             if q < 0 or q > s:
                 raise ValueError(f"query_lens must be in [0, seq_len], got {q} for seq_len {s}")
-            if len(bt) * block_size < s:
-                raise ValueError(f"block table of {len(bt)} blocks too short for seq_len {s}")
+            if n * block_size < s:
+                raise ValueError(f"block table of {n} blocks too short for seq_len {s}")
             new_positions = range(s - q, s)
             positions.extend(new_positions)
             slots.extend(bt[pos // block_size] * block_size + pos % block_size
                          for pos in new_positions)
-        width = max(1, max((len(bt) for bt in block_tables), default=0))
-        table = [[*bt, *[0] * (width - len(bt))] for bt in block_tables]  # 0-padded (null)
+        table = [[*bt[:n], *[0] * (width - n)] for bt, n in zip(block_tables, table_lens)]
         md = cls(
             query_start_loc=torch.tensor(
                 [0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device

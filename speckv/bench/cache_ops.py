@@ -2,7 +2,9 @@
 
 A long prompt is cached once; then each timed round is what the scheduler does for a repeated
 request: `get_computed_blocks` (the hit), `allocate_slots` (touch the hit, allocate the rest),
-and `free`. Hashing is excluded (requests are built before timing), so this isolates the cache.
+and `free`, then `step_executed` (the scheduler's end of step: it commits the blocks cached in the
+step to the successor index that divergent block reuse reads). Hashing is excluded (requests
+are built before timing), so this isolates the cache.
 Prints the median per-request cost in microseconds per group layout, single-group rows first,
 and each hybrid row's ratio to the single-group row with the same smallest block size.
 
@@ -53,6 +55,7 @@ def measure(prompt_len: int, groups: str, num_rounds: int) -> dict:
     manager.allocate_slots(first, prompt_len)
     first.num_computed_tokens = prompt_len
     manager.finish(first)
+    manager.step_executed()
     requests = [Request(f"r{i}", prompt, hashing) for i in range(num_rounds)]
     lookups, allocs, frees = [], [], []
     hit_tokens = 0
@@ -66,6 +69,7 @@ def measure(prompt_len: int, groups: str, num_rounds: int) -> dict:
         t2 = time.perf_counter()
         request.num_computed_tokens = request.num_tokens
         manager.free(request)
+        manager.step_executed()
         t3 = time.perf_counter()
         assert allocation is not None
         hit_tokens = hit.num_computed_tokens
@@ -113,6 +117,7 @@ def measure_vs_vllm(vllm: VllmModules, prompt_len: int, num_rounds: int) -> list
         ours.allocate_slots(first, prompt_len)
         first.num_computed_tokens = prompt_len
         ours.finish(first)
+        ours.step_executed()
         first_vllm = vllm_request(vllm, "seed", prompts[0], vllm_hasher)
         theirs.allocate_slots(first_vllm, prompt_len)
         first_vllm.num_computed_tokens = prompt_len
@@ -160,6 +165,7 @@ def _one_round_speckv(manager: KVCacheManager, request: Request) -> tuple[float,
                                         hit, 3)
     request.num_computed_tokens = request.num_tokens
     manager.free(request)
+    manager.step_executed()  # the scheduler's end of step (the successor index commit)
     seconds = time.perf_counter() - begin
     if allocation is None:
         raise AssertionError("speckv could not allocate")

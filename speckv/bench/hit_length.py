@@ -2,7 +2,12 @@
 
 Drives the real KV cache manager: request 1 prefills, decodes a few steps with drafts (some
 accepted, some rejected) and finishes; request 2 then arrives with the same prompt and we read
-its cached tokens. Without `--prompt-len` it prints the whole table.
+its cached tokens. With `--diverge`, request 2 shares only the first N tokens of request 1's
+prompt and then goes on differently (a shared system prompt of N tokens). Without
+`--prompt-len` it prints the whole table, both scenarios.
+
+Modes: `lookahead` (lookahead hashes with block reuse at divergence points, the default),
+`lookahead-no-reuse` (lookahead hashes alone), `legacy` (legacy hashes + the drop).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from speckv.testing import run_to_completion, toy_core
 
 NUM_SPEC_TOKENS = 3
 NUM_DECODE_TOKENS = 12
+MODES = ("lookahead", "lookahead-no-reuse", "legacy")
+DIVERGENT_TAIL_TOKENS = 5  # tokens after the shared prefix in --diverge (more than any L)
 
 
 @dataclass(frozen=True)
@@ -37,29 +44,45 @@ class HitLengthResult:
     hit_tokens: int
     expected_tokens: int
     groups: str = ""
+    diverge: bool = False  # request 2 shares only the first prompt_len tokens
 
 
-def expected_hit_tokens(prompt_len: int, unit_tokens: int, hash_mode: HashMode) -> int:
-    """The expected hit lengths for an alignment unit U (dense retention). Pure."""
-    num_needed_after = max(hash_mode.lookahead_tokens, 1)
-    hit = max(0, (prompt_len - num_needed_after) // unit_tokens * unit_tokens)
+def expected_hit_tokens(prompt_len: int, unit_tokens: int, hash_mode: HashMode,
+                        reuses_blocks: bool = False, diverge: bool = False) -> int:
+    """The expected hit lengths for an alignment unit U (dense retention). Pure.
+
+    repeat (N tokens sent again): the hit ends by N - 1, each block needs L tokens after it;
+    diverge (N shared tokens, then others): the hit ends by N, each block needs its L
+    successors among the shared tokens. Block reuse (`reuses_blocks`): when the
+    no-speculation hit is longer, the hit is it minus L (its last block is copied and its
+    last L positions recomputed).
+    """
+    lookahead, unit = hash_mode.lookahead_tokens, unit_tokens
+    limit = prompt_len if diverge else prompt_len - 1  # the no-speculation hit ends by it
+    no_spec = max(0, limit) // unit * unit
+    hit = max(0, min(limit, prompt_len - lookahead)) // unit * unit
     if hash_mode.drops_last_unit:
-        hit = max(0, hit - unit_tokens)
+        hit = max(0, hit - unit)
+    elif reuses_blocks and no_spec > hit:
+        hit = no_spec - lookahead
     return hit
 
 
 def measure_hit_length(
     prompt_len: int, block_size: int, drafter: str, mtp_modules: int = 1,
     mode: str = "lookahead", seed: int = 0, groups: list[KVCacheSpec] | None = None,
-    retention_interval: int | None = None,
+    retention_interval: int | None = None, diverge: bool = False,
 ) -> HitLengthResult:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     policy = drafter_policy(drafter, mtp_modules)
-    hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=(mode == "legacy"))
+    hash_mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=(mode == "legacy"),
+                                  reuse_divergent_blocks=(mode == "lookahead"))
     specs = groups if groups is not None else [FullAttentionSpec(block_size)]
     num_spec = NUM_SPEC_TOKENS if policy.name != "none" else 0
     min_block = min(spec.block_size for spec in specs)
-    num_blocks = len(specs) * (2 * (prompt_len + NUM_DECODE_TOKENS + 2 * num_spec)
-                               // min_block + 8)
+    num_blocks = len(specs) * (2 * (prompt_len + DIVERGENT_TAIL_TOKENS + NUM_DECODE_TOKENS
+                                    + 2 * num_spec) // min_block + 8)
     manager = KVCacheManager(specs, num_blocks, hash_mode,
                              retention_interval=retention_interval)
     hashing = manager.block_hashing("sha256", "0")
@@ -67,18 +90,26 @@ def measure_hit_length(
     core.runner.num_accept = 1
     rng = random.Random(seed)
     prompt = [rng.randrange(1, 32000) for _ in range(prompt_len)]
-    run_to_completion(core, [Request("first", prompt, hashing, max_tokens=NUM_DECODE_TOKENS)])
-    second = Request("second", prompt, hashing, max_tokens=1)
+    first_prompt = second_prompt = prompt
+    if diverge:  # the same N tokens, then two different tails (token ids apart)
+        first_prompt = prompt + [32000 + i for i in range(DIVERGENT_TAIL_TOKENS)]
+        second_prompt = prompt + [33000 + i for i in range(DIVERGENT_TAIL_TOKENS)]
+    run_to_completion(core, [Request("first", first_prompt, hashing,
+                                     max_tokens=NUM_DECODE_TOKENS)])
+    second = Request("second", second_prompt, hashing, max_tokens=1)
     run_to_completion(core, [second])
     manager.check_integrity()
     unit = manager.alignment_tokens
-    return HitLengthResult(policy.name, policy.num_modules, hash_mode.label, prompt_len, unit,
-                           second.num_cached_tokens,
-                           expected_hit_tokens(prompt_len, unit, hash_mode),
-                           format_group_specs(specs) if groups is not None else "")
+    label = hash_mode.label + (" + reuse" if manager.reuses_divergent_blocks else "")
+    return HitLengthResult(policy.name, policy.num_modules, label, prompt_len,
+                           unit, second.num_cached_tokens,
+                           expected_hit_tokens(prompt_len, unit, hash_mode,
+                                               manager.reuses_divergent_blocks, diverge),
+                           format_group_specs(specs) if groups is not None else "", diverge)
 
 
-def full_table(block_size: int) -> list[HitLengthResult]:
+
+def full_table(block_size: int, diverge: bool = False) -> list[HitLengthResult]:
     lengths = sorted({1, block_size // 2, block_size, block_size + 1, 3 * block_size,
                       3 * block_size + 1, 3 * block_size + 2, 4 * block_size + 3,
                       8 * block_size + block_size // 2} - {0})
@@ -86,9 +117,11 @@ def full_table(block_size: int) -> list[HitLengthResult]:
     drafters += [("mtp", 1), ("mtp", 2), ("mtp", 4)]
     results = []
     for name, modules in drafters:
-        for mode in ("lookahead", "legacy"):
+        modes = MODES if drafter_policy(name, modules).draft_kv_lookahead_tokens else MODES[:1]
+        for mode in modes:
             for prompt_len in lengths:
-                results.append(measure_hit_length(prompt_len, block_size, name, modules, mode))
+                results.append(measure_hit_length(prompt_len, block_size, name, modules, mode,
+                                                  diverge=diverge))
     return results
 
 
@@ -117,14 +150,23 @@ def print_table(results: list[HitLengthResult], console: Console) -> None:
             _print_one_table(rows, console, f"groups {groups_text}, U={rows[0].block_size}")
     else:
         _print_one_table(results, console, f"B={results[0].block_size}")
-    console.print("Each cell is the expected floor((N - max(L, 1)) / U) * U cached tokens (one "
-                  "unit less with the legacy drop); a cell that is not shows (!=expected).")
+    if results[0].diverge:
+        console.print("Each cell is the expected hit: floor((N - L) / U) * U, or with block "
+                      "reuse the no-speculation hit floor(N / U) * U minus L where that is "
+                      "longer (one unit less than no speculation with the legacy drop); a cell "
+                      "that is not shows (!=expected).")
+    else:
+        console.print("Each cell is the expected floor((N - max(L, 1)) / U) * U cached tokens, "
+                      "or with block reuse floor((N - 1) / U) * U - L where that is longer "
+                      "(one unit less with the legacy drop); a cell that is not shows "
+                      "(!=expected).")
 
 
 def _print_one_table(results: list[HitLengthResult], console: Console, label: str) -> None:
     lengths = sorted({r.prompt_len for r in results})
-    table = Table(title=f"prompt of N tokens sent twice: cached tokens of the 2nd request "
-                        f"({label})")
+    what = ("N tokens shared, then different tails" if results[0].diverge
+            else "prompt of N tokens sent twice")
+    table = Table(title=f"{what}: cached tokens of the 2nd request ({label})")
     table.add_column("drafter", no_wrap=True)
     table.add_column("hash mode \\ N", no_wrap=True)
     for prompt_len in lengths:
@@ -149,8 +191,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="eagle", choices=DRAFTER_NAMES)
     parser.add_argument("--mtp-num-modules", type=int, default=1,
                         help="draft modules of --drafter mtp (default: %(default)s)")
-    parser.add_argument("--mode", choices=("lookahead", "legacy"), default="lookahead",
-                        help="legacy = disable_lookahead_block_hashes")
+    parser.add_argument("--mode", choices=MODES, default="lookahead",
+                        help="lookahead: with block reuse at divergence points; "
+                        "lookahead-no-reuse: without it; legacy = disable_lookahead_block_hashes")
+    parser.add_argument("--diverge", action="store_true",
+                        help="the 2nd request shares only the first N tokens, then differs")
     parser.add_argument("--groups", help="hybrid KV cache groups, e.g. "
                         "full:16,swa:1024:16,mamba:544 (kind:block_size, swa:window:block_size)")
     parser.add_argument("--retention", type=int, default=None,
@@ -168,18 +213,21 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompt-len must be > 0, got {args.prompt_len}")
         result = measure_hit_length(args.prompt_len, args.block_size, args.drafter,
                                     args.mtp_num_modules, args.mode, groups=groups,
-                                    retention_interval=args.retention)
+                                    retention_interval=args.retention, diverge=args.diverge)
         if args.json:
             print(json.dumps(asdict(result)))
         else:
             print_table([result], Console())
         return 0
     results = full_table(args.block_size)
+    diverging = full_table(args.block_size, diverge=True)
     hybrid = hybrid_table()
     if args.json:
-        print(json.dumps([asdict(r) for r in results + hybrid]))
+        print(json.dumps([asdict(r) for r in results + diverging + hybrid]))
     else:
         console = Console()
         print_table(results, console)
+        print_table(diverging, console)
         print_table(hybrid, console)
-    return 0 if all(r.hit_tokens == r.expected_tokens for r in results + hybrid) else 1
+    return 0 if all(r.hit_tokens == r.expected_tokens
+                    for r in results + diverging + hybrid) else 1

@@ -4,7 +4,10 @@ Runs one `prefix_repetition` workload (or a JSONL file) through the real engine 
 
     no spec      no speculative decoding
     legacy drop  the drafter with legacy block hashes: the last matched block is recomputed
-    lookahead    the drafter with lookahead block hashes (the default)
+    lookahead    the drafter with lookahead block hashes, without block reuse
+    lookahead + block reuse   the engine's default: lookahead hashes, and a block cached
+                 under another successor (prompts diverging at a block boundary) is copied
+                 and only its last L positions recomputed
 
 and reports, per mode: prefix-cache hit rate (cached prompt tokens / prompt tokens) beside the
 workload's oracle for the block size, requests/s, output tokens/s, TTFT mean / median / p99,
@@ -12,6 +15,7 @@ TPOT, drafts' acceptance, and whether greedy outputs are identical across modes.
 arrive all at once or as a Poisson process, under a concurrency cap.
 
 With `--kv-connector offload` (or `disk`, `offload,disk`) every mode runs with that KV tier
+(except "lookahead + block reuse": block reuse does not run under a KV connector)
 under the local cache, and one more mode runs lookahead without it ("lookahead, no tier"). Give
 a local cache too small to hold the prefixes (`--num-blocks`): the hit rate is then local +
 tier (both shown), and with lookahead it reaches the oracle through the tier, as no spec does;
@@ -53,10 +57,12 @@ from speckv.bench.workload import (
 from speckv.connectors import add_connector_arguments, connector_config_from_args
 
 MODES: dict[str, dict[str, bool]] = {
-    "no spec": {"speculative": False, "legacy": False},
-    "legacy drop": {"speculative": True, "legacy": True},
-    "lookahead": {"speculative": True, "legacy": False},
+    "no spec": {"speculative": False, "legacy": False, "reuse": False},
+    "legacy drop": {"speculative": True, "legacy": True, "reuse": False},
+    "lookahead": {"speculative": True, "legacy": False, "reuse": False},
+    "lookahead + block reuse": {"speculative": True, "legacy": False, "reuse": True},
 }
+REUSE_MODE = "lookahead + block reuse"
 NO_TIER_MODE = "lookahead, no tier"  # added when the other modes run with a KV tier
 
 
@@ -149,6 +155,7 @@ def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
         max_num_batched_tokens=options.max_num_batched_tokens,
         **speculative_args(mode_drafter, options.num_spec_tokens),
         disable_lookahead_block_hashes=spec["legacy"],
+        disable_divergent_block_reuse=not spec["reuse"],
         dtype=str(model.dtype),  # EngineConfig drops the "torch." prefix
         device=str(model.device),
         hash_seed="0",
@@ -247,8 +254,10 @@ def run_benchmark(model: Any, drafter: Any, workload: list[WorkloadRequest],
     """Every mode on a fresh engine; with a KV tier, also lookahead without it. With
     `options.num_engines` > 1, on that many engine processes built from `model_spec`
     (`engine_workers.ModelSpec`: the same weights as `model` and `drafter`)."""
-    if options.kv_connector is not None and "lookahead" in modes:
-        modes = (*modes, NO_TIER_MODE)
+    if options.kv_connector is not None:
+        modes = tuple(mode for mode in modes if mode != REUSE_MODE)  # not under a connector
+        if "lookahead" in modes:
+            modes = (*modes, NO_TIER_MODE)
     if options.num_engines == 1:
         return [run_mode(model, drafter, workload, mode, options) for mode in modes]
     if model_spec is None:
@@ -320,10 +329,12 @@ def write_chart(results: list[ModeResult], path: Path) -> None:
     left.axhline(100 * results[0].oracle_hit_rate, color="gray", linestyle="--",
                  label="oracle")
     left.set_ylabel("prefix-cache hit rate (%)")
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=15, labelsize=8)
     left.legend(loc="lower right")
     right.bar(names, [r.output_tokens_per_s for r in results], color="#55a868")
     right.set_ylabel("output tokens/s")
-    fig.suptitle("prefix_repetition: no spec / legacy drop / lookahead")
+    fig.suptitle("prefix_repetition: " + " / ".join(names))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,11 +1,12 @@
 """The prefix cache: block pool, per-group managers, the KV cache manager."""
 
 from speckv.cache.kv_cache_manager import KVCacheManager
-from speckv.cache.results import Allocation, CacheHit
+from speckv.cache.results import Allocation, BlockCopy, CacheHit
 from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 __all__ = [
     "Allocation",
+    "BlockCopy",
     "CacheHit",
     "FullAttentionSpec",
     "KVCacheManager",

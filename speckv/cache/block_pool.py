@@ -7,13 +7,27 @@ Free-queue policy:
 - a request's blocks are freed tail first, so the end of a chain is evicted before its start
   (a later request can still hit the prefix);
 - blocks that hold no hash go to the head and are reused before any cached block.
+
+Divergent block reuse (groups whose manager asks for it) reads one more map per group, the
+successor index: `parent hash -> (hash, L successor tokens)` of the latest block cached after
+each parent; the latest first block of a chain has a slot of its own. A request whose own hash
+of block j misses finds there the block cached after its block j - 1 and checks that it holds
+its tokens. Caching a run of blocks only notes the run (references to the request's append-only
+hash chain and tokens, O(1)); runs become visible one step late (`commit_successors`: a copy
+reads its source at the start of a step, so only blocks whose KV an earlier step wrote may be
+sources), and are folded into the map (C-level slices and one `dict.update` per run) by the
+first lookup past a chain's first block that needs it. So a cold miss (its first block
+differs) and a whole hit pay nothing for the index. Runs beyond twice the pool's blocks are
+forgotten oldest first, entries whose block was evicted since are skipped at lookup and
+dropped when the map outgrows the pool.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from speckv.cache.block import (
     BlockContent,
@@ -95,6 +109,34 @@ def content_of(
     )
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Blocks `[start, end)` of one request's chain, cached together (successor index)."""
+
+    group_id: int
+    block_size: int
+    lookahead_tokens: int
+    token_ids: Sequence[int]  # the request's real tokens (they only grow)
+    block_hashes: Sequence[bytes]  # the request's chain for this group (it only grows)
+    start: int
+    end: int
+
+    def successors(self, index: int) -> Any:
+        """Block `index`'s L successor tokens: an int for L = 1, else a tuple."""
+        first = (index + 1) * self.block_size
+        if self.lookahead_tokens == 1:
+            return self.token_ids[first]
+        return tuple(self.token_ids[first : first + self.lookahead_tokens])
+
+    def successor_slice(self, start: int, end: int) -> Sequence[Any]:
+        """`successors(i)` for i in [start, end), by C-level strided slices."""
+        size, lookahead, tokens = self.block_size, self.lookahead_tokens, self.token_ids
+        first, stop = (start + 1) * size, end * size + 1
+        if lookahead == 1:
+            return tokens[first:stop:size]
+        return list(zip(*(tokens[first + m : stop + m : size] for m in range(lookahead))))
+
+
 class BlockPool:
     """Blocks, their reference counts, the free queue and the hash map (one dict per group,
     `block hash -> block`)."""
@@ -117,6 +159,13 @@ class BlockPool:
         # group id -> {block hash -> block}: keyed by the bare hash, so a lookup or an insert
         # builds no key (the hot loops are C-level dict probes)
         self._cached: dict[int, dict[bytes, KVCacheBlock]] = {}
+        # the successor index (see the module docstring), per group id: successors are one
+        # int for L = 1, else an L-tuple
+        self._successors: dict[int, dict[bytes, tuple[bytes, Any]]] = {}
+        self._first_successor: dict[int, tuple[bytes, Any]] = {}
+        self._pending_runs: list[_Run] = []  # noted this step
+        self._runs: deque[_Run] = deque()  # committed, not folded into `_successors` yet
+        self._num_run_blocks = 0  # blocks in `_runs`
         # Block 0 stands for "no KV here" (e.g. outside a sliding window); never freed.
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
@@ -146,6 +195,37 @@ class BlockPool:
         """The block cached under `(block_hash, group_id)`, if any. Pure."""
         blocks = self._cached.get(group_id)
         return blocks.get(block_hash) if blocks is not None else None
+
+    def successor_of(self, parent_hash: bytes | None, group_id: int
+                     ) -> tuple[bytes, Any] | None:
+        """(hash, successors) of the latest block committed after `parent_hash` (None: the
+        latest first block of a chain) in a group, if any; the block may have been evicted
+        since. Folds the committed runs into the index first (the only mutation). """
+        if parent_hash is None:
+            return self._first_successor.get(group_id)
+        if self._runs:
+            self._fold_runs()
+        index = self._successors.get(group_id)
+        return index.get(parent_hash) if index is not None else None
+
+    def pending_successor_of(self, parent_hash: bytes | None, index: int, group_id: int
+                             ) -> tuple[bytes, Any] | None:
+        """As `successor_of`, among the runs noted this step (not yet copyable): the block
+        `index` of the latest such run whose chain has `parent_hash` before it. Chains align
+        by position, so each run is checked in O(1). Pure."""
+        for run in reversed(self._pending_runs):
+            if run.group_id != group_id or not run.start <= index < run.end:
+                continue
+            if index == 0 if parent_hash is None else run.block_hashes[index - 1] == parent_hash:
+                return run.block_hashes[index], run.successors(index)
+        return None
+
+    def noted_this_step(self, block_hash: bytes, index: int, group_id: int) -> bool:
+        """Whether a run noted this step names `block_hash` at chain position `index`: the
+        block cached under it now may be one whose KV this step computes (a hash evicted
+        earlier can be cached again, in a new block). Pure, O(1) per run."""
+        return any(run.group_id == group_id and run.start <= index < run.end
+                   and run.block_hashes[index] == block_hash for run in self._pending_runs)
 
     def num_free_among(self, blocks: Sequence[KVCacheBlock]) -> int:
         """How many of `blocks` sit in the free queue (touching them takes them off). Pure."""
@@ -275,6 +355,60 @@ class BlockPool:
         if stored_hashes:
             self._record_stored(request, block_hashes, stored_indices, stored_hashes, group)
 
+    def note_successors(
+        self,
+        request: CachingRequest,
+        block_hashes: Sequence[bytes],
+        start: int,
+        end: int,
+        group: GroupInfo,
+    ) -> None:
+        """Note that blocks `[start, end)` of `request` were cached (their hashes exist), for
+        the successor index; they join it at the next `commit_successors`. `block_hashes` and
+        the request's tokens must only ever grow (a request's chain and real tokens do).
+        Mutates, O(1)."""
+        if self.enable_caching and end > start:
+            self._pending_runs.append(_Run(group.group_id, group.block_size,
+                                           group.lookahead_tokens, request.all_token_ids,
+                                           block_hashes, start, end))
+
+    def commit_successors(self) -> None:
+        """Let lookups find the runs noted so far (call once their KV is written: after the
+        step that computes them). Mutates."""
+        pending = self._pending_runs
+        if not pending:
+            return
+        for run in pending:
+            if run.start == 0:
+                self._first_successor[run.group_id] = (run.block_hashes[0], run.successors(0))
+            self._runs.append(run)
+            self._num_run_blocks += run.end - run.start
+        pending.clear()
+        limit = 2 * self.num_blocks
+        while self._num_run_blocks > limit:  # oldest first: their blocks are evicted first
+            old = self._runs.popleft()
+            self._num_run_blocks -= old.end - old.start
+
+    def _fold_runs(self) -> None:
+        """Enter the committed runs into `_successors` (C-level slices, one update each)."""
+        for run in self._runs:
+            index = self._successors.get(run.group_id)
+            if index is None:
+                index = self._successors[run.group_id] = {}
+            first = max(run.start, 1)  # first blocks live in `_first_successor`
+            if first < run.end:
+                index.update(zip(run.block_hashes[first - 1 : run.end - 1],
+                                 zip(run.block_hashes[first : run.end],
+                                     run.successor_slice(first, run.end))))
+        self._runs.clear()
+        self._num_run_blocks = 0
+        for group_id, index in list(self._successors.items()):
+            # at most one live entry per cached block: past twice the pool, drop the stale ones
+            if len(index) > 2 * self.num_blocks:
+                cached = self.cached_map(group_id)
+                self._successors[group_id] = {
+                    parent: entry for parent, entry in index.items() if entry[0] in cached}
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, if no request holds a block. Mutates.
 
@@ -288,6 +422,11 @@ class BlockPool:
                 block.block_hash = None
                 block.content = None
             blocks.clear()
+        self._successors.clear()
+        self._first_successor.clear()
+        self._pending_runs.clear()
+        self._runs.clear()
+        self._num_run_blocks = 0
         if self.event_sink is not None:
             self.event_sink.record(AllBlocksCleared())
         return True

@@ -12,6 +12,19 @@ recomputed):
     lookahead L=k (k-module MTP)    floor((N - k) / U) * U    (blocks need k tokens after them)
     legacy hashes + EAGLE drop      one unit less than the first row, not below 0
 
+Divergent block reuse (lookahead hashes, `HashMode.reuses_divergent_blocks`, every group full
+attention with blocks of U tokens, U > L): when the request's own hash of the next block j
+misses but a block holding its tokens after the same chain is cached under another successor,
+the hit takes a copy of that block and recomputes only its last L positions (their draft KV
+is the only part that depends on the successor):
+
+    hit = j * U + (U - L)     whenever block j ends at or before N - 1
+
+so with a drafter the hit is the no-speculation hit minus at most L tokens, at divergence
+points and (k-module MTP) at the prompt's end too. The hit then names `copy_sources` (one
+block per group), held from `allocate_slots` until `step_executed` (the runner has copied them
+into the request's own block j, which is cached under the request's own hash as usual).
+
 Hybrid models: every group must accept the hit, and each may only shorten it. The coordinator
 iterates to a fixed point over U-aligned lengths; under the legacy drop it drops one unit once
 and iterates again (never a second drop, so it cannot spiral).
@@ -27,13 +40,19 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
+from speckv.cache.block import KVCacheBlock
 from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, HitCheck
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
-from speckv.cache.results import Allocation, CacheHit
+from speckv.cache.results import Allocation, BlockCopy, CacheHit
 from speckv.cache.retention import RetentionPolicy, TailWidening
-from speckv.cache.single_type import FullAttentionManager, SingleTypeManager, manager_for
-from speckv.cache.specs import KVCacheSpec, MambaSpec, SlidingWindowSpec
+from speckv.cache.single_type import (
+    FullAttentionManager,
+    ReusingFullAttentionManager,
+    SingleTypeManager,
+    manager_for,
+)
+from speckv.cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from speckv.hashing.block_hashing import BlockHashing
 from speckv.hashing.functions import HashAlgo, get_hash_algo, make_none_hash
 
@@ -48,6 +67,9 @@ class ManagedRequest(CachingRequest, Protocol):
     def num_tokens(self) -> int: ...
 
     def get_block_hashes(self, lookahead_tokens: int) -> list[bytes]: ...
+
+    def hash_with_successors(self, lookahead_tokens: int, index: int,
+                             successors: Sequence[int]) -> bytes: ...
 
 
 class StridedHashes(Sequence[bytes]):
@@ -121,6 +143,16 @@ class KVCacheManager:
         # A sibling diverging right after a kept boundary c hits c - U: under the drop always,
         # with lookahead hashes because the block ending at c has another successor there.
         widen_tails = hash_mode.drops_last_unit or hash_mode.lookahead_tokens > 0
+        # block reuse at divergence points: full-attention groups of one block size only (a
+        # sliding-window or Mamba group would need its state L tokens before a unit boundary)
+        self.reuses_divergent_blocks = (
+            hash_mode.reuses_divergent_blocks and enable_caching
+            and all(isinstance(spec, FullAttentionSpec) and spec.block_size == alignment_tokens
+                    for spec in specs)
+            and alignment_tokens > hash_mode.lookahead_tokens
+        )
+        # request id -> the copy sources it holds until the runner has copied them
+        self._copy_sources: dict[str, tuple[KVCacheBlock, ...]] = {}
         self.managers: list[SingleTypeManager] = []
         for group_id, spec in enumerate(specs):
             lookahead = hash_mode.lookahead_tokens if spec.drafter_writes_kv else 0
@@ -131,8 +163,15 @@ class KVCacheManager:
             group = GroupInfo(group_id, spec.block_size, lookahead, spec.kind,
                               getattr(spec, "sliding_window", None))
             self.managers.append(
-                manager_for(spec, self.pool, group, self.retention, extra_tail_blocks)
+                manager_for(spec, self.pool, group, self.retention, extra_tail_blocks,
+                            self.reuses_divergent_blocks)
             )
+        # allocations without a hit (every running request's) take no hit blocks
+        self._no_hit_blocks: tuple[list, ...] = tuple(() for _ in self.managers)
+        # the managers that free blocks behind the computed tokens (sliding window, Mamba)
+        self._managers_that_skip = [
+            m for m in self.managers
+            if type(m).remove_skipped_blocks is not SingleTypeManager.remove_skipped_blocks]
         # Full attention first: it is cheap and usually the binding constraint.
         self._hit_order = sorted(
             range(len(self.managers)),
@@ -175,11 +214,37 @@ class KVCacheManager:
             hit_length, per_group = self._fixed_point(
                 request, hashes, hit_length - self.alignment_tokens
             )
-        return CacheHit(
-            tuple(blocks[: hit_length // m.block_size] for m, blocks in
-                  zip(self.managers, per_group)),
-            hit_length,
-        )
+        hit_blocks = tuple(blocks[: hit_length // m.block_size] for m, blocks in
+                           zip(self.managers, per_group))
+        if self.reuses_divergent_blocks:
+            sources, next_step = self._divergent_sources(request, hashes, hit_length)
+            if sources:
+                num_reused = self.alignment_tokens - self.hash_mode.lookahead_tokens
+                return CacheHit(hit_blocks, hit_length + num_reused, sources)
+            if next_step:
+                return CacheHit(hit_blocks, hit_length, copy_next_step=True)
+        return CacheHit(hit_blocks, hit_length)
+
+    def _divergent_sources(self, request, hashes, hit_length: int
+                           ) -> tuple[tuple[KVCacheBlock, ...], bool]:
+        """One cached block per group holding the request's block after the hit under another
+        successor (() unless every group has one and the block ends by N - 1), and whether
+        every group would have one next step (some are being computed in this one). Pure."""
+        unit = self.alignment_tokens
+        if hit_length + unit > request.num_tokens - 1:
+            return (), False
+        index = hit_length // unit
+        sources = []
+        next_step = False
+        for manager, group_hashes in zip(self.managers, hashes):
+            assert isinstance(manager, ReusingFullAttentionManager)
+            block = manager.find_divergent_block(request, group_hashes, index)
+            if block is None:
+                if manager.find_divergent_block(request, group_hashes, index, True) is None:
+                    return (), False
+                next_step = True
+            sources.append(block)
+        return (() if next_step else tuple(sources)), next_step
 
     def _fixed_point(self, request, hashes, max_length: int):
         unit = self.alignment_tokens
@@ -233,23 +298,38 @@ class KVCacheManager:
             raise ValueError("allocate_slots needs at least one new token or lookahead slot")
         if num_external_tokens < 0:
             raise ValueError(f"num_external_tokens must be >= 0, got {num_external_tokens}")
-        hit_blocks = hit.blocks if hit is not None else tuple([] for _ in self.managers)
+        managers = self.managers
+        hit_blocks = hit.blocks if hit is not None else self._no_hit_blocks
         num_hit_tokens = hit.num_computed_tokens if hit is not None else 0
+        sources = hit.copy_sources if hit is not None else ()
         request_id = request.request_id
         num_cacheable = request.num_computed_tokens + num_hit_tokens
         num_computed = num_cacheable + num_external_tokens
         num_total = num_computed + num_new_tokens + num_lookahead_tokens
-        num_needed = sum(
-            manager.get_num_blocks_to_allocate(request_id, num_total, blocks)
-            for manager, blocks in zip(self.managers, hit_blocks)
-        )
+        num_needed = 0
+        for manager, blocks in zip(managers, hit_blocks):
+            num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, blocks)
+        if sources:
+            num_needed += self.pool.num_free_among(sources)  # touching takes them off
         if num_needed > self.pool.get_num_free_blocks():
             return None
+        if sources:  # held before anything is allocated, which could evict them
+            self.pool.touch(sources)
+            self._copy_sources[request_id] = sources
         new_block_ids = []
-        for manager, blocks in zip(self.managers, hit_blocks):
-            manager.save_new_computed_blocks(request_id, blocks)
-            new = manager.allocate_new_blocks(request_id, num_total)
-            new_block_ids.append([block.block_id for block in (*blocks, *new)])
+        copies: list[BlockCopy] = []
+        for manager, blocks, source in zip(managers, hit_blocks,
+                                           sources or (None,) * len(managers)):
+            if blocks:
+                manager.save_new_computed_blocks(request_id, blocks)
+                new = manager.allocate_new_blocks(request_id, num_total)
+                new_block_ids.append([block.block_id for block in (*blocks, *new)])
+            else:  # allocate_new_blocks starts the request's list when it has none
+                new = manager.allocate_new_blocks(request_id, num_total)
+                new_block_ids.append([block.block_id for block in new] if new else [])
+            if source is not None:  # into the block after the hit: the request's own
+                copies.append(BlockCopy(manager.group.group_id, source.block_id,
+                                        new[0].block_id))
         # Draft positions are not real tokens: their KV may be rejected.
         num_to_cache = min(
             num_computed + num_new_tokens - len(request.spec_token_ids), request.num_tokens
@@ -258,9 +338,20 @@ class KVCacheManager:
             num_to_cache = num_cacheable  # the loaded range is cached once the load succeeded
         self._cache_blocks(request, num_to_cache)
         # only after caching: a block leaving the window may be one a later hit needs
-        for manager in self.managers:
+        for manager in self._managers_that_skip:
             manager.remove_skipped_blocks(request_id, num_computed)
-        return Allocation(tuple(new_block_ids))
+        return Allocation(tuple(new_block_ids), tuple(copies))
+
+    def step_executed(self) -> None:
+        """The runner has carried out a step: release the copy sources it has copied, and let
+        later lookups reuse the blocks cached so far (their KV is written now). The scheduler
+        calls it at the end of every step. Mutates."""
+        if self._copy_sources:
+            for sources in self._copy_sources.values():
+                self.pool.free_blocks(sources)
+            self._copy_sources.clear()
+        if self.reuses_divergent_blocks:
+            self.pool.commit_successors()
 
     def cache_computed_blocks(self, request: ManagedRequest) -> None:
         """Cache every computed block whose hash exists, e.g. the block whose lookahead the
@@ -268,9 +359,12 @@ class KVCacheManager:
         self._cache_blocks(request, request.num_computed_tokens)
 
     def free(self, request: ManagedRequest) -> None:
-        """Release all of a request's blocks. Mutates."""
+        """Release all of a request's blocks (and a copy source it still holds). Mutates."""
         for manager in self.managers:
             manager.free(request.request_id)
+        sources = self._copy_sources.pop(request.request_id, None)
+        if sources:
+            self.pool.free_blocks(sources)
 
     def finish(self, request: ManagedRequest) -> None:
         """Cache what the last token completed, then free. Mutates."""
@@ -300,4 +394,7 @@ class KVCacheManager:
                 for block in blocks:
                     if not block.is_null:
                         holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for sources in self._copy_sources.values():
+            for block in sources:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
         self.pool.check_integrity(holders)

@@ -8,13 +8,17 @@ cache or free; they never change reference counts themselves.
 
 A hit list has one entry per block up to the hit length; groups that keep only part of the
 prefix (sliding window, Mamba) fill the rest with the pool's null block.
+
+`ReusingFullAttentionManager` adds divergent block reuse: it notes every cached run in the
+pool's successor index and finds, for a request whose own hash of block j misses, the cached
+block after its block j - 1 that holds its tokens under another successor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speckv.cache.block import KVCacheBlock
+from speckv.cache.block import BlockContent, KVCacheBlock
 from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, content_of
 from speckv.cache.retention import RetentionPolicy
 from speckv.cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
@@ -56,6 +60,8 @@ class SingleTypeManager:
         num_required = cdiv(num_tokens, self.block_size)
         num_held = len(self.blocks_of(request_id)) + len(new_computed_blocks)
         num_new = max(0, num_required - num_held)
+        if not new_computed_blocks:
+            return num_new
         return num_new + self.pool.num_free_among(new_computed_blocks)
 
     # ---- mutations ---------------------------------------------------------------------------
@@ -160,6 +166,54 @@ class FullAttentionManager(SingleTypeManager):
         return hit
 
 
+class ReusingFullAttentionManager(FullAttentionManager):
+    """Full attention whose blocks can be reused at divergence points (see the module
+    docstring); the pool's hash map and ref counts are untouched by the lookup."""
+
+    def cache_blocks(self, request, block_hashes, num_tokens):
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        super().cache_blocks(request, block_hashes, num_tokens)
+        num_full = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full > num_cached:
+            self.pool.note_successors(request, block_hashes, num_cached, num_full, self.group)
+
+    def find_divergent_block(self, request, block_hashes: Sequence[bytes], index: int,
+                             computed_this_step: bool = False) -> KVCacheBlock | None:
+        """A cached block holding block `index` of `request` (tokens `[i * B, (i + 1) * B)`,
+        same chain before it) under another successor, or None. The block must hold the
+        request's tokens: its hash is recomputed from them with the block's own successors
+        (and, for fast hashes, its content compared as for a hit). `computed_this_step`: look
+        among the blocks cached this step instead (they can be copied from the next step on).
+        Touches no block, reference count or hash-map entry (the pool may fold its index)."""
+        group_id = self.group.group_id
+        parent = block_hashes[index - 1] if index else b""
+        if computed_this_step:
+            entry = self.pool.pending_successor_of(parent if index else None, index, group_id)
+        else:
+            entry = self.pool.successor_of(parent if index else None, group_id)
+        if entry is None:
+            return None
+        block_hash, successors = entry
+        block = self.pool.get_cached_block(block_hash, group_id)
+        if block is None:
+            return None
+        if not computed_this_step and self.pool.noted_this_step(block_hash, index, group_id):
+            return None  # cached again this step, in a block this step computes
+        if type(successors) is not tuple:
+            successors = (successors,)
+        lookahead = self.group.lookahead_tokens
+        if request.hash_with_successors(lookahead, index, successors) != block_hash:
+            return None
+        start = index * self.block_size
+        end = start + self.block_size
+
+        def expected():
+            return BlockContent(parent, tuple(request.all_token_ids[start:end]), successors,
+                                request.hash_inputs.extra_keys(start, end + lookahead))
+
+        return block if self.pool.hit_check.accepts(block, expected) else None
+
+
 class _PartialPrefixManager(SingleTypeManager):
     """Groups that keep state only near a hit boundary: they free what falls behind, and cache
     only what a reachable boundary needs."""
@@ -256,10 +310,14 @@ def manager_for(
     group: GroupInfo,
     retention: RetentionPolicy,
     num_extra_tail_blocks: int,
+    reuses_divergent_blocks: bool = False,
 ) -> SingleTypeManager:
     """The manager type for a spec type. `num_extra_tail_blocks` widens kept sliding-window
-    tails (the legacy-drop fix)."""
+    tails (the legacy-drop fix); `reuses_divergent_blocks` picks the reusing full-attention
+    manager."""
     if isinstance(spec, FullAttentionSpec):
+        if reuses_divergent_blocks:
+            return ReusingFullAttentionManager(spec, pool, group)
         return FullAttentionManager(spec, pool, group)
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, pool, group, retention,

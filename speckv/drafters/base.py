@@ -45,10 +45,12 @@ Engine contract (block tables and slots):
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -120,17 +122,22 @@ class DraftState:
     carries: list[DraftCarry]  # one per request: store on the request, pass back next pass
     num_real_tokens: list[int]  # per request: tokens t[0 .. n-1] known
     block_tables: list[list[int]]
-    # Per request: module 1's output [hidden] at its last written position, which is
-    # carries[i].next_position - 1; propose needs it at n - 2 (all known real tokens consumed).
-    _last_h1: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # [num_reqs, hidden]: per request module 1's output at its last written position, which
+    # is carries[i].next_position - 1; propose needs it at n - 2 (all known real tokens
+    # consumed). None: caught up with will_propose=False.
+    _last_h1: torch.Tensor | None = field(default=None, repr=False)
 
     def subset(self, rows: Sequence[int]) -> DraftState:
         """The state of the requests `rows` only (e.g. those that want drafts)."""
+        last_h1 = self._last_h1
+        if last_h1 is not None and list(rows) != list(range(last_h1.shape[0])):
+            last_h1 = last_h1.index_select(
+                0, torch.tensor(list(rows), dtype=torch.int64, device=last_h1.device))
         return DraftState(
             carries=[self.carries[i] for i in rows],
             num_real_tokens=[self.num_real_tokens[i] for i in rows],
             block_tables=[self.block_tables[i] for i in rows],
-            _last_h1=[self._last_h1[i] for i in rows],
+            _last_h1=last_h1,
         )
 
 
@@ -306,22 +313,30 @@ class Drafter(nn.Module, ABC):
         starts = [r.start_position for r in requests]
         tables = [r.block_table for r in requests]
         carries = [DraftCarry([], [], r.start_position + r.num_positions) for r in requests]
-        last_h1: list[torch.Tensor] = []
+        last_h1: torch.Tensor | None = None
         for j in range(1, k + 1):
             if j > 1:
                 avail = [_merge(_carried(r.carry, j), out) for r, out in zip(requests, avail)]
             kv_only = j == k and (k > 1 or not will_propose)
-            outs, written = self._run_module(j, avail, tokens, starts, tables, kv_cache,
-                                             kv_only=kv_only)
+            # module 1's inputs are h0's rows in request order: when it writes them all, h0
+            # is their concatenation
+            outs, written, out = self._run_module(
+                j, avail, tokens, starts, tables, kv_cache, kv_only=kv_only,
+                concatenated=h0 if j == 1 else None, split=k > 1)
             if j == 1 and not kv_only:
                 # Module 1 writes every position (a next token is known for each), so its
                 # last output is at start_position + num_positions - 1.
-                last_h1 = [o[-1] for o in outs]  # type: ignore[index]
+                assert out is not None
+                ends = torch.tensor(list(itertools.accumulate(written)), dtype=torch.int64,
+                                    device=out.device) - 1
+                last_h1 = out.index_select(0, ends)  # each request's last output row
             if j > 1:
                 # h_{j-1} rows module j could not write yet stay pending for the next pass.
                 for c, a, w in zip(carries, avail, written):
                     c.start.append(a.start + w)
                     c.pending.append(a.rows[w:])
+            if j == k:
+                break  # module k's outputs feed nobody during catch-up
             # What module j+1 may consume: module j's outputs.
             avail = [
                 _ModuleRows(a.start, o if o is not None else a.rows[:0])
@@ -345,58 +360,70 @@ class Drafter(nn.Module, ABC):
         kv_cache: PagedKVCache,
         max_position: list[int] | None = None,
         kv_only: bool = False,
-    ) -> tuple[list[torch.Tensor | None], list[int]]:
+        concatenated: torch.Tensor | None = None,
+        split: bool = True,
+    ) -> tuple[list[torch.Tensor | None], list[int], torch.Tensor | None]:
         """Run module j on every position it can write: p with t[p + j] in `tokens`.
 
         tokens[i] are t[token_starts[i] + 1 ...]. Returns per request the outputs [w, hidden]
-        (None when w = 0, or always with `kv_only`: the module only writes its KV) and w, the
-        number of rows written from the front of avail[i].
+        (None when w = 0, or always with `kv_only`: the module only writes its KV; not split
+        per request without `split`: all None), w, the number of rows written from the front
+        of avail[i], and all outputs [sum(w), hidden] (None with `kv_only`).
+        `concatenated`: torch.cat of every avail[i].rows, when the caller has it.
         """
         module = self.modules_chain[j - 1]
         ids: list[int] = []
-        rows: list[torch.Tensor] = []
         positions: list[int] = []
         q_lens: list[int] = []
         s_lens: list[int] = []
         tables: list[Sequence[int]] = []
         counts: list[int] = []
+        all_rows = True  # every request writes all its available rows
         for i, a in enumerate(avail):
             last_tok_pos = token_starts[i] + len(tokens[i])  # position of the last known token
-            end = min(a.start + a.rows.shape[0], last_tok_pos - j + 1)  # exclusive
+            num_rows = a.rows.shape[0]
+            end = min(a.start + num_rows, last_tok_pos - j + 1)  # exclusive
             if max_position is not None:
                 end = min(end, max_position[i] + 1)
             w = max(0, end - a.start)
             counts.append(w)
+            if w != num_rows:
+                all_rows = False
             if w == 0:
                 continue
             off = token_starts[i] + 1
             ids.extend(tokens[i][a.start + j - off : a.start + j - off + w])
-            rows.append(a.rows[:w])
             positions.extend(range(a.start, a.start + w))
             q_lens.append(w)
             s_lens.append(a.start + w)
             tables.append(block_tables[i])
         if not q_lens:
-            return [None] * len(avail), counts
+            return [None] * len(avail), counts, None
         device = self.device
         md = AttentionMetadata.build(q_lens, s_lens, tables, kv_cache.block_size, device)
+        if concatenated is not None and all_rows:
+            hidden = concatenated
+        else:
+            hidden = torch.cat([a.rows[:w] for a, w in zip(avail, counts) if w])
         inputs = (
             torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.cat(rows),  # already in the drafter's dtype (first_hidden / module outputs)
+            hidden,  # already in the drafter's dtype (first_hidden / module outputs)
             torch.tensor(positions, dtype=torch.int64, device=device),
             kv_cache,
             md,
         )
         if kv_only:
             module.write_kv(*inputs)
-            return [None] * len(avail), counts
+            return [None] * len(avail), counts, None
         out = module(*inputs)  # [sum(w), hidden]
+        if not split:
+            return [None] * len(avail), counts, out
         res: list[torch.Tensor | None] = []
         o = 0
         for w in counts:
             res.append(out[o : o + w] if w else None)
             o += w
-        return res, counts
+        return res, counts, out
 
     # ---- proposals ---------------------------------------------------------------------------
 
@@ -418,9 +445,9 @@ class Drafter(nn.Module, ABC):
         k = len(self.modules_chain)
         n = state.num_real_tokens
         nreq = len(n)
-        if len(state._last_h1) != nreq and nreq:
+        if (state._last_h1 is None or state._last_h1.shape[0] != nreq) and nreq:
             raise ValueError("this state was caught up with will_propose=False")
-        if len(state._last_h1) != nreq or any(
+        if state._last_h1 is None or state._last_h1.shape[0] != nreq or any(
             c.next_position != x - 1 for c, x in zip(state.carries, n)
         ):
             raise ValueError(
@@ -428,7 +455,7 @@ class Drafter(nn.Module, ABC):
                 "(pass exactly num_positions next tokens)"
             )
         device = self.device
-        h_last = torch.stack(state._last_h1)  # [nreq, hidden]: module 1's output at n - 2
+        h_last = state._last_h1  # [nreq, hidden]: module 1's output at n - 2
         drafts = [self.modules_chain[0].draft_token_ids(h_last)]  # each [nreq]
         last_real = [x - 2 for x in n]  # modules 2..k draft from their output here
         tok_starts = [x - 1 for x in n]  # the drafts are t[n], t[n+1], ...
@@ -444,7 +471,7 @@ class Drafter(nn.Module, ABC):
                 if extra is not None:
                     a = _merge(a, _ModuleRows(prev_start[i], extra))
                 avail.append(a)
-            outs, written = self._run_module(
+            outs, written, _ = self._run_module(
                 d, avail, tok_lists, tok_starts, state.block_tables, kv_cache, last_real
             )
             for i, w in enumerate(written):
@@ -457,14 +484,21 @@ class Drafter(nn.Module, ABC):
         # Beyond k modules: module k autoregressively, one position further per draft, fed the
         # previous draft straight from the device (no host round trip).
         mk = self.modules_chain[k - 1]
+        table = table_lens = None
         for d in range(len(drafts) + 1, num_spec_tokens + 1):
             pos = [x + (d - k) for x in last_real]
-            md = AttentionMetadata.build(
+            if table is None:  # the same tables every draft: lay them out once
+                table_lens = [len(t) for t in state.block_tables]
+                table = np.zeros((nreq, max(1, max(table_lens, default=0))), dtype=np.int64)
+                for i, t in enumerate(state.block_tables):
+                    table[i, : len(t)] = t
+            md = AttentionMetadata.from_block_table(
                 [1] * nreq,
                 [p + 1 for p in pos],
-                state.block_tables,
+                table,
                 kv_cache.block_size,
                 device,
+                table_lens,
             )
             h_last = mk(drafts[-1], h_last, torch.tensor(pos, device=device), kv_cache, md)
             drafts.append(mk.draft_token_ids(h_last))

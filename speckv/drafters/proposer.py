@@ -14,11 +14,35 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
 from speckv.spec.policy import DrafterPolicy
 from speckv.spec.proposer import ProposerInput, ProposeTiming
+
+
+def _target_states(items: Sequence[ProposerInput], num_aux: int) -> TargetStates:
+    """The items' target rows, in order, as one TargetStates: one gather from the step's
+    shared rows when the runner built the items, else the items' own tensors concatenated."""
+    shared = items[0].target_rows
+    if shared is not None and all(x.target_rows is shared for x in items):
+        counts = np.fromiter((x.end - x.start for x in items), np.int64, len(items))
+        firsts = np.fromiter((x.first_row for x in items), np.int64, len(items))
+        total = int(counts.sum())
+        # [total] row of every position: firsts[i] + 0 .. counts[i] - 1 per item
+        index = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(total)
+        num_rows = shared.hidden_states.shape[0]
+        if total == num_rows and bool((index == np.arange(total)).all()):
+            return TargetStates(shared.hidden_states, tuple(shared.aux_hidden_states[:num_aux]))
+        rows = torch.from_numpy(index).to(shared.hidden_states.device)
+        return TargetStates(shared.hidden_states.index_select(0, rows),
+                            tuple(h.index_select(0, rows)
+                                  for h in shared.aux_hidden_states[:num_aux]))
+    return TargetStates(
+        torch.cat([x.hidden_states for x in items]),
+        tuple(torch.cat([x.aux_hidden_states[i] for x in items]) for i in range(num_aux)),
+    )
 
 
 class DrafterProposer:
@@ -60,13 +84,7 @@ class DrafterProposer:
             # Real tokens after each final position, plus up to L - 1 more known ones (prefill).
             nxt = list(x.token_ids[x.start + 1 : x.end + L])
             reqs.append(CatchUpRequest(x.start, x.end - x.start, nxt, x.block_table, carry))
-        states = TargetStates(
-            torch.cat([x.hidden_states for x in items]),
-            tuple(
-                torch.cat([x.aux_hidden_states[i] for x in items])
-                for i in range(len(self.aux_layers))
-            ),
-        )
+        states = _target_states(items, len(self.aux_layers))
         # Draft only for requests whose catch-up reaches their last real token.
         want = [
             i

@@ -58,6 +58,9 @@ class EngineConfig:
     # shipped EAGLE head)
     speculative_model: str | None = None
     disable_lookahead_block_hashes: bool = False  # legacy hashes + the last-block drop
+    # with lookahead hashes, a block cached under another successor is copied and its last L
+    # positions recomputed (prompts diverging at a block boundary); True: recompute the block
+    disable_divergent_block_reuse: bool = False
     # draft fewer tokens, or none, when measurement says drafting does not pay (batch size,
     # acceptance); False: always num_spec_tokens (speckv/spec/adaptive.py)
     adaptive_speculation: bool = True
@@ -154,6 +157,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.adaptive_speculation must be a bool")
         if not isinstance(self.disable_lookahead_block_hashes, bool):
             raise ValueError("EngineConfig.disable_lookahead_block_hashes must be a bool")
+        if not isinstance(self.disable_divergent_block_reuse, bool):
+            raise ValueError("EngineConfig.disable_divergent_block_reuse must be a bool")
         _check_positive_int("mamba_block_size", self.mamba_block_size, allow_none=True)
         if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:
             raise ValueError(f"EngineConfig.mamba_block_size ({self.mamba_block_size}) must be a "

@@ -217,6 +217,7 @@ class LLMEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
             disable_lookahead_block_hashes=self.config.disable_lookahead_block_hashes,
             connector=self.connector,
+            reuse_divergent_blocks=not self.config.disable_divergent_block_reuse,
         )
 
     # ---- requests --------------------------------------------------------------------------

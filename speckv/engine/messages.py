@@ -17,6 +17,11 @@ carries its whole block table; later steps carry only the blocks allocated in th
     on first schedule, "computed before" = local hit | external tokens (loaded by the KV
     connector in this step's worker phase, before the forward)
 
+A prefix-cache hit that reuses a block at a divergence point (the request's block after the
+hit is cached under another successor) comes with a `BlockCopy`: the runner copies the source
+block's KV (target and draft, every layer) into the request's own block before the forward,
+which then recomputes the block's last L positions.
+
 With a KV connector, the SchedulerOutput carries the connector's step metadata (which tier
 blocks to load into which device blocks, which device blocks to save); the runner starts it
 before its forward and hands back the connector's `ConnectorOutput`, whose load failures the
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from speckv.cache.results import BlockCopy
 from speckv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -104,6 +110,8 @@ class SchedulerOutput:
     # the KV connector's work for this step (None: no connector); the runner must start it
     # even when nothing is scheduled (it snapshots the saves of requests that left)
     kv_connector_metadata: StepMetadata | None = None
+    # block copies to carry out before the forward (divergent block reuse), all requests
+    block_copies: tuple[BlockCopy, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -10,6 +10,7 @@ drafter's KV follows the block table of the layout's `draft_group` (full attenti
     forward     every scheduled request's new tokens (real, then drafts) at positions
                 [start, end), flattened on one token axis, no padding; logits only at the
                 rows that sample (from the last real token: 1 bonus row + 1 row per draft)
+    copy        the step's block copies (divergent block reuse), before anything reads them
     sample      verify drafts (greedy or rejection sampling), cut at the first stop token
     propose     the proposer writes draft KV for every position made final this step, then
                 proposes the next drafts; before the scheduler frees anything
@@ -25,10 +26,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from speckv.attention import AttentionMetadata, GroupedAttentionMetadata, PagedKVCache
 from speckv.attention.state_cache import StatePlan
+from speckv.cache.results import BlockCopy
+from speckv.engine.block_table import BatchBlockTable
 from speckv.engine.hybrid_state import RunnerStates, state_group
 from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
@@ -43,7 +47,7 @@ from speckv.engine.stopping import first_stop
 from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.spec.adaptive import AdaptiveSpeculation, StepCost, Verification
-from speckv.spec.proposer import Proposer, ProposerInput, ProposeTiming
+from speckv.spec.proposer import Proposer, ProposerInput, ProposeTiming, TargetRows
 
 
 @dataclass
@@ -53,6 +57,7 @@ class _RunnerRequest:
     data: NewRequestData
     token_ids: list[int]  # real tokens: prompt + sampled
     block_ids: list[list[int]]  # one block table per KV cache group
+    row: int = 0  # its row in the runner's persistent block tables (`BatchBlockTable`)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class ModelRunner:
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
         self.requests: dict[str, _RunnerRequest] = {}
+        # the same block tables as one persistent array per group (rows kept in lockstep)
+        self._tables = [BatchBlockTable() for _ in self.group_block_sizes]
         # the draft length per step (speckv/spec/adaptive.py); None: always num_spec_tokens
         self.spec_policy = spec_policy
 
@@ -122,6 +129,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        if scheduler_output.block_copies:
+            self._copy_blocks(scheduler_output.block_copies)
         scheduled = scheduler_output.scheduled
         if self.connector is not None:
             cut = self.connector.start_step(
@@ -149,24 +158,47 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, drafts, self.connector.finish_step())
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        tables = self._tables
         for request_id in scheduler_output.finished_request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                for batch_table in tables:
+                    batch_table.free_row(state.row)
             if self.proposer is not None:
                 self.proposer.free(request_id)
         for data in scheduler_output.new_requests:
+            rows = {batch_table.add_row() for batch_table in tables}
+            assert len(rows) == 1, "the groups' block tables hold their rows in lockstep"
             self.requests[data.request_id] = _RunnerRequest(
-                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes]
+                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes],
+                rows.pop(),
             )
+        num_groups = len(self.group_block_sizes)
         for item in scheduler_output.scheduled:
             state = self.requests[item.request_id]
-            if len(item.new_block_ids) != len(self.group_block_sizes):
+            if len(item.new_block_ids) != num_groups:
                 raise ValueError(f"the scheduler sent {len(item.new_block_ids)} block-id "
-                                 f"groups; the model has {len(self.group_block_sizes)}")
-            for table, new in zip(state.block_ids, item.new_block_ids):
+                                 f"groups; the model has {num_groups}")
+            for table, new, batch_table in zip(state.block_ids, item.new_block_ids, tables):
                 if item.replaces_block_table:
                     table[:] = new
-                else:
+                    batch_table.replace(state.row, new)
+                elif new:
                     table.extend(new)
+                    batch_table.extend(state.row, new)
+
+    def _copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None:
+        """Each copy's source block into its destination in every KV tensor, the target's and
+        the drafter's: one batched copy per tensor (copies come only for attention groups)."""
+        device = self.device
+        src = torch.tensor([copy.src_block_id for copy in copies], dtype=torch.int64,
+                           device=device)
+        dst = torch.tensor([copy.dst_block_id for copy in copies], dtype=torch.int64,
+                           device=device)
+        self.kv_cache.copy_blocks(src, dst)
+        draft_cache = getattr(self.proposer, "kv_cache", None)
+        if draft_cache is not None:
+            draft_cache.copy_blocks(src, dst)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> _Forward:
         input_ids: list[int] = []
@@ -175,29 +207,43 @@ class ModelRunner:
         token_offsets: list[int] = []
         sample_rows: list[int] = []
         logit_offsets: dict[int, tuple[int, int]] = {}
+        batch_rows: list[int] = []
+        requests = self.requests
+        num_tokens = 0
         for index, item in enumerate(scheduled):
-            state = self.requests[item.request_id]
-            token_offsets.append(len(input_ids))
-            tokens = state.token_ids[item.start : item.end]
-            tokens += item.draft_token_ids[: item.num_new_tokens - len(tokens)]
-            assert len(tokens) == item.num_new_tokens, "scheduled tokens do not exist"
+            state = requests[item.request_id]
+            batch_rows.append(state.row)
+            token_offsets.append(num_tokens)
+            start, num_new = item.start, item.num_new_tokens
+            end = start + num_new
+            token_ids = state.token_ids
+            num_real = len(token_ids)
+            if end <= num_real:
+                input_ids.extend(token_ids[start:end])
+            else:  # the last real token(s), then drafts
+                num_drafts = end - max(start, num_real)
+                drafts = item.draft_token_ids[:num_drafts]
+                assert len(drafts) == num_drafts and start <= num_real, \
+                    "scheduled tokens do not exist"
+                input_ids.extend(token_ids[start:])
+                input_ids.extend(drafts)
             if item.samples:
-                first = token_offsets[-1] + (len(state.token_ids) - 1 - item.start)
-                rows = range(first, token_offsets[-1] + item.num_new_tokens)
-                logit_offsets[index] = (len(sample_rows), len(sample_rows) + len(rows))
-                sample_rows.extend(rows)
-            input_ids.extend(tokens)
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(item.end)
-        groups = tuple(
-            AttentionMetadata.build(
-                query_lens, seq_lens,
-                [self.requests[item.request_id].block_ids[g] for item in scheduled],
-                block_size, self.device)
-            for g, block_size in enumerate(self.group_block_sizes)
-        )
+                first = num_tokens + (num_real - 1 - start)
+                last = num_tokens + num_new
+                num_rows = len(sample_rows)
+                logit_offsets[index] = (num_rows, num_rows + last - first)
+                sample_rows.extend(range(first, last))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            num_tokens += num_new
+        rows_array = np.asarray(batch_rows, dtype=np.int64)
+        groups = []
+        for batch_table, block_size in zip(self._tables, self.group_block_sizes):
+            table, lens = batch_table.gather(rows_array)
+            groups.append(AttentionMetadata.from_block_table(
+                query_lens, seq_lens, table, block_size, self.device, lens))
         metadata = (groups[0] if len(groups) == 1
-                    else GroupedAttentionMetadata(groups, self.layer_to_group))
+                    else GroupedAttentionMetadata(tuple(groups), self.layer_to_group))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
         state_plan = None
         if self.states is None:
@@ -223,29 +269,35 @@ class ModelRunner:
         """Verified tokens per sampling request, cut at the first stop and appended to the
         runner's token ids; and the ids of the requests that stopped."""
         logits = forward.logits  # [num_sample_rows, vocab]
-        states = [self.requests[item.request_id] for item in scheduled]
+        requests = self.requests
+        states = [requests[item.request_id] for item in scheduled]
         argmax: list[int] = []
-        if any(item.samples and state.data.sampling_seed is None
-               for item, state in zip(scheduled, states)):
-            argmax = logits.argmax(-1).tolist()
+        for item, state in zip(scheduled, states):
+            if item.samples and state.data.sampling_seed is None:
+                argmax = logits.argmax(-1).tolist()
+                break
         sampled_by_id: dict[str, list[int]] = {}
         stopped: set[str] = set()
         verifications: list[Verification] = []
-        for index, (item, state) in enumerate(zip(scheduled, states)):
+        logit_offsets = forward.logit_offsets
+        for index, item in enumerate(scheduled):
             if not item.samples:
                 continue
-            lo, hi = forward.logit_offsets[index]
-            seed = state.data.sampling_seed
+            state = states[index]
+            data = state.data
+            lo, hi = logit_offsets[index]
+            drafts = item.draft_token_ids
+            seed = data.sampling_seed
             if seed is None:
-                sampled = verify_greedy(argmax[lo:hi], item.draft_token_ids)
+                # no drafts: the argmax of the one row (what verify_greedy returns)
+                sampled = verify_greedy(argmax[lo:hi], drafts) if drafts else [argmax[lo]]
             else:
-                sampled = verify_random(logits[lo:hi], item.draft_token_ids,
-                                        state.data.sampling_params, seed, len(state.token_ids))
-            if item.num_drafts:
-                verifications.append(Verification(item.num_drafts, len(sampled) - 1))
+                sampled = verify_random(logits[lo:hi], drafts, data.sampling_params, seed,
+                                        len(state.token_ids))
+            if drafts:
+                verifications.append(Verification(len(drafts), len(sampled) - 1))
             num_kept, reason = first_stop(sampled, len(state.token_ids),
-                                          len(state.data.prompt_token_ids),
-                                          state.data.stop_limits)
+                                          len(data.prompt_token_ids), data.stop_limits)
             sampled = sampled[:num_kept]
             state.token_ids.extend(sampled)
             sampled_by_id[item.request_id] = sampled
@@ -267,30 +319,28 @@ class ModelRunner:
         if self.spec_policy is not None:
             num_spec = self.spec_policy.decide(num_decode)
         inputs: list[ProposerInput] = []
+        target_rows = TargetRows(output.hidden_states, output.prenorm_hidden,
+                                 tuple(output.aux_hidden_states), forward.slot_mapping)
+        requests, token_offsets, draft_group = self.requests, forward.token_offsets, \
+            self.draft_group
         for index, item in enumerate(scheduled):
-            state = self.requests[item.request_id]
-            sampled = sampled_by_id.get(item.request_id)
-            end = item.end
+            request_id = item.request_id
+            state = requests[request_id]
+            sampled = sampled_by_id.get(request_id)
+            start = item.start
+            end = start + item.num_new_tokens
             if sampled is not None:
-                end -= item.num_drafts - (len(sampled) - 1)  # rejected drafts' KV is garbage
-            row0 = forward.token_offsets[index]
-            rows = slice(row0, row0 + end - item.start)
+                # rejected drafts' KV is garbage
+                end -= len(item.draft_token_ids) - (len(sampled) - 1)
             limits = state.data.stop_limits
-            num_output = len(state.token_ids) - len(state.data.prompt_token_ids)
+            num_tokens = len(state.token_ids)
+            num_output = num_tokens - len(state.data.prompt_token_ids)
             room = min(num_spec, limits.max_tokens - num_output - 1,
-                       limits.max_model_len - len(state.token_ids) - 1)
-            inputs.append(ProposerInput(
-                request_id=item.request_id,
-                token_ids=state.token_ids,
-                start=item.start,
-                end=end,
-                hidden_states=output.hidden_states[rows],
-                prenorm_hidden=output.prenorm_hidden[rows],
-                aux_hidden_states=tuple(h[rows] for h in output.aux_hidden_states),
-                block_table=state.block_ids[self.draft_group],
-                slot_mapping=forward.slot_mapping[rows],
-                wants_drafts=sampled is not None and item.request_id not in stopped,
-                max_drafts=max(0, room),
+                       limits.max_model_len - num_tokens - 1)
+            inputs.append(ProposerInput.from_rows(
+                request_id, state.token_ids, start, end, target_rows, token_offsets[index],
+                state.block_ids[draft_group],
+                sampled is not None and request_id not in stopped, max(0, room),
                 block_tables=tuple(state.block_ids),
             ))
         drafts = self.proposer.propose(inputs)

@@ -5,6 +5,14 @@ streaming deltas (token ids and text since the last output, an incomplete UTF-8 
 back), time to first token, and the running totals reported in `RequestOutput`. It never
 touches the scheduler: a stop string it finds is returned to `LLMEngine`, which ends the
 request in the core.
+
+Text is decoded incrementally (a step decodes only the tokens since the last complete
+character, in the context of the chunk before them, as vLLM's incremental detokenizer does),
+so a step costs O(new tokens), not O(output). The text is the same as decoding the whole
+output: the first window starts at the output's first token, later windows begin a chunk
+earlier, and a decoder whose output for a window does not extend its previous chunk's (one
+that rewrites text across the boundary) sends that request back to whole-output decoding.
+Requests with stop strings decode the whole output as before (a stop string may span chunks).
 """
 
 from __future__ import annotations
@@ -39,6 +47,13 @@ class _OutputState:
     accepted_by_position: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # incremental decoding: text of output_token_ids[:read_offset] is final (`committed`);
+    # `prefix_text` = decode(output_token_ids[prefix_offset:read_offset]) on its own
+    incremental: bool = True
+    prefix_offset: int = 0
+    read_offset: int = 0
+    committed: str = ""
+    prefix_text: str = ""
 
 
 class OutputProcessor:
@@ -50,7 +65,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
         self._states[request_id] = _OutputState(request_id, prompt_token_ids, params,
-                                                arrival_time)
+                                                arrival_time, incremental=not params.stop)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
@@ -85,8 +100,10 @@ class OutputProcessor:
             num_accepted = min(core_output.num_accepted_tokens, max(0, len(tokens) - 1))
             state.num_draft_tokens += core_output.num_draft_tokens
             state.num_accepted_tokens += num_accepted
-            _count_positions(state.drafts_by_position, core_output.num_draft_tokens)
-            _count_positions(state.accepted_by_position, num_accepted)
+            if core_output.num_draft_tokens:
+                _count_positions(state.drafts_by_position, core_output.num_draft_tokens)
+            if num_accepted:
+                _count_positions(state.accepted_by_position, num_accepted)
             state.finish_reason = reason
             state.error = core_output.error
             if self.detokenize and tokens:
@@ -122,6 +139,9 @@ class OutputProcessor:
 
     def _update_text(self, state: _OutputState, text: str | None) -> None:
         """`text`: the output already decoded through its last token, else decoded here."""
+        if text is None and state.incremental:
+            self._update_text_incremental(state)
+            return
         if text is None:
             text = self._decode(state, state.output_token_ids)
         for stop in state.params.stop:
@@ -129,6 +149,22 @@ class OutputProcessor:
             if cut >= 0:
                 text = text[:cut]
         state.text = text
+
+    def _update_text_incremental(self, state: _OutputState) -> None:
+        """state.text = the whole output decoded, from the tokens since the last chunk."""
+        tokens = state.output_token_ids
+        window = self._decode(state, tokens[state.prefix_offset:])
+        prefix_text = state.prefix_text
+        if not window.startswith(prefix_text):
+            state.incremental = False  # this decoder rewrites across chunks: decode it all
+            state.text = self._decode(state, tokens)
+            return
+        state.text = state.committed + window[len(prefix_text):]
+        if len(window) > len(prefix_text) and not window.endswith("\ufffd"):
+            # a complete character ends the window: its text is final
+            state.committed = state.text
+            state.prefix_offset, state.read_offset = state.read_offset, len(tokens)
+            state.prefix_text = self._decode(state, tokens[state.prefix_offset:])
 
     def _output(self, state: _OutputState) -> RequestOutput:
         finished = state.finish_reason is not None

@@ -106,6 +106,7 @@ class Request:
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self._hashers = hashing.hashers_for(hash_inputs)
+        self._next_hash_at = 0  # real tokens at which some hasher's next block hash appears
         self._update_hashes()
 
     # ---- reads -------------------------------------------------------------------------------
@@ -130,6 +131,12 @@ class Request:
     def get_block_hashes(self, lookahead_tokens: int) -> list[BlockHash]:
         return self._hashers[lookahead_tokens].block_hashes
 
+    def hash_with_successors(self, lookahead_tokens: int, index: int,
+                             successors: Sequence[int]) -> BlockHash:
+        """The hash block `index` of this request would have with `successors` after it."""
+        return self._hashers[lookahead_tokens].hash_with_successors(
+            self.all_token_ids, index, successors)
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
@@ -144,8 +151,12 @@ class Request:
     # ---- mutations ---------------------------------------------------------------------------
     def append_output_token_ids(self, token_ids: Sequence[int]) -> None:
         """New real tokens (accepted drafts, bonus or plain sampled tokens). Mutates."""
-        self.all_token_ids.extend(int(token_id) for token_id in token_ids)
-        self._update_hashes()
+        if len(token_ids) == 1:
+            self.all_token_ids.append(int(token_ids[0]))
+        else:
+            self.all_token_ids.extend(int(token_id) for token_id in token_ids)
+        if len(self.all_token_ids) >= self._next_hash_at:
+            self._update_hashes()
 
     def apply_verification(self, num_scheduled_drafts: int, sampled: Sequence[int]) -> int:
         """Apply one verified step: `sampled` = accepted drafts + one bonus token.
@@ -174,5 +185,10 @@ class Request:
         self.num_preemptions += 1
 
     def _update_hashes(self) -> None:
+        next_at = None
         for hasher in self._hashers.values():
             hasher.update(self.all_token_ids)
+            # the next block hash needs one more full block plus its lookahead tokens
+            at = (len(hasher.block_hashes) + 1) * hasher.block_size + hasher.lookahead_tokens
+            next_at = at if next_at is None else min(next_at, at)
+        self._next_hash_at = next_at if next_at is not None else 2**62

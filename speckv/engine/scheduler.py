@@ -13,6 +13,9 @@ limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas
    tokens skip their prefill and cost no budget; a preempted request re-hits what it had
    cached), then what a KV connector's tier holds right after it (loaded before the forward,
    also free of budget), then as much of the prompt as the budget allows (chunked prefill).
+   A hit that reuses a block at a divergence point adds its `BlockCopy` to the output; a
+   request whose divergent block another request computes in this very step waits a step
+   for it (a copy reads KV an earlier step wrote), and the queue behind it too.
 
 With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
 SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
@@ -32,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 
 from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.cache.results import BlockCopy
 from speckv.engine.kv_connector import SchedulerConnector, apply_load_failure
 from speckv.engine.messages import (
     EngineCoreOutput,
@@ -55,6 +59,10 @@ class Scheduler:
         num_spec_tokens: int = 0,
         connector: SchedulerConnector | None = None,
     ) -> None:
+        if connector is not None and manager.reuses_divergent_blocks:
+            raise ValueError("divergent block reuse does not run under a KV connector (its tiers "
+                             "are keyed by whole block hashes): build the hash mode with the "
+                             "connector (resolve_connector_hash_mode)")
         self.manager = manager
         self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,34 +109,42 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
         preempted: list[Request] = []
+        copies: list[BlockCopy] = []  # divergent block reuse of the hits taken this step
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_pending = request.num_tokens - request.num_computed_tokens  # real tokens
-            num_drafts = len(request.spec_token_ids)
+        running = self.running
+        allocate_slots = self.manager.allocate_slots
+        num_spec_tokens = self.num_spec_tokens
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_tokens = len(request.all_token_ids)  # real tokens
+            start = request.num_computed_tokens
+            num_pending = num_tokens - start
+            drafts = request.spec_token_ids
+            num_drafts = len(drafts)
             num_new = min(num_pending + num_drafts, budget)
             if num_new < num_pending + num_drafts:
                 # the budget cuts the drafts (or the prefill chunk): drop what does not fit
                 num_drafts = max(0, num_new - num_pending)
-                request.spec_token_ids = request.spec_token_ids[:num_drafts]
-            lookahead = self.num_spec_tokens if num_new >= num_pending else 0
+                request.spec_token_ids = drafts = drafts[:num_drafts]
+            lookahead = num_spec_tokens if num_new >= num_pending else 0
             while True:
-                allocation = self.manager.allocate_slots(request, num_new, None, lookahead)
+                allocation = allocate_slots(request, num_new, None, lookahead)
                 if allocation is not None:
                     break
-                victim = self.running.pop()  # the most recently added running request
+                victim = running.pop()  # the most recently added running request
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if allocation is None:
                 break  # preempted itself: everything after it is preempted too
-            start = request.num_computed_tokens
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens = start + num_new
             scheduled.append(ScheduledRequest(
-                request.request_id, start, num_new, tuple(request.spec_token_ids),
-                allocation.new_block_ids, False, 0, self._samples(request),
+                request.request_id, start, num_new, tuple(drafts),
+                allocation.new_block_ids, False, 0,
+                # does this step compute the last real token? (see `_samples`)
+                start + num_new - num_drafts >= num_tokens,
             ))
             budget -= num_new
             index += 1
@@ -139,6 +155,10 @@ class Scheduler:
                 # a waiting request has nothing computed (new, or preempted: reset to 0)
                 assert request.num_computed_tokens == 0
                 hit = self.manager.get_computed_blocks(request)
+                if hit.copy_next_step and scheduled:
+                    # its divergent block is computed in this step: admitted next step, it
+                    # copies it (and the queue keeps its order)
+                    break
                 num_hit = hit.num_computed_tokens
                 num_external = (self.connector.num_external_tokens(request, num_hit)
                                 if self.connector is not None else 0)
@@ -150,6 +170,7 @@ class Scheduler:
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
                 self.waiting.popleft()
+                copies.extend(allocation.copies)
                 self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
                                             request.num_preemptions > 0)
                 if self.connector is not None:
@@ -180,7 +201,7 @@ class Scheduler:
         return SchedulerOutput(
             new_requests, scheduled, finished_ids,
             frozenset(request.request_id for request in preempted),
-            self.max_num_batched_tokens - budget, meta,
+            self.max_num_batched_tokens - budget, meta, tuple(copies),
         )
 
     @staticmethod
@@ -231,29 +252,40 @@ class Scheduler:
                 if request is not None:
                     apply_load_failure(request, items[failure.request_id], failure)
         sampled_by_id = runner_output.sampled_token_ids
+        drafts_by_id = runner_output.draft_token_ids
+        requests = self.requests
+        record_verification = self.stats.record_verification
         for item in scheduler_output.scheduled:
-            sampled = sampled_by_id.get(item.request_id)
-            request = self.requests.get(item.request_id)
-            if sampled is None or request is None:
+            request_id = item.request_id
+            sampled = sampled_by_id.get(request_id)
+            if sampled is None:
                 continue  # a prefill chunk that does not sample yet
+            request = requests.get(request_id)
+            if request is None:
+                continue
             # the runner already cut `sampled` at the first stop; this names the reason
             num_kept, reason = first_stop(
-                sampled, request.num_tokens, request.num_prompt_tokens, request.stop_limits
+                sampled, len(request.all_token_ids), request.num_prompt_tokens,
+                request.stop_limits
             )
             sampled = sampled[:num_kept]
-            request.apply_verification(item.num_drafts, sampled)
-            self.stats.record_verification(item.num_drafts, len(sampled) - 1)
+            num_drafts = len(item.draft_token_ids)
+            request.apply_verification(num_drafts, sampled)
+            num_accepted = len(sampled) - 1
+            if num_drafts:
+                record_verification(num_drafts, num_accepted)
             if reason is None:
-                request.spec_token_ids = list(runner_output.draft_token_ids.get(
-                    item.request_id, ()))
+                next_drafts = drafts_by_id.get(request_id)
+                request.spec_token_ids = list(next_drafts) if next_drafts else []
             else:
                 self._finish(request, reason)
             outputs.append(EngineCoreOutput(
-                item.request_id, sampled, reason, request.num_cached_tokens,
-                num_draft_tokens=item.num_drafts, num_accepted_tokens=len(sampled) - 1,
-                num_preemptions=request.num_preemptions,
-                num_external_cached_tokens=request.num_external_cached_tokens,
+                request_id, sampled, reason, request.num_cached_tokens, num_drafts,
+                num_accepted, request.num_preemptions, None,
+                request.num_external_cached_tokens,
             ))
+        # the runner has copied this step's copy sources and written its blocks' KV
+        self.manager.step_executed()
         return outputs
 
     def take_stats(self) -> SchedulerStats:

@@ -125,8 +125,10 @@ def resolve_connector_hash_mode(
     enable_prefix_caching: bool = True,
     disable_lookahead_block_hashes: bool = False,
     connector: Any | None = None,
+    reuse_divergent_blocks: bool = True,
 ) -> HashMode:
-    """The engine's hash mode given its drafter and connector. Pure."""
+    """The engine's hash mode given its drafter and connector (no divergent block reuse
+    under a connector). Pure."""
     blocker = lookahead_blocker(connector)
 
     class _Capability:
@@ -137,6 +139,7 @@ def resolve_connector_hash_mode(
         enable_prefix_caching=enable_prefix_caching,
         disable_lookahead_block_hashes=disable_lookahead_block_hashes,
         connector=_Capability() if connector is not None else None,
+        reuse_divergent_blocks=reuse_divergent_blocks,
     )
     if blocker is not None and mode.drops_last_unit and not disable_lookahead_block_hashes:
         return replace(mode, reason=f"{blocker}: legacy hashes with the last-block drop")

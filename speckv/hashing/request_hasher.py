@@ -190,6 +190,24 @@ class RequestBlockHasher:
             self._hash_plain(token_ids, first_block, end_block)
         return end_block - first_block
 
+    def hash_with_successors(self, token_ids: Sequence[int], index: int,
+                             successors: Sequence[int]) -> BlockHash:
+        """The hash block `index` would have if the L tokens after it were `successors` (its
+        parent from this chain). Pure: the reference path, one block; `token_ids` must reach
+        the block's end. Block reuse at divergence points checks a cached block with it."""
+        lookahead = self._format.lookahead_tokens
+        if len(successors) != lookahead:
+            raise ValueError(f"{len(successors)} successor tokens for L = {lookahead}")
+        if not 0 <= index <= len(self.block_hashes):
+            raise ValueError(f"block {index}: its parent's hash does not exist yet")
+        start = index * self.block_size
+        end = start + self.block_size
+        if len(token_ids) < end:
+            raise ValueError(f"block {index} needs {end} tokens, got {len(token_ids)}")
+        parent = self.block_hashes[index - 1] if index else self.none_hash
+        window = _WithSuccessors(token_ids, end, successors)
+        return self.algo(self._format.key(parent, window, start, end, self.inputs))
+
     def _parent(self) -> BlockHash:
         return self.block_hashes[-1] if self.block_hashes else self.none_hash
 
@@ -286,6 +304,30 @@ class RequestBlockHasher:
         except OverflowError:
             # an id outside BININT's range in this chunk: pickle it the plain way
             self._hash_plain(token_ids, len(hashes), end_block)
+
+
+class _WithSuccessors(Sequence[int]):
+    """`token_ids[:end]` followed by `successors`, without copying the prefix."""
+
+    __slots__ = ("_end", "_successors", "_tokens")
+
+    def __init__(self, token_ids: Sequence[int], end: int, successors: Sequence[int]) -> None:
+        self._tokens, self._end, self._successors = token_ids, end, tuple(successors)
+
+    def __len__(self) -> int:
+        return self._end + len(self._successors)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1 and stop <= self._end:
+                return list(self._tokens[start:stop])
+            return [self[i] for i in range(start, stop, step)]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._tokens[index] if index < self._end else self._successors[index - self._end]
 
 
 _encoders: dict[tuple[BlockHashFormat, int], PieceEncoder] = {}

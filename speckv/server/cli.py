@@ -73,6 +73,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         'friends)')
     engine.add_argument("--disable-lookahead-block-hashes", action="store_true",
                         help="legacy block hashes and the last-block drop")
+    engine.add_argument("--disable-divergent-block-reuse", action="store_true",
+                        help="recompute a block whose cached copy names another successor "
+                        "instead of copying it and recomputing its last position(s)")
     engine.add_argument("--kv-events-endpoint", default=None,
                         help="publish KV events on this ZeroMQ PUB endpoint (tcp://*:5557)")
     engine.add_argument("--kv-events-replay-endpoint", default=None,
@@ -121,6 +124,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "hash_algo": args.prefix_caching_hash_algo, "seed": args.seed,
         "disable_lookahead_block_hashes": args.disable_lookahead_block_hashes,
+        "disable_divergent_block_reuse": args.disable_divergent_block_reuse,
         "kv_events_endpoint": args.kv_events_endpoint,
         "kv_events_replay_endpoint": args.kv_events_replay_endpoint,
     }
@@ -166,6 +170,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--no-enable-prefix-caching")
     if args.disable_lookahead_block_hashes:
         flags.append("--disable-lookahead-block-hashes")
+    if args.disable_divergent_block_reuse:
+        flags.append("--disable-divergent-block-reuse")
     return flags
 
 

@@ -93,8 +93,11 @@ def resolve_hash_mode(
     enable_prefix_caching: bool = True,
     disable_lookahead_block_hashes: bool = False,
     connector: ConnectorCapability | None = None,
+    reuse_divergent_blocks: bool = True,
 ) -> HashMode:
-    """Decide lookahead hashes vs legacy hashes (+ drop) for one engine. Pure."""
+    """Decide lookahead hashes vs legacy hashes (+ drop) for one engine, and whether blocks
+    are reused at divergence points (lookahead hashes only; not under a KV connector, whose
+    tiers are keyed by whole block hashes). Pure."""
     lookahead = drafter.draft_kv_lookahead_tokens
     if lookahead == 0:
         return HashMode.for_lookahead(0, f"{drafter.name} writes no draft KV from later tokens")
@@ -104,6 +107,7 @@ def resolve_hash_mode(
         return HashMode.legacy_drop("disable_lookahead_block_hashes is set")
     if connector is not None and not connector.supports_lookahead_block_hashes:
         return HashMode.legacy_drop("the KV connector does not support lookahead block hashes")
+    reuse = reuse_divergent_blocks and connector is None
     return HashMode.for_lookahead(
-        lookahead, f"{drafter.name} draft KV depends on {lookahead} token(s)"
+        lookahead, f"{drafter.name} draft KV depends on {lookahead} token(s)", reuse
     )

@@ -25,24 +25,121 @@ from speckv.spec.policy import DrafterPolicy
 
 
 @dataclass(frozen=True)
+class TargetRows:
+    """One forward's target outputs on its flat token axis, shared by the step's inputs (the
+    runner hands them over whole; each `ProposerInput` slices its own rows only when read)."""
+
+    hidden_states: torch.Tensor  # [num_tokens, hidden] after the final norm
+    prenorm_hidden: torch.Tensor  # [num_tokens, hidden] last decoder layer output
+    aux_hidden_states: tuple[torch.Tensor, ...]  # per requested aux layer, [num_tokens, hidden]
+    slot_mapping: torch.Tensor  # [num_tokens] int64 physical slots (the drafter's group)
+
+
 class ProposerInput:
-    """One request's positions made final this step (target KV written, token after known)."""
+    """One request's positions made final this step (target KV written, token after known).
+
+    Built from per-request tensors (positional, in the order below), or by the runner with
+    `from_rows` over the step's shared `TargetRows` (`target_rows`, `first_row`): the tensor
+    attributes are then sliced on first read, so a proposer that reads the whole step at once
+    (`DrafterProposer`) pays one slice per step instead of several per request. Read-only."""
 
     request_id: str
     token_ids: Sequence[int]  # all real tokens of the request (prompt + output), after this step
     start: int  # first final position of this step
     end: int  # one past the last final position (= num_computed_tokens after verification)
     # Target hidden states at positions [start, end), each [end - start, hidden]:
-    hidden_states: torch.Tensor  # after the final norm (LM-head input)
-    prenorm_hidden: torch.Tensor  # last decoder layer output, before the final norm
-    aux_hidden_states: tuple[torch.Tensor, ...]  # per requested aux layer (see ModelOutput)
+    #   hidden_states      after the final norm (LM-head input)
+    #   prenorm_hidden     last decoder layer output, before the final norm
+    #   aux_hidden_states  per requested aux layer (see ModelOutput)
     block_table: Sequence[int]  # physical block ids (group 0), shared with the drafter's cache
-    slot_mapping: torch.Tensor  # [end - start] int64 physical slots of positions [start, end)
+    #   slot_mapping       [end - start] int64 physical slots of positions [start, end)
     wants_drafts: bool  # False: finishing (write draft KV only) or still prefilling
     max_drafts: int  # drafts allowed for this request next step (<= num_spec_tokens)
+    target_rows: TargetRows | None  # the step's shared outputs (None: per-request tensors)
+    first_row: int  # row of position `start` in `target_rows`
     # one block table per KV cache group of the target (drafters that read the target's
     # KV in every group: the Gemma 4 assistant); () where the runner does not pass them
-    block_tables: tuple[Sequence[int], ...] = ()
+    block_tables: tuple[Sequence[int], ...]
+
+    __slots__ = (
+        "_tensors",
+        "block_table",
+        "block_tables",
+        "end",
+        "first_row",
+        "max_drafts",
+        "request_id",
+        "start",
+        "target_rows",
+        "token_ids",
+        "wants_drafts",
+    )
+
+    def __init__(self, request_id: str, token_ids: Sequence[int], start: int, end: int,
+                 hidden_states: torch.Tensor | None, prenorm_hidden: torch.Tensor | None,
+                 aux_hidden_states: tuple[torch.Tensor, ...] | None,
+                 block_table: Sequence[int], slot_mapping: torch.Tensor | None,
+                 wants_drafts: bool, max_drafts: int,
+                 target_rows: TargetRows | None = None, first_row: int = 0,
+                 block_tables: tuple[Sequence[int], ...] = ()) -> None:
+        if target_rows is None and (hidden_states is None or prenorm_hidden is None
+                                    or aux_hidden_states is None or slot_mapping is None):
+            raise ValueError("ProposerInput needs its tensors or the step's target_rows")
+        set_ = object.__setattr__
+        set_(self, "request_id", request_id)
+        set_(self, "token_ids", token_ids)
+        set_(self, "start", start)
+        set_(self, "end", end)
+        set_(self, "block_table", block_table)
+        set_(self, "wants_drafts", wants_drafts)
+        set_(self, "max_drafts", max_drafts)
+        set_(self, "target_rows", target_rows)
+        set_(self, "first_row", first_row)
+        set_(self, "block_tables", block_tables)
+        set_(self, "_tensors", None if target_rows is not None else
+             (hidden_states, prenorm_hidden, tuple(aux_hidden_states or ()), slot_mapping))
+
+    @classmethod
+    def from_rows(cls, request_id: str, token_ids: Sequence[int], start: int, end: int,
+                  target_rows: TargetRows, first_row: int, block_table: Sequence[int],
+                  wants_drafts: bool, max_drafts: int,
+                  block_tables: tuple[Sequence[int], ...] = ()) -> ProposerInput:
+        return cls(request_id, token_ids, start, end, None, None, None, block_table, None,
+                   wants_drafts, max_drafts, target_rows, first_row, block_tables)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ProposerInput is read-only (cannot set {name})")
+
+    def _sliced(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...],
+                               torch.Tensor]:
+        if self._tensors is None:
+            rows = self.target_rows
+            assert rows is not None
+            span = slice(self.first_row, self.first_row + self.end - self.start)
+            object.__setattr__(self, "_tensors", (
+                rows.hidden_states[span], rows.prenorm_hidden[span],
+                tuple(h[span] for h in rows.aux_hidden_states), rows.slot_mapping[span]))
+        return self._tensors  # type: ignore[return-value]
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        return self._sliced()[0]
+
+    @property
+    def prenorm_hidden(self) -> torch.Tensor:
+        return self._sliced()[1]
+
+    @property
+    def aux_hidden_states(self) -> tuple[torch.Tensor, ...]:
+        return self._sliced()[2]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self._sliced()[3]
+
+    def __repr__(self) -> str:
+        return (f"ProposerInput({self.request_id!r}, start={self.start}, end={self.end}, "
+                f"wants_drafts={self.wants_drafts}, max_drafts={self.max_drafts})")
 
 
 @dataclass(frozen=True)

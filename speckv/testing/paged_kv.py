@@ -61,6 +61,12 @@ class PagedSymbolicKV(SymbolicKV):
                 rows[row, 1 : 1 + len(after)] = torch.tensor(after, dtype=torch.float32) + 1
             self._draft[:, slots] = rows
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        src = torch.tensor([pair[0] for pair in copies], dtype=torch.int64)
+        dst = torch.tensor([pair[1] for pair in copies], dtype=torch.int64)
+        self.target_cache.copy_blocks(src, dst)
+        self.draft_cache.copy_blocks(src, dst)
+
     def mismatch(self, block_ids: Sequence[int], tokens: Sequence[int], num_positions: int,
                  num_draft_positions: int) -> str | None:
         """Where positions [0, num_positions) do not hold the target KV of `tokens`, or

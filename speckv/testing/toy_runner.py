@@ -85,6 +85,16 @@ class SymbolicKV:
                 sequence[position + 1 : position + 1 + self.draft_depth]
             )
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Each (source, destination) block's facts into the destination, all sources read
+        first (as the runner's batched copy does)."""
+        size = self.block_size
+        rows = [(self.target[src * size:(src + 1) * size], self.draft[src * size:(src + 1) * size])
+                for src, _ in copies]
+        for (_, dst), (target, draft) in zip(copies, rows):
+            self.target[dst * size:(dst + 1) * size] = target
+            self.draft[dst * size:(dst + 1) * size] = draft
+
     def expected_at(self, tokens: Sequence[int], position: int) -> tuple[int, tuple[int, ...]]:
         return tokens[position], tuple(tokens[position + 1 : position + 1 + self.draft_depth])
 
@@ -134,6 +144,7 @@ class ToyRunner:
         self.check_draft_kv = check_draft_kv
         self.num_accept = num_spec_tokens  # drafts accepted per request per step, at most
         self.num_hits_checked = 0  # hit slots checked against a cold run
+        self.num_block_copies = 0  # divergent block reuse carried out
         self.requests: dict[str, _ToyRequest] = {}
 
     def block_table(self, request_id: str) -> list[int]:
@@ -150,6 +161,11 @@ class ToyRunner:
                 state.block_ids = list(item.new_block_ids[0])
             else:
                 state.block_ids.extend(item.new_block_ids[0])
+        if scheduler_output.block_copies:
+            self.num_block_copies += len(scheduler_output.block_copies)
+            if self.kv is not None:
+                self.kv.copy_blocks([(copy.src_block_id, copy.dst_block_id)
+                                     for copy in scheduler_output.block_copies])
         scheduled = scheduler_output.scheduled
         if self.connector is not None:
             cut = self.connector.start_step(

@@ -21,7 +21,7 @@ def model_and_drafter():
     return model, random_drafter("eagle", model, init_std=0.2, seed=3)
 
 
-def test_three_modes_hit_rates_and_identical_outputs(model_and_drafter, tmp_path):
+def test_four_modes_hit_rates_and_identical_outputs(model_and_drafter, tmp_path):
     model, drafter = model_and_drafter
     # prefix 10 is not block aligned: lookahead keeps block [4, 8) (its successor token 8
     # is still in the shared prefix); the legacy drop recomputes it
@@ -30,18 +30,39 @@ def test_three_modes_hit_rates_and_identical_outputs(model_and_drafter, tmp_path
                                num_prompts=6, seed=1), vocab_size=96)
     options = RunOptions(block_size=4, num_blocks=64, num_spec_tokens=2,
                          max_concurrency=1, progress=False)
-    no_spec, legacy, lookahead = run_benchmark(model, drafter, workload, options)
+    no_spec, legacy, lookahead, reuse = run_benchmark(model, drafter, workload, options)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     # per prefix: the first prompt misses, the two others hit 8 tokens (legacy: 4)
     assert no_spec.hit_rate == pytest.approx(4 * 8 / prompt_tokens)
     assert lookahead.hit_rate == no_spec.hit_rate == no_spec.oracle_hit_rate
+    assert reuse.hit_rate == lookahead.hit_rate  # nothing diverges at a boundary here
     assert legacy.hit_rate == pytest.approx(no_spec.hit_rate - 4 * 4 / prompt_tokens)
     assert (lookahead.hash_mode, legacy.hash_mode) == ("lookahead L=1", "legacy+drop")
-    assert outputs_identical([no_spec, legacy, lookahead])
+    assert outputs_identical([no_spec, legacy, lookahead, reuse])
     assert all(len(tokens) == 6 for tokens in no_spec.outputs)
     assert lookahead.acceptance_rate is not None and no_spec.acceptance_rate is None
-    write_chart([no_spec, legacy, lookahead], tmp_path / "chart.png")
+    write_chart([no_spec, legacy, lookahead, reuse], tmp_path / "chart.png")
     assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+def test_block_reuse_hits_a_prefix_of_whole_blocks(model_and_drafter):
+    """Prefix 8 = two whole blocks: block [4, 8)'s successor differs between prompts, so
+    lookahead alone hits one block, as the legacy drop; block reuse copies it and recomputes
+    its last position: the no-spec hit minus one token. Greedy outputs identical."""
+    model, drafter = model_and_drafter
+    workload = prefix_repetition(
+        PrefixRepetitionConfig(prefix_len=8, suffix_len=5, num_prefixes=2, output_len=6,
+                               num_prompts=6, seed=1), vocab_size=96)
+    options = RunOptions(block_size=4, num_blocks=64, num_spec_tokens=2,
+                         max_concurrency=1, progress=False)
+    no_spec, legacy, lookahead, reuse = run_benchmark(model, drafter, workload, options)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    # per prefix: the first prompt misses, the two others hit 8 (lookahead, legacy: 4;
+    # block reuse: 7)
+    assert no_spec.hit_rate == pytest.approx(4 * 8 / prompt_tokens) == no_spec.oracle_hit_rate
+    assert lookahead.hit_rate == legacy.hit_rate == pytest.approx(4 * 4 / prompt_tokens)
+    assert reuse.hit_rate == pytest.approx(4 * 7 / prompt_tokens)
+    assert outputs_identical([no_spec, legacy, lookahead, reuse])
 
 
 @pytest.mark.parametrize("tier", ["offload", "disk"])

@@ -26,10 +26,11 @@ DRAFTERS = [(name, 1) for name in DRAFTER_NAMES if name != "mtp"] + [("mtp", 1),
 
 
 @pytest.mark.parametrize("drafter,modules", DRAFTERS)
-@pytest.mark.parametrize("mode", ["lookahead", "legacy"])
+@pytest.mark.parametrize("mode", ["lookahead", "lookahead-no-reuse", "legacy"])
 @pytest.mark.parametrize("prompt_len", [1, 3, 4, 5, 8, 9, 10, 12, 13, 31])
-def test_hit_length_table(drafter, modules, mode, prompt_len):
-    result = measure_hit_length(prompt_len, 4, drafter, modules, mode)
+@pytest.mark.parametrize("diverge", [False, True])
+def test_hit_length_table(drafter, modules, mode, prompt_len, diverge):
+    result = measure_hit_length(prompt_len, 4, drafter, modules, mode, diverge=diverge)
     assert result.hit_tokens == result.expected_tokens
 
 
@@ -49,23 +50,44 @@ def test_eagle_hits_match_no_spec_decode(prompt_len, block_size, expected):
 @pytest.mark.parametrize("modules", [2, 3, 4])
 def test_k_module_mtp_needs_k_tokens_after_each_block(modules):
     for prompt_len in range(1, 30):
-        result = measure_hit_length(prompt_len, 4, "mtp", modules, "lookahead")
+        result = measure_hit_length(prompt_len, 4, "mtp", modules, "lookahead-no-reuse")
         assert result.hit_tokens == max(0, (prompt_len - modules) // 4 * 4)
+
+
+@pytest.mark.parametrize("drafter,modules", [("eagle", 1), ("mtp", 2), ("mtp", 3)])
+@pytest.mark.parametrize("diverge", [False, True])
+def test_block_reuse_hits_no_spec_minus_at_most_l_tokens(drafter, modules, diverge):
+    # blocks of 8 > L: the block after the lookahead hit is copied, its last L positions
+    # recomputed, wherever the no-speculation hit is longer
+    for prompt_len in range(1, 40):
+        no_spec = measure_hit_length(prompt_len, 8, "none", diverge=diverge).hit_tokens
+        reuse = measure_hit_length(prompt_len, 8, drafter, modules, "lookahead",
+                                   diverge=diverge).hit_tokens
+        plain = measure_hit_length(prompt_len, 8, drafter, modules, "lookahead-no-reuse",
+                                   diverge=diverge).hit_tokens
+        assert no_spec - modules <= reuse <= no_spec
+        assert reuse == (no_spec if plain == no_spec else no_spec - modules)
+        if diverge and prompt_len % 8 == 0:  # diverging right at a boundary
+            assert plain == no_spec - 8 and reuse == no_spec - modules
 
 
 def test_expected_formula_never_negative():
     assert expected_hit_tokens(3, 4, HashMode.legacy_drop()) == 0
 
 
-def test_block_cached_with_another_lookahead_token_is_a_miss(world_factory):
-    world = world_factory(block_size=4)
+@pytest.mark.parametrize("reuse", [False, True])
+def test_block_cached_with_another_lookahead_token_is_a_miss(world_factory, reuse):
+    world = world_factory(block_size=4, reuse=reuse)
     shared = _prompt(8)
     first = world.request(shared + [111, 5, 6])  # block [4, 8) followed by 111
     run_to_completion(toy_core(world.manager, 2), [first])
     # Same 8 tokens, different token after block 1: block 1's draft KV would differ.
     second = world.request(shared + [222, 5, 6])
     hit = world.manager.get_computed_blocks(second)
-    assert hit.num_computed_tokens == 4
+    # its hash misses; with reuse the block is copied and only its last position recomputed
+    assert hit.num_computed_tokens == (7 if reuse else 4)
+    assert [block.block_hash for block in hit.copy_sources] == (
+        [first.get_block_hashes(1)[1]] if reuse else [])
     third = world.request(shared + [111, 9, 9])
     assert world.manager.get_computed_blocks(third).num_computed_tokens == 8
     world.manager.check_integrity()

@@ -13,6 +13,11 @@ settings. Checked:
 - on every hit taken: each hit slot holds the target KV and draft KV a cold run of the hitting
   request would write (the toy runner raises `HitMismatch`). In legacy mode only the target KV
   is promised: a chain stitched from two requests' blocks keeps the first copy's draft KV.
+- divergent block reuse (lookahead hashes on full-attention groups, on or off per example): a
+  hit that copies a block is the oracle's hit plus B - L tokens, its source block was
+  published with the request's own tokens, and the copy (carried out by the toy runner in the
+  symbolic KV) passes the same hit-slot check; sources are held until the step ran, under
+  evictions, preemptions, aborts and resets.
 """
 
 from __future__ import annotations
@@ -54,12 +59,19 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
         retention_units=st.sampled_from([None, 0, 1, 2]),
         token_budget=st.sampled_from([5, 8, 16, 1024]),
         max_num_seqs=st.integers(1, 4),
+        reuse=st.booleans(),
     )
     def setup(self, block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units,
-              token_budget, max_num_seqs):
+              token_budget, max_num_seqs, reuse):
+        self._build(block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units,
+                    token_budget, max_num_seqs, reuse)
+
+    def _build(self, block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units,
+               token_budget, max_num_seqs, reuse):
         name, modules, legacy = drafter
         policy = drafter_policy(name, modules)
-        self.mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=legacy)
+        self.mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=legacy,
+                                      reuse_divergent_blocks=reuse)
         specs = GROUP_MIXES[mix](block_size)
         unit = specs[-1].block_size if mix != "full+swa" else block_size
         retention = None if mix == "full" or retention_units is None else retention_units * unit
@@ -107,6 +119,13 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
         self.core.scheduler.add_request(
             Request(f"r{self.counter}", prompt, self.hashing, max_tokens=max_tokens))
 
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), num_blocks=st.integers(1, 12),
+          suffix=st.lists(st.integers(1, 49), min_size=2, max_size=6),
+          max_tokens=st.integers(1, 6))
+    def add_request_diverging_at_a_boundary(self, prefix, num_blocks, suffix, max_tokens):
+        """A shared prefix of whole blocks, then its own tail: where blocks get reused."""
+        self.add_request(prefix, min(24, num_blocks * self.block_size), suffix, max_tokens)
+
     @precondition(lambda self: self.core.scheduler.has_unfinished_requests())
     @rule(num_accept=st.integers(0, 3))
     def step(self, num_accept):
@@ -120,6 +139,8 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
                 note_event("drafts accepted")
         if self.core.runner.num_hits_checked > hits_before:
             note_event("a hit was taken and checked")
+        if self.core.runner.num_block_copies:
+            note_event("a divergent block was copied")
         self._absorb_events()
 
     @precondition(lambda self: self.core.scheduler.has_unfinished_requests())
@@ -138,12 +159,24 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
     def _check_hit(self, request, hit):
         hit_tokens = hit.num_computed_tokens
         assert hit_tokens <= request.num_tokens - 1
-        assert hit_tokens % self.manager.alignment_tokens == 0
-        assert hit_tokens == self._oracle_hit(request), "hit is not the longest valid one"
-        for manager, blocks in zip(self.manager.managers, hit.blocks):
-            assert len(blocks) == hit_tokens // manager.block_size
         tokens = request.all_token_ids
         lookahead = self.mode.lookahead_tokens
+        oracle = self._oracle_hit(request)
+        if hit.copy_sources:
+            # the block after the oracle's hit, copied: only its last L positions recomputed
+            assert self.manager.reuses_divergent_blocks
+            assert hit_tokens == oracle + self.block_size - lookahead
+            start, end = oracle, oracle + self.block_size
+            assert end <= request.num_tokens - 1
+            for source in hit.copy_sources:
+                published_tokens, published_lookahead = self.published[(source.block_hash, 0)]
+                assert published_tokens == tokens[start:end]
+                assert published_lookahead != tokens[end:end + lookahead]
+            hit_tokens = oracle
+        assert hit_tokens % self.manager.alignment_tokens == 0
+        assert hit_tokens == oracle, "hit is not the longest valid one"
+        for manager, blocks in zip(self.manager.managers, hit.blocks):
+            assert len(blocks) == hit_tokens // manager.block_size
         hashes = request.get_block_hashes(lookahead)
         for index in range(hit_tokens // self.block_size):
             published_tokens, published_lookahead = self.published[(hashes[index], 0)]
@@ -190,8 +223,32 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
             self.manager.check_integrity()
 
 
+class DivergentReuseMachine(SchedulerCacheMachine):
+    """The same machine on one full-attention group with lookahead hashes and block reuse:
+    where divergent block copies happen most (with evictions, preemptions, aborts, resets)."""
+
+    @initialize(
+        block_size=st.sampled_from([2, 3, 4]),
+        num_blocks=st.integers(6, 40),
+        drafter=st.sampled_from([("eagle", 1, False), ("mtp", 2, False)]),
+        num_spec_tokens=st.integers(0, 3),
+        token_budget=st.sampled_from([5, 8, 16, 1024]),
+        max_num_seqs=st.integers(1, 4),
+    )
+    def setup(self, block_size, num_blocks, drafter, num_spec_tokens, token_budget,
+              max_num_seqs):
+        self._build(block_size, num_blocks, drafter, num_spec_tokens, "full", None,
+                    token_budget, max_num_seqs, True)
+
+
 TestSchedulerCacheMachine = SchedulerCacheMachine.TestCase
 TestSchedulerCacheMachine.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+TestDivergentReuseMachine = DivergentReuseMachine.TestCase
+TestDivergentReuseMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

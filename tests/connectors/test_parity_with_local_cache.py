@@ -35,8 +35,10 @@ class ManagedReq(Req):
 @pytest.mark.parametrize("seed", range(4))
 def test_the_tier_hit_equals_the_local_hit(drafter, modules, legacy, seed):
     rng = random.Random(seed)
+    # the hash mode a connector gets: no divergent block reuse
     hash_mode = resolve_hash_mode(drafter_policy(drafter, modules),
-                                  disable_lookahead_block_hashes=legacy)
+                                  disable_lookahead_block_hashes=legacy,
+                                  reuse_divergent_blocks=False)
     manager = KVCacheManager([FullAttentionSpec(B)], 512, hash_mode)
     world = KVWorld(num_blocks=512)
     connector = OffloadConnector(0.05)

@@ -64,16 +64,20 @@ def test_hit_reads_the_draft_kv_of_a_cold_run(tiny_model, fmt, kwargs):
     assert control.draft_max_abs_diff > 1e-3
 
 
-def test_a_changed_successor_token_is_a_miss_in_lookahead_mode(tiny_model):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_changed_successor_token_is_a_miss_in_lookahead_mode(tiny_model, reuse):
     drafter = random_drafter("eagle", tiny_model, seed=1)
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=4,
-                                                speculative_method="eagle", num_spec_tokens=2),
+                                                speculative_method="eagle", num_spec_tokens=2,
+                                                disable_divergent_block_reuse=not reuse),
                        drafter=drafter)
     shared = [(3 * j) % 90 + 1 for j in range(8)]
     _run(engine, [shared + [40, 41, 42, 43]], max_tokens=3)
     _, _, (other,) = _run(engine, [shared + [50, 41, 42, 43]], max_tokens=3)
     _, _, (same,) = _run(engine, [shared + [40, 9, 9, 9]], max_tokens=3)
-    assert (other.num_cached_tokens, same.num_cached_tokens) == (4, 8)
+    # the block [4, 8) under another successor is a miss; with block reuse it is copied and
+    # its last position recomputed
+    assert (other.num_cached_tokens, same.num_cached_tokens) == ((7 if reuse else 4), 8)
 
 
 def test_kv_memory_budget_counts_the_draft_layers(tiny_model):
