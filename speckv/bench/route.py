@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-spec-tokens", type=int, default=3)
     parser.add_argument("--disable-lookahead-block-hashes", action="store_true",
                         help="legacy hashes + the last-block drop on every engine")
+    parser.add_argument("--disable-divergent-block-reuse", action="store_true",
+                        help="engines recompute a block cached under another successor "
+                        "(the router's predictions then cover every hit)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated, of " + ", ".join(POLICIES))
     parser.add_argument("--block-size", type=int, default=16)
@@ -149,6 +152,8 @@ def engine_command(args: argparse.Namespace, port: int, num_blocks: int) -> list
         command += ["--speculative-method", "none"]
     if args.disable_lookahead_block_hashes:
         command.append("--disable-lookahead-block-hashes")
+    if args.disable_divergent_block_reuse:
+        command.append("--disable-divergent-block-reuse")
     return command
 
 

@@ -40,6 +40,9 @@ class HitRule:
     lookahead_tokens: int  # L
     drops_last_unit: bool  # legacy hashes under an EAGLE-style drafter
     prefix_caching: bool
+    # the engine copies a block cached under another successor at a divergence point; the
+    # router does not model that yet: it predicts up to U - L tokens short there
+    reuses_divergent_blocks: bool = False
 
     def cached_tokens(self, num_matched_blocks: int, num_prompt_tokens: int) -> int:
         """Tokens the engine serves from cache: whole blocks, at most N - 1, and one unit less
@@ -167,7 +170,8 @@ def parse_contract(engine: str, engine_url: str, body: Any) -> EngineContract:
         tokenizer=_field(engine, body, "tokenizer", str, allow_none=True),
         hashing=hashing,
         hit_rule=HitRule(block_size, lookahead, drops,
-                         bool(_field(engine, body, "prefix_caching", bool))),
+                         bool(_field(engine, body, "prefix_caching", bool)),
+                         bool(body.get("divergent_block_reuse", False))),
         hash_mode_label=str(mode.get("label", "")),
         events_endpoint=connect_endpoint(events["endpoint"], engine_url),
         replay_endpoint=connect_endpoint(replay, engine_url) if replay else None,

@@ -303,6 +303,7 @@ class Fleet:
                 "expired": link.expired, "epoch": link.contract.epoch,
                 "epochs_seen": link.epochs_seen, "index_resets": link.index_resets,
                 "hash_mode": link.contract.hash_mode_label,
+                "divergent_block_reuse": link.contract.hit_rule.reuses_divergent_blocks,
                 "block_size": link.contract.hashing.block_size,
                 "running": link.running, "waiting": link.waiting, "kv_usage": link.kv_usage,
                 "inflight": link.inflight, "events_applied": link.events_applied,

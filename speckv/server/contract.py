@@ -16,6 +16,8 @@ the tokenizer so that it tokenizes every prompt exactly as the engine will:
     alignment_tokens     hits are whole multiples of this (the unit a legacy drop removes)
     hash_algo, hash_seed the algorithm and the seed string of NONE_HASH (None: a random seed)
     hash_mode            {label, lookahead_tokens (L), drops_last_unit, reason}
+    divergent_block_reuse  True: a block cached under another successor is copied (hits of
+                         j * U + U - L at divergence points)
     kv_groups            [{kind, block_size, sliding_window, lookahead_tokens}] per group
     kv_events            {endpoint, replay_endpoint, topic, hash_encoding} (endpoints as bound,
                          e.g. tcp://*:5557; None: no events published)
@@ -87,6 +89,7 @@ def engine_contract(engine: Any, served_model_name: str, model_path: str, epoch:
         "hash_seed": seed,
         "hash_mode": {"label": mode.label, "lookahead_tokens": mode.lookahead_tokens,
                       "drops_last_unit": mode.drops_last_unit, "reason": mode.reason},
+        "divergent_block_reuse": bool(getattr(manager, "reuses_divergent_blocks", False)),
         "kv_groups": groups,
         "kv_events": events,
         "num_blocks": engine.num_blocks,
