@@ -40,8 +40,8 @@ class HitRule:
     lookahead_tokens: int  # L
     drops_last_unit: bool  # legacy hashes under an EAGLE-style drafter
     prefix_caching: bool
-    # the engine copies a block cached under another successor at a divergence point; the
-    # router does not model that yet: it predicts up to U - L tokens short there
+    # the engine copies a block cached under another successor at a divergence point (a hit
+    # of j * U + U - L); the fleet checks its successor index for such a block
     reuses_divergent_blocks: bool = False
 
     def cached_tokens(self, num_matched_blocks: int, num_prompt_tokens: int) -> int:

@@ -266,12 +266,27 @@ class Fleet:
                     hashes = by_config[key] = self.index.prompt_hashes(name, token_ids,
                                                                        NO_HASH_INPUTS)
                 rule = link.contract.hit_rule
-                confirmed = self.index.matched_blocks(name, hashes)
-                with_pending = self.index.matched_blocks(name, hashes, pending_at_s=now)
-                plans[name] = EnginePlan(hashes, rule.cached_tokens(confirmed, num_tokens),
-                                         rule.cached_tokens(with_pending, num_tokens),
-                                         num_tokens)
+                confirmed = rule.cached_tokens(self.index.matched_blocks(name, hashes),
+                                               num_tokens)
+                with_pending = rule.cached_tokens(
+                    self.index.matched_blocks(name, hashes, pending_at_s=now), num_tokens)
+                if rule.reuses_divergent_blocks:
+                    confirmed, with_pending = (
+                        self._with_reuse(name, rule, hashes, token_ids, hit)
+                        for hit in (confirmed, with_pending))
+                plans[name] = EnginePlan(hashes, confirmed, with_pending, num_tokens)
         return plans
+
+    def _with_reuse(self, name: str, rule: Any, hashes: Sequence[bytes],
+                    token_ids: Sequence[int], hit: int) -> int:
+        """The hit plus the U - L reused tokens of a divergent block, where the engine holds
+        one right after it (and it ends by N - 1), as the engine's cache manager counts it."""
+        unit = rule.block_size
+        if hit + unit > len(token_ids) - 1:
+            return hit
+        if self.index.divergent_block_cached(name, hashes, token_ids, hit // unit):
+            return hit + unit - rule.lookahead_tokens
+        return hit
 
     def views(self, plans: Mapping[str, EnginePlan], exclude: set[str]) -> list[EngineView]:
         with self.lock:

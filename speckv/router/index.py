@@ -148,6 +148,9 @@ def _chain_is_contiguous(
     return True
 
 
+_ROOT = -1  # the successor index's key for the first block
+
+
 def _is_pending(entry: tuple[int, float] | None, now: float) -> bool:
     return entry is not None and (entry[0] > 0 or entry[1] > now)
 
@@ -171,6 +174,9 @@ class EngineState:
     # low64 hash -> (routed requests in flight, monotonic expiry once none is): blocks routed
     # here whose BlockStored has not arrived yet
     pending: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # low64 parent hash (-1: the root) -> (low64 hash, successor tokens) of the latest block
+    # stored after it: the engine's divergent-block-reuse index, as its events show it
+    successors: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -274,6 +280,7 @@ class RouterIndex:
         elif isinstance(event, AllBlocksCleared):
             state.blocks.clear()
             state.full_hashes.clear()
+            state.successors.clear()
             state.clears += 1
 
     def _stored(self, engine: str, state: EngineState, event: BlockStored) -> None:
@@ -283,6 +290,13 @@ class RouterIndex:
         for key in keys:
             state.blocks.setdefault((group, key), set()).add(medium)
             state.pending.pop(key, None)
+        lookahead = event.lookahead_token_ids
+        if lookahead and len(lookahead) == len(keys):
+            parent = event.parent_block_hash
+            previous = low64(parent) if parent is not None else _ROOT
+            for key, successor in zip(keys, lookahead):
+                state.successors[previous] = (key, tuple(successor))
+                previous = key
         state.stored_blocks += len(keys)
         config = self.configs[engine]
         if not config.verify:
@@ -341,6 +355,27 @@ class RouterIndex:
                 break
             matched += 1
         return matched
+
+    def divergent_block_cached(self, engine: str, hashes: Sequence[bytes],
+                               token_ids: Sequence[int], index: int) -> bool:
+        """Whether the engine holds block `index` of the prompt (its tokens after the same
+        chain) under another successor: the latest block its events stored after block
+        `index - 1`, still cached, whose hash the prompt's tokens reproduce with that block's
+        own successors. Pure."""
+        state = self.state[engine]
+        config = self.configs[engine]
+        size = config.block_size
+        block = token_ids[index * size:(index + 1) * size]
+        if len(block) < size or index > len(hashes):
+            return False
+        parent_key = low64(hashes[index - 1]) if index else _ROOT
+        entry = state.successors.get(parent_key)
+        if entry is None or (config.route_group, entry[0]) not in state.blocks:
+            return False
+        parent = hashes[index - 1] if index else self._none_hashes[engine]
+        recomputed = hash_lookahead_block(self._algos[engine], parent, list(block),
+                                          list(entry[1]), None)
+        return low64(recomputed) == entry[0]
 
     def route(
         self,

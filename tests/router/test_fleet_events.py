@@ -136,3 +136,19 @@ def test_a_silent_engine_expires_and_a_restart_is_a_new_epoch():
     assert link.epochs_seen == 2 and fleet.plan(tokens, ["a"])["a"].predicted_cached_tokens == 0
     fleet.engine_healthy(link, contract_body(engine_epoch="e3", hash_seed=None), {})
     assert not link.in_rotation and "hash_seed" in link.refused
+
+
+def test_divergent_block_reuse_is_predicted():
+    """A prompt diverging right after block 1 of a cached chain: lookahead hashes match block
+    0 only; with reuse the engine copies block 1 (cached under another successor) and
+    recomputes its last L positions: 4 + 4 - 1 tokens."""
+    cached = list(range(1, 22))
+    prompt = cached[:8] + list(range(200, 213))
+    for reuse, expected in ((False, 4), (True, 7)):
+        body = contract_body(divergent_block_reuse=reuse)
+        link = EngineLink(EngineSpec("a", "http://127.0.0.1:1"),
+                          parse_contract("a", "http://127.0.0.1:1", body))
+        fleet = Fleet([link], TokenizerCache())
+        fleet.apply(link, 0, 0, KVEventBatch(ts=0.0, events=[stored(cached)]))
+        assert fleet.plan(prompt, ["a"])["a"].predicted_cached_tokens == expected
+        assert fleet.plan(cached, ["a"])["a"].predicted_cached_tokens == 20  # a plain hit
