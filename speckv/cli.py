@@ -65,6 +65,10 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("events", "publish-sample"), "speckv.commands.events:publish_sample",
      "publish a synthetic workload's KV events for consumer authors"),
     (("route",), "speckv.commands.route:route", "KV-aware router as a small HTTP service"),
+    (("router",), "speckv.commands.router",
+     "KV-aware OpenAI front for several speckv serve engines (routes by predicted cache hits)"),
+    (("bench", "route"), "speckv.bench.route",
+     "engines behind speckv router: kv vs round-robin vs least-loaded on prefix_repetition"),
 ]
 
 

@@ -345,6 +345,10 @@ class LLMEngine:
         connector's tiers hold). False, with nothing forgotten locally, while requests hold
         blocks; False too if a tier kept blocks it is loading."""
         reset = self.manager.reset_prefix_cache()
+        if self.event_publisher is not None:  # now, not at the next step: routers must know
+            events = self.manager.take_events()
+            if events:
+                self.event_publisher.publish(events)
         if reset_connector and self.connector is not None:
             reset = self.connector.reset_cache() and reset
         return reset

@@ -59,6 +59,7 @@ class SubscriberStats:
     lost_batches: int = 0  # missing and not recoverable
     malformed_messages: int = 0  # bad frames or payloads, skipped
     duplicate_batches: int = 0  # already delivered, skipped
+    seq_gaps: int = 0  # live batches that arrived past the next expected seq
     gaps: list[tuple[int, int]] = field(default_factory=list)  # [first, last] missing, recent
 
     def as_dict(self) -> dict[str, int]:
@@ -69,6 +70,7 @@ class SubscriberStats:
             "lost_batches": self.lost_batches,
             "malformed_messages": self.malformed_messages,
             "duplicate_batches": self.duplicate_batches,
+            "seq_gaps": self.seq_gaps,
         }
 
 
@@ -157,6 +159,7 @@ class EventSubscriber:
                 self.stats.duplicate_batches += 1
                 return []
             if seq > self.next_seq:
+                self.stats.seq_gaps += 1
                 out.extend(self._recover(self.next_seq, seq))
         self.next_seq = seq + 1
         batch = self._decode(payload)

@@ -28,6 +28,7 @@ engines load adapters from. Not thread-safe: callers serialise (`RouterService` 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,13 @@ def _chain_is_contiguous(
     return True
 
 
+_ROOT = -1  # the successor index's key for the first block
+
+
+def _is_pending(entry: tuple[int, float] | None, now: float) -> bool:
+    return entry is not None and (entry[0] > 0 or entry[1] > now)
+
+
 @dataclass
 class EngineState:
     """One engine's cached blocks as its events describe them."""
@@ -163,6 +171,12 @@ class EngineState:
     mismatched_blocks: int = 0
     unverifiable_blocks: int = 0
     last_seq: int | None = None
+    # low64 hash -> (routed requests in flight, monotonic expiry once none is): blocks routed
+    # here whose BlockStored has not arrived yet
+    pending: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # low64 parent hash (-1: the root) -> (low64 hash, successor tokens) of the latest block
+    # stored after it: the engine's divergent-block-reuse index, as its events show it
+    successors: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -175,6 +189,8 @@ class EngineState:
             "mismatched_blocks": self.mismatched_blocks,
             "unverifiable_blocks": self.unverifiable_blocks,
             "last_seq": self.last_seq,
+            "pending_blocks": sum(_is_pending(entry, time.monotonic())
+                                  for entry in self.pending.values()),
         }
 
 
@@ -194,6 +210,46 @@ class RouterIndex:
         self.state = {name: EngineState() for name in engines}
         self._algos = {name: cfg.hash_algo for name, cfg in engines.items()}
         self._none_hashes = {name: cfg.none_hash for name, cfg in engines.items()}
+
+    # ---- engines -----------------------------------------------------------------------------
+    def reset_engine(self, engine: str, config: EngineHashConfig | None = None) -> None:
+        """Forget everything an engine's events said (a restart, an expiry); a new hash
+        configuration with it. Mutates."""
+        if config is not None:
+            self.configs[engine] = config
+            self._algos[engine] = config.hash_algo
+            self._none_hashes[engine] = config.none_hash
+        self.state[engine] = EngineState()
+
+    def add_pending(self, engine: str, hashes: Sequence[bytes],
+                    max_pending: int = 65_536) -> None:
+        """Count `hashes` as held by `engine` from now on, while the routed request that
+        brings them is in flight and for a grace period after (`release_pending`), or until
+        its events say so. Mutates."""
+        state = self.state[engine]
+        pending = state.pending
+        if len(pending) + len(hashes) > max_pending:
+            now = time.monotonic()
+            for key in [k for k, entry in pending.items() if not _is_pending(entry, now)]:
+                del pending[key]
+            if len(pending) + len(hashes) > max_pending:
+                pending.clear()  # a bound: losing them only costs a burst's routing
+        group = self.configs[engine].route_group
+        for block_hash in hashes:
+            key = low64(block_hash)
+            if (group, key) not in state.blocks:
+                count, until = pending.get(key, (0, 0.0))
+                pending[key] = (count + 1, until)
+
+    def release_pending(self, engine: str, hashes: Sequence[bytes], until_s: float) -> None:
+        """The routed request that brought `hashes` is answered: they stay pending until
+        `until_s` (monotonic) unless their events arrive first. Mutates."""
+        pending = self.state[engine].pending
+        for block_hash in hashes:
+            key = low64(block_hash)
+            entry = pending.get(key)
+            if entry is not None:
+                pending[key] = (max(0, entry[0] - 1), max(entry[1], until_s))
 
     # ---- events ------------------------------------------------------------------------------
     def apply_batch(self, engine: str, batch: KVEventBatch, seq: int | None = None) -> None:
@@ -224,6 +280,7 @@ class RouterIndex:
         elif isinstance(event, AllBlocksCleared):
             state.blocks.clear()
             state.full_hashes.clear()
+            state.successors.clear()
             state.clears += 1
 
     def _stored(self, engine: str, state: EngineState, event: BlockStored) -> None:
@@ -232,6 +289,14 @@ class RouterIndex:
         keys = [low64(block_hash) for block_hash in event.block_hashes]
         for key in keys:
             state.blocks.setdefault((group, key), set()).add(medium)
+            state.pending.pop(key, None)
+        lookahead = event.lookahead_token_ids
+        if lookahead and len(lookahead) == len(keys):
+            parent = event.parent_block_hash
+            previous = low64(parent) if parent is not None else _ROOT
+            for key, successor in zip(keys, lookahead):
+                state.successors[previous] = (key, tuple(successor))
+                previous = key
         state.stored_blocks += len(keys)
         config = self.configs[engine]
         if not config.verify:
@@ -274,16 +339,43 @@ class RouterIndex:
             format_for(config.lookahead_tokens), token_ids, inputs,
         )
 
-    def matched_blocks(self, engine: str, hashes: Sequence[bytes]) -> int:
-        """Leading blocks of the chain that the engine holds in its routed group. Pure."""
-        blocks = self.state[engine].blocks
+    def matched_blocks(self, engine: str, hashes: Sequence[bytes],
+                       pending_at_s: float | None = None) -> int:
+        """Leading blocks of the chain that the engine holds in its routed group; with
+        `pending_at_s`, blocks routed to it and still pending at that time count too. Pure."""
+        state = self.state[engine]
+        blocks = state.blocks
+        pending = state.pending if pending_at_s is not None else {}
+        now = pending_at_s if pending_at_s is not None else 0.0
         group = self.configs[engine].route_group
         matched = 0
         for block_hash in hashes:
-            if (group, low64(block_hash)) not in blocks:
+            key = low64(block_hash)
+            if (group, key) not in blocks and not _is_pending(pending.get(key), now):
                 break
             matched += 1
         return matched
+
+    def divergent_block_cached(self, engine: str, hashes: Sequence[bytes],
+                               token_ids: Sequence[int], index: int) -> bool:
+        """Whether the engine holds block `index` of the prompt (its tokens after the same
+        chain) under another successor: the latest block its events stored after block
+        `index - 1`, still cached, whose hash the prompt's tokens reproduce with that block's
+        own successors. Pure."""
+        state = self.state[engine]
+        config = self.configs[engine]
+        size = config.block_size
+        block = token_ids[index * size:(index + 1) * size]
+        if len(block) < size or index > len(hashes):
+            return False
+        parent_key = low64(hashes[index - 1]) if index else _ROOT
+        entry = state.successors.get(parent_key)
+        if entry is None or (config.route_group, entry[0]) not in state.blocks:
+            return False
+        parent = hashes[index - 1] if index else self._none_hashes[engine]
+        recomputed = hash_lookahead_block(self._algos[engine], parent, list(block),
+                                          list(entry[1]), None)
+        return low64(recomputed) == entry[0]
 
     def route(
         self,

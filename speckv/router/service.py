@@ -1,7 +1,7 @@
 """The router as a running service: one subscriber thread per engine, and its HTTP API.
 
 Owns the wiring between `EventSubscriber`s and a `RouterIndex` (one lock serialises index
-updates and lookups) and the FastAPI app:
+updates and lookups) and the Starlette app:
 
     POST /route  {"token_ids": [...], "lora_name"?: str, "cache_salt"?: str,
                   "mm_items"?: [{"identifier": str, "offset": int, "length": int}]}
@@ -11,12 +11,17 @@ updates and lookups) and the FastAPI app:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from speckv.events.schema import KVEventBatch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig, run_subscriber
@@ -100,46 +105,49 @@ class RouterService:
             subscriber.close()
 
 
-# module level: FastAPI resolves these annotations by name
 class MMItem(BaseModel):
+    model_config = ConfigDict(strict=True)
     identifier: str
     offset: int = Field(ge=0)
     length: int = Field(gt=0)
 
 
 class RouteRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
     token_ids: list[int] = Field(min_length=1)
     lora_name: str | None = None
     cache_salt: str | None = None
     mm_items: list[MMItem] = Field(default_factory=list)
 
 
-def make_app(service: RouterService) -> Any:
-    """The FastAPI app of a router service (imported lazily: only the CLI needs fastapi)."""
-    from fastapi import FastAPI, HTTPException
+def _unprocessable(detail: Any) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=422)
 
-    app = FastAPI(title="speckv router")
 
-    @app.post("/route")
-    def route(request: RouteRequest) -> dict[str, Any]:
-        if any(token < 0 for token in request.token_ids):
-            raise HTTPException(status_code=422, detail="token ids must be >= 0")
+def make_app(service: RouterService) -> Starlette:
+    """The Starlette app of a router service (the framework `speckv serve` uses)."""
+
+    async def route(request: Request) -> JSONResponse:
         try:
-            items = [MultiModalItem(i.identifier, i.offset, i.length) for i in request.mm_items]
-            return service.route(
-                request.token_ids,
-                lora_name=request.lora_name,
-                cache_salt=request.cache_salt,
-                mm_items=items,
-            )
+            body = RouteRequest.model_validate_json(await request.body())
+        except ValidationError as error:
+            return _unprocessable(error.errors(include_url=False, include_context=False))
+        if any(token < 0 for token in body.token_ids):
+            return _unprocessable("token ids must be >= 0")
+        try:
+            items = [MultiModalItem(i.identifier, i.offset, i.length) for i in body.mm_items]
+            result = await asyncio.to_thread(
+                service.route, body.token_ids, lora_name=body.lora_name,
+                cache_salt=body.cache_salt, mm_items=items)
         except ValueError as err:
-            raise HTTPException(status_code=422, detail=str(err)) from None
+            return _unprocessable(str(err))
+        return JSONResponse(result)
 
-    @app.get("/stats")
-    def stats() -> dict[str, Any]:
-        return service.stats()
+    async def stats(request: Request) -> JSONResponse:
+        return JSONResponse(service.stats())
 
-    return app
+    return Starlette(routes=[Route("/route", route, methods=["POST"]),
+                             Route("/stats", stats, methods=["GET"])])
 
 
 def engine_endpoints(

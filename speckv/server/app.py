@@ -7,6 +7,8 @@
     POST /reset_prefix_cache                     forget cached blocks (409 while requests hold
                                                  blocks)
     GET  /version
+    GET  /kv_cache_contract                      what a router needs to reproduce the block
+                                                 hashes (`contract.py`); API key as for /v1
 
 Owns the HTTP-side rules: the API key (every `/v1` route and the reset, as `Authorization:
 Bearer`), the body size limit (413, checked on Content-Length and while reading), the OpenAI
@@ -39,6 +41,7 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.server import errors
 from speckv.server.async_client import AsyncEngineClient, RequestStream
+from speckv.server.contract import CONTRACT_PATH, engine_contract, new_epoch, tokenizer_digest
 from speckv.server.engine_loop import EngineRequest
 from speckv.server.errors import APIError
 from speckv.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -94,6 +97,8 @@ class OpenAIServer:
         self.config = config
         self.model_path = model_path or config.served_model_name
         self.created = int(time.time())
+        self.epoch = new_epoch()  # a restarted server is a new epoch for routers
+        self._contract: dict[str, Any] | None = None
         self.limits = ModelLimits(config.served_model_name, engine.max_model_len,
                                   engine.vocab_size)
         self.metrics = ServerMetrics(config.served_model_name, engine.hash_mode,
@@ -102,6 +107,13 @@ class OpenAIServer:
         self.client = AsyncEngineClient(engine, self.metrics, config.max_waiting_requests,
                                         config.retry_after_s)
         self.app = build_app(self)
+
+    def contract(self) -> dict[str, Any]:
+        if self._contract is None:  # the tokenizer digest costs a few ms: once
+            self._contract = engine_contract(
+                self.engine, self.config.served_model_name, self.model_path, self.epoch,
+                tokenizer_digest(self.engine.tokenizer))
+        return self._contract
 
     def close(self) -> None:
         self.client.stop()
@@ -256,7 +268,7 @@ def build_app(server: OpenAIServer) -> Starlette:
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         _check_api_key(server, request)
         try:
-            future = server.client.loop.call(lambda engine: engine.manager.reset_prefix_cache())
+            future = server.client.loop.call(lambda engine: engine.reset_prefix_cache())
             reset = await asyncio.wrap_future(future)
         except Exception as error:
             raise errors.engine_dead(str(error)) from None
@@ -265,6 +277,10 @@ def build_app(server: OpenAIServer) -> Starlette:
                            "when the server is idle.", "invalid_request_error", None,
                            "prefix_cache_in_use")
         return JSONResponse({"success": True})
+
+    async def kv_cache_contract(request: Request) -> JSONResponse:
+        _check_api_key(server, request)
+        return JSONResponse(server.contract())
 
     async def version_info(request: Request) -> JSONResponse:
         return JSONResponse({"version": speckv_version()})
@@ -304,6 +320,7 @@ def build_app(server: OpenAIServer) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/version", version_info, methods=["GET"]),
+            Route(CONTRACT_PATH, kv_cache_contract, methods=["GET"]),
         ],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                             Exception: on_unexpected},

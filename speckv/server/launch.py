@@ -25,7 +25,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     if not 0 <= port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets that say TCP, and
+    # without that a response's body waits for the client's delayed ACK of its headers (40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -1,0 +1,485 @@
+"""The router's HTTP app (Starlette, served by uvicorn; httpx to the engines).
+
+    POST /v1/completions, /v1/chat/completions   planned, routed, forwarded byte for byte;
+                                                 SSE streams passed through chunk by chunk
+    GET  /v1/models                              the engines' served model
+    GET  /health                                 200 while an engine is in rotation, else 503
+    GET  /metrics                                the router's Prometheus metrics
+    GET  /router/state                           per-engine rotation, load, index, events (JSON)
+    POST /reset_prefix_cache                     sent on to every engine in rotation (their
+                                                 AllBlocksCleared events empty the index)
+
+Owns the request path: the API key (`--api-key`, as `Authorization: Bearer` on every `/v1`
+route and the state), the body limit (413), the in-flight bound (503 + Retry-After), prompt
+parsing with the server's own code (`speckv.server.protocol`: the engine's tokenizer and chat
+template, and the engine's errors for bad input), the policy's choice, one retry on another
+engine for a request that failed before any byte was sent back (connection refused, 5xx), an
+error chunk + `[DONE]` for a stream that breaks mid-way, and checking each reported
+`cached_tokens` against the prediction. Every answer from an engine carries its name in the
+`x-speckv-engine` header. The engine's own key (`--engine-api-key`) is sent on;
+the client's never is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from speckv.router.contract import ContractError
+from speckv.router.fleet import EngineLink, EnginePlan, Fleet
+from speckv.router.metrics import RouterMetrics
+from speckv.router.policy import Decision, Policy
+from speckv.server import errors
+from speckv.server.contract import CONTRACT_PATH
+from speckv.server.errors import APIError
+from speckv.server.protocol import (
+    SSE_DONE,
+    GenerationRequest,
+    ModelLimits,
+    error_chunk,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+)
+
+logger = logging.getLogger("speckv.router")
+ENGINE_HEADER = "x-speckv-engine"  # which engine answered (debugging, tests)
+_LOAD_METRICS = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                 "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    api_key: str | None = None
+    max_request_body_bytes: int = 8 * 1024**2
+    max_inflight_requests: int = 1024  # over all engines; more get 503 + Retry-After
+    retry_after_s: int = 1
+    health_interval_s: float = 0.5
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0  # between bytes of an engine's answer
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+        for name in ("max_request_body_bytes", "max_inflight_requests", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not self.health_interval_s > 0:
+            raise ValueError("--health-interval must be > 0")
+
+
+def load_from_metrics(text: str) -> dict[str, float]:
+    """running / waiting / kv_usage from an engine's /metrics (vLLM's names), summed."""
+    load: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        key = _LOAD_METRICS.get(family.name)
+        if key is not None:
+            load[key] = sum(sample.value for sample in family.samples)
+    return load
+
+
+async def poll_engine(client: httpx.AsyncClient, fleet: Fleet, link: EngineLink,
+                      timeout_s: float) -> None:
+    """One health poll: /health, the contract, the load. Any failure takes it out."""
+    url, headers = link.spec.url, link.headers()
+    try:
+        health = await client.get(f"{url}/health", timeout=timeout_s)
+        if health.status_code != 200:
+            fleet.mark_unhealthy(link, f"/health answered {health.status_code}")
+            return
+        contract = await client.get(f"{url}{CONTRACT_PATH}", headers=headers,
+                                    timeout=timeout_s)
+        metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
+        if contract.status_code != 200 or metrics.status_code != 200:
+            fleet.mark_unhealthy(link, f"{CONTRACT_PATH} answered {contract.status_code}, "
+                                 f"/metrics {metrics.status_code}")
+            return
+        fleet.engine_healthy(link, contract.json(), load_from_metrics(metrics.text))
+    except (httpx.HTTPError, ValueError) as error:
+        fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise errors.body_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _upstream_failed(engine: str, detail: str) -> APIError:
+    return APIError(502, f"engine {engine!r} failed: {detail}", "server_error", None,
+                    "upstream_error")
+
+
+class _SSEUsage:
+    """Finds the `usage` of a passing SSE stream without holding it up."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.usage: Any = None
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        for event in events:
+            if b'"prompt_tokens_details"' not in event:
+                continue
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    with contextlib.suppress(ValueError):
+                        usage = json.loads(line[5:]).get("usage")
+                        if usage:
+                            self.usage = usage
+
+
+class Router:
+    """The fleet, its policy, metrics and HTTP client; `app` is the ASGI app."""
+
+    def __init__(self, fleet: Fleet, policy: Policy, config: RouterConfig) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.config = config
+        self.metrics = RouterMetrics(fleet)
+        self.created = int(time.time())
+        self.inflight = 0
+        self.client: httpx.AsyncClient | None = None
+        self.app = build_app(self)
+
+    # ---- planning ------------------------------------------------------------------------------
+    def parse(self, kind: str, body: dict[str, Any]) -> dict[str, GenerationRequest]:
+        """The request as each engine will see it, keyed by engine (one parse per distinct
+        tokenizer and limits); the engine's APIError for bad input."""
+        parse = parse_completion if kind == "completion" else parse_chat
+        parsed: dict[tuple[Any, ...], GenerationRequest] = {}
+        out: dict[str, GenerationRequest] = {}
+        for name, link in self.fleet.links.items():
+            c = link.contract
+            key = (c.tokenizer, c.max_model_len, c.vocab_size)
+            if key not in parsed:
+                tokenizer = self.fleet.tokenizers.get(name, c.model, c.tokenizer)
+                limits = ModelLimits(c.served_model_name, c.max_model_len, c.vocab_size)
+                parsed[key] = parse(body, limits, tokenizer)
+            out[name] = parsed[key]
+        return out
+
+    def plan(self, requests: dict[str, GenerationRequest]) -> dict[str, EnginePlan]:
+        groups: dict[int, list[str]] = {}
+        for name, generation in requests.items():
+            groups.setdefault(id(generation), []).append(name)
+        plans: dict[str, EnginePlan] = {}
+        for names in groups.values():
+            plans.update(self.fleet.plan(requests[names[0]].prompt_token_ids, names))
+        return plans
+
+    def choose(self, plans: dict[str, EnginePlan], exclude: set[str]) -> Decision | None:
+        views = self.fleet.views(plans, exclude)
+        num_tokens = next(iter(plans.values())).num_prompt_tokens
+        decision = self.policy.choose(views, num_tokens)
+        if decision is not None and exclude:
+            decision = Decision(decision.engine, "retry", decision.costs)
+        return decision
+
+    # ---- health --------------------------------------------------------------------------------
+    async def health_loop(self) -> None:
+        assert self.client is not None
+        interval = self.config.health_interval_s
+        while True:
+            await asyncio.gather(*(poll_engine(self.client, self.fleet, link,
+                                               max(1.0, 2 * interval))
+                                   for link in self.fleet.links.values()))
+            self.fleet.expire_stale()
+            await asyncio.sleep(interval)
+
+
+class _Stream:
+    """An engine's SSE answer passed through chunk by chunk; a break mid-way ends it with an
+    error chunk and `[DONE]`; a client that leaves closes the engine's stream (so the engine
+    aborts the request)."""
+
+    def __init__(self, router: Router, engine: str, response: httpx.Response,
+                 plan: EnginePlan, done: Callable[[], None]) -> None:
+        self.router = router
+        self.engine = engine
+        self.response = response
+        self.plan = plan
+        self.done = done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", self.response.headers.get(
+                        "content-type", "text/event-stream").encode()),
+                   (b"cache-control", b"no-cache"), (ENGINE_HEADER.encode(), self.engine.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(self._wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watcher):
+                task.cancel()
+            await asyncio.gather(pump, watcher, return_exceptions=True)
+            await self.response.aclose()
+            self.done()
+
+    @staticmethod
+    async def _wait_disconnect(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def _pump(self, send: Send) -> None:
+        usage = _SSEUsage()
+        try:
+            async for data in self.response.aiter_raw():
+                usage.feed(data)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except httpx.HTTPError as error:
+            self.router.metrics.stream_errors.labels(self.engine).inc()
+            self.router.fleet.mark_unhealthy(self.router.fleet.links[self.engine],
+                                             f"stream broke: {type(error).__name__}")
+            chunk = error_chunk(_upstream_failed(self.engine, f"the stream broke mid-way "
+                                                 f"({type(error).__name__}: {error})"))
+            await send({"type": "http.response.body", "body": chunk + SSE_DONE,
+                        "more_body": True})
+        except OSError:
+            return  # the client went away mid-send
+        self.router.metrics.report(self.engine, self.plan.predicted_cached_tokens, usage.usage,
+                                   self.plan.num_prompt_tokens)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _check_api_key(router: Router, request: Request) -> None:
+    key = router.config.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             key.encode()):
+        raise errors.unauthorized()
+
+
+def _passthrough(response: httpx.Response, content: bytes, engine: str) -> Response:
+    headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+    headers[ENGINE_HEADER] = engine
+    return Response(content, status_code=response.status_code, headers=headers,
+                    media_type=response.headers.get("content-type", "application/json"))
+
+
+def build_app(router: Router) -> Starlette:
+    config = router.config
+    fleet = router.fleet
+
+    async def forward(request: Request, kind: str, path: str) -> Any:
+        _check_api_key(router, request)
+        raw = await _read_body(request, config.max_request_body_bytes)
+        body = parse_json_object(raw)
+        if router.inflight >= config.max_inflight_requests:
+            raise errors.queue_full(router.inflight, config.retry_after_s)
+        plans = router.plan(router.parse(kind, body))
+        stream = bool(body.get("stream"))
+        tried: set[str] = set()
+        last_error: APIError | None = None
+        assert router.client is not None
+        while len(tried) < 2:
+            decision = router.choose(plans, tried)
+            if decision is None:
+                break
+            engine = decision.engine
+            tried.add(engine)
+            link = fleet.links[engine]
+            plan = plans[engine]
+            router.metrics.requests.labels(engine, decision.reason).inc()
+            fleet.routed(engine, plan)
+            router.inflight += 1
+            settled = False
+
+            def done(engine: str = engine, plan: EnginePlan = plan) -> None:
+                router.inflight -= 1
+                fleet.finished(engine, plan)
+
+            try:
+                upstream = router.client.build_request(
+                    "POST", f"{link.spec.url}{path}", content=raw,
+                    headers={"content-type": "application/json", **link.headers()})
+                response = await router.client.send(upstream, stream=True)
+                if response.status_code >= 500:
+                    content = await response.aread()
+                    await response.aclose()
+                    router.metrics.upstream_errors.labels(engine).inc()
+                    last_error = _upstream_failed(engine, f"HTTP {response.status_code}: "
+                                                  f"{content[:200]!r}")
+                    if len(tried) < 2 and len(fleet.links) > 1:
+                        router.metrics.retries.labels(engine).inc()
+                        continue
+                    return _passthrough(response, content, engine)
+                if stream and response.status_code == 200:
+                    settled = True  # the stream's end settles it
+                    return _Stream(router, engine, response, plan, done)
+                content = await response.aread()
+                await response.aclose()
+                if response.status_code == 200:
+                    with contextlib.suppress(ValueError, AttributeError):
+                        router.metrics.report(engine, plan.predicted_cached_tokens,
+                                              json.loads(content).get("usage"),
+                                              plan.num_prompt_tokens)
+                return _passthrough(response, content, engine)
+            except httpx.HTTPError as error:
+                router.metrics.upstream_errors.labels(engine).inc()
+                fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
+                last_error = _upstream_failed(engine, f"{type(error).__name__}: {error}")
+                router.metrics.retries.labels(engine).inc()
+            finally:
+                if not settled:
+                    done()
+        if last_error is not None:
+            raise last_error
+        raise APIError(503, "No engine is in rotation (all failed their health checks or "
+                       "were refused).", "server_error", None, "no_engine",
+                       {"Retry-After": str(config.retry_after_s)})
+
+    async def completions(request: Request) -> Any:
+        return await forward(request, "completion", "/v1/completions")
+
+    async def chat_completions(request: Request) -> Any:
+        return await forward(request, "chat", "/v1/chat/completions")
+
+    async def models(request: Request) -> JSONResponse:
+        _check_api_key(router, request)
+        first = next(iter(fleet.links.values())).contract
+        return JSONResponse({"object": "list", "data": [{
+            "id": fleet.served_model_name, "object": "model", "created": router.created,
+            "owned_by": "speckv", "root": first.model, "parent": None,
+            "max_model_len": first.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        if any(link.in_rotation for link in fleet.links.values()):
+            return Response(status_code=200)
+        return JSONResponse(APIError(503, "No engine is in rotation.", "server_error").body(),
+                            status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def state(request: Request) -> JSONResponse:
+        _check_api_key(router, request)
+        return JSONResponse({"policy": router.policy.name, "engines": fleet.state()})
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        _check_api_key(router, request)
+        assert router.client is not None
+        links = [link for link in fleet.links.values() if link.in_rotation]
+
+        async def reset(link: EngineLink) -> httpx.Response:
+            return await router.client.post(f"{link.spec.url}/reset_prefix_cache",
+                                            headers=link.headers())
+
+        try:
+            answers = await asyncio.gather(*(reset(link) for link in links))
+        except httpx.HTTPError as error:
+            raise _upstream_failed("?", f"{type(error).__name__}: {error}") from None
+        for link, answer in zip(links, answers):
+            if answer.status_code != 200:
+                return _passthrough(answer, answer.content, link.name)
+        return JSONResponse({"success": True, "engines": [link.name for link in links]})
+
+    async def on_api_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, APIError)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    async def on_http_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        if error.status_code == 404:
+            failure = errors.route_not_found(request.method, request.url.path)
+        elif error.status_code == 405:
+            failure = errors.method_not_allowed(request.method, request.url.path)
+        else:
+            failure = APIError(error.status_code, str(error.detail))
+        return JSONResponse(failure.body(), status_code=failure.status)
+
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unexpected error routing %s", request.url.path)
+        failure = APIError(500, f"Internal router error: {type(error).__name__}: {error}",
+                           "server_error")
+        return JSONResponse(failure.body(), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        total = config.max_inflight_requests + 16
+        router.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=total, max_keepalive_connections=total),
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
+        fleet.start()
+        health = asyncio.ensure_future(router.health_loop())
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await router.client.aclose()
+            fleet.stop()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/router/state", state, methods=["GET"]),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        ],
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            Exception: on_unexpected},
+        lifespan=lifespan,
+    )
+
+
+def fetch_contracts(specs: list[Any], timeout_s: float = 10.0) -> list[EngineLink]:
+    """Each engine's contract, read by URL at start; a ValueError naming the engine (and the
+    contract field) for one that cannot be reached or reproduced."""
+    from speckv.router.contract import parse_contract
+
+    links = []
+    for spec in specs:
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        try:
+            response = httpx.get(f"{spec.url}{CONTRACT_PATH}", headers=headers,
+                                 timeout=timeout_s)
+        except httpx.HTTPError as error:
+            raise ValueError(f"engine {spec.name!r} at {spec.url}: cannot read its cache "
+                             f"contract ({type(error).__name__}: {error})") from None
+        if response.status_code == 401:
+            raise ValueError(f"engine {spec.name!r} at {spec.url} wants an API key: pass "
+                             f"--engine-api-key {spec.name}=KEY")
+        if response.status_code != 200:
+            raise ValueError(f"engine {spec.name!r} at {spec.url}: {CONTRACT_PATH} answered "
+                             f"{response.status_code} (not a speckv serve of this version?)")
+        try:
+            body = response.json()
+        except ValueError:
+            raise ContractError(spec.name, "contract", "not JSON") from None
+        links.append(EngineLink(spec, parse_contract(spec.name, spec.url, body)))
+    return links

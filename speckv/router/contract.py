@@ -1,0 +1,179 @@
+"""An engine's cache contract as the router reads it, and the check that the router can
+reproduce it.
+
+Owns turning the JSON of `GET /kv_cache_contract` (`speckv.server.contract`) into an
+`EngineContract`, refusing, with the field named, every contract whose hits the router could
+not predict exactly: another contract version, a random hash seed, an unknown hash algorithm,
+several KV cache groups (a sliding-window or state group makes a hit depend on more than one
+prefix), no KV events, a hash mode the router does not know, or hashes sent as 64-bit ints.
+`ContractError.field` is the contract's field name. Also resolves the events endpoints an
+engine binds (`tcp://*:5557`) to the address the router connects to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from speckv.hashing.functions import HASH_ALGOS
+from speckv.router.index import EngineHashConfig
+
+SUPPORTED_VERSION = 1
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+class ContractError(ValueError):
+    """An engine's contract the router cannot reproduce; `field` names the contract field."""
+
+    def __init__(self, engine: str, field: str, message: str) -> None:
+        super().__init__(f"engine {engine!r}: cache contract field {field!r}: {message}")
+        self.engine = engine
+        self.field = field
+
+
+@dataclass(frozen=True)
+class HitRule:
+    """How an engine turns matched blocks into cached tokens (its `get_computed_blocks`)."""
+
+    block_size: int
+    lookahead_tokens: int  # L
+    drops_last_unit: bool  # legacy hashes under an EAGLE-style drafter
+    prefix_caching: bool
+    # the engine copies a block cached under another successor at a divergence point (a hit
+    # of j * U + U - L); the fleet checks its successor index for such a block
+    reuses_divergent_blocks: bool = False
+
+    def cached_tokens(self, num_matched_blocks: int, num_prompt_tokens: int) -> int:
+        """Tokens the engine serves from cache: whole blocks, at most N - 1, and one unit less
+        under the legacy drop. Pure."""
+        if not self.prefix_caching:
+            return 0
+        unit = self.block_size
+        hit = min(num_matched_blocks * unit, max(0, num_prompt_tokens - 1) // unit * unit)
+        if self.drops_last_unit and hit > 0:
+            hit -= unit
+        return hit
+
+
+@dataclass(frozen=True)
+class EngineContract:
+    engine: str  # the router's name for it
+    epoch: str
+    served_model_name: str
+    model: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: str | None  # digest
+    hashing: EngineHashConfig
+    hit_rule: HitRule
+    hash_mode_label: str
+    events_endpoint: str
+    replay_endpoint: str | None
+    num_blocks: int
+
+    @property
+    def reproduction_key(self) -> tuple[Any, ...]:
+        """What must stay equal across an epoch for the index entries to stay meaningful."""
+        h = self.hashing
+        return (h.algo, h.seed, h.block_size, h.lookahead_tokens, self.hit_rule,
+                self.tokenizer, self.served_model_name)
+
+
+def _field(engine: str, body: dict[str, Any], name: str, kind: type | tuple[type, ...],
+           allow_none: bool = False) -> Any:
+    if name not in body:
+        raise ContractError(engine, name, "missing (is the engine a speckv serve of this "
+                            "version?)")
+    value = body[name]
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ContractError(engine, name, f"expected {kind}, got {value!r}")
+    return value
+
+
+def connect_endpoint(bound: str, engine_url: str) -> str:
+    """The endpoint a router connects to for one an engine bound: a wildcard host becomes the
+    engine URL's host (`tcp://*:5557` of http://10.0.0.2:8000 -> tcp://10.0.0.2:5557)."""
+    if not bound.startswith("tcp://"):
+        return bound  # ipc:// and inproc:// name the same thing everywhere they can be reached
+    host, sep, port = bound[len("tcp://"):].rpartition(":")
+    if not sep:
+        return bound
+    if host in _WILDCARDS:
+        host = urlsplit(engine_url).hostname or "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def parse_contract(engine: str, engine_url: str, body: Any) -> EngineContract:
+    """The contract, or a `ContractError` naming the first field the router cannot use."""
+    if not isinstance(body, dict):
+        raise ContractError(engine, "contract", f"not a JSON object: {body!r:.80}")
+    version = _field(engine, body, "contract_version", int)
+    if version != SUPPORTED_VERSION:
+        raise ContractError(engine, "contract_version", f"{version}; this router reads "
+                            f"version {SUPPORTED_VERSION} (upgrade the older of the two)")
+    algo = _field(engine, body, "hash_algo", str)
+    if algo not in HASH_ALGOS:
+        raise ContractError(engine, "hash_algo", f"{algo!r} is not one the router can "
+                            f"reproduce ({', '.join(HASH_ALGOS)})")
+    seed = _field(engine, body, "hash_seed", str, allow_none=True)
+    if seed is None:
+        raise ContractError(engine, "hash_seed", "the engine hashes with a random seed, which "
+                            "nobody can reproduce: start it with --hash-seed S (or "
+                            "PYTHONHASHSEED)")
+    block_size = _field(engine, body, "block_size", int)
+    alignment = _field(engine, body, "alignment_tokens", int)
+    groups = _field(engine, body, "kv_groups", list)
+    if len(groups) != 1 or not isinstance(groups[0], dict) \
+            or groups[0].get("kind") != "full_attention":
+        kinds = [g.get("kind") if isinstance(g, dict) else g for g in groups]
+        raise ContractError(engine, "kv_groups", f"{kinds}: the router predicts hits of "
+                            "engines with one full-attention KV cache group only")
+    if groups[0].get("block_size") != block_size or alignment != block_size:
+        raise ContractError(engine, "alignment_tokens", f"{alignment} with blocks of "
+                            f"{block_size}: the router needs hits in whole blocks")
+    mode = _field(engine, body, "hash_mode", dict)
+    lookahead = mode.get("lookahead_tokens")
+    drops = mode.get("drops_last_unit")
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0 \
+            or not isinstance(drops, bool) or (lookahead and drops):
+        raise ContractError(engine, "hash_mode", f"{mode!r} is neither lookahead L nor "
+                            "legacy with or without the drop")
+    if groups[0].get("lookahead_tokens") != lookahead:
+        raise ContractError(engine, "kv_groups", f"group lookahead "
+                            f"{groups[0].get('lookahead_tokens')} != hash_mode L {lookahead}")
+    events = _field(engine, body, "kv_events", dict, allow_none=True)
+    if events is None or not events.get("endpoint"):
+        raise ContractError(engine, "kv_events", "the engine publishes no KV events: start it "
+                            "with --kv-events-endpoint tcp://*:PORT (and "
+                            "--kv-events-replay-endpoint tcp://*:PORT2, so gaps can be filled)")
+    if events.get("hash_encoding", "bytes") != "bytes":
+        raise ContractError(engine, "kv_events", f"hash_encoding {events['hash_encoding']!r}: "
+                            "the router recomputes hashes from full bytes")
+    if events.get("topic"):
+        raise ContractError(engine, "kv_events", f"topic {events['topic']!r}: the router "
+                            "subscribes to the empty topic")
+    replay = events.get("replay_endpoint")
+    hashing = EngineHashConfig(algo=algo, seed=seed, block_size=block_size,
+                               lookahead_tokens=lookahead)
+    return EngineContract(
+        engine=engine,
+        epoch=_field(engine, body, "engine_epoch", str),
+        served_model_name=_field(engine, body, "served_model_name", str),
+        model=_field(engine, body, "model", str),
+        max_model_len=_field(engine, body, "max_model_len", int),
+        vocab_size=_field(engine, body, "vocab_size", int),
+        tokenizer=_field(engine, body, "tokenizer", str, allow_none=True),
+        hashing=hashing,
+        hit_rule=HitRule(block_size, lookahead, drops,
+                         bool(_field(engine, body, "prefix_caching", bool)),
+                         bool(body.get("divergent_block_reuse", False))),
+        hash_mode_label=str(mode.get("label", "")),
+        events_endpoint=connect_endpoint(events["endpoint"], engine_url),
+        replay_endpoint=connect_endpoint(replay, engine_url) if replay else None,
+        num_blocks=_field(engine, body, "num_blocks", int),
+    )

@@ -1,0 +1,327 @@
+"""The engines behind a router: their contracts, health, load, KV events and the index.
+
+Owns one `EngineLink` per engine (its contract, health, the load it last reported, requests in
+flight through this router, its index generation) and the `Fleet` that holds them with the
+`RouterIndex`. One lock serialises the index: the subscriber threads apply events under it,
+the HTTP side plans a request under it. Each engine's events are read by its own thread
+(`EventSubscriber`, msgspec only, gaps filled from the replay socket); when the engine's
+epoch changes (a restart: its sequence numbers start again at 0) or it comes back after its
+entries expired, its entries are dropped and its thread subscribes again from seq 0, so the
+replay buffer fills the index. A batch read under an older generation is dropped.
+
+Health is polled (`poll_engine`): `/health`, `/kv_cache_contract` and `/metrics`
+(running / waiting requests and KV usage). An engine that fails leaves rotation at once; one
+silent for `stale_after_s` has its entries expired.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from speckv.events.schema import KVEventBatch
+from speckv.events.subscriber import EventSubscriber, SubscriberConfig, SubscriberStats
+from speckv.hashing.extra_keys import NO_HASH_INPUTS
+from speckv.router.contract import ContractError, EngineContract, parse_contract
+from speckv.router.index import RouterIndex
+from speckv.router.policy import EngineView
+from speckv.router.tokenizer import TokenizerCache
+
+logger = logging.getLogger("speckv.router")
+SUBSCRIBER_COUNTERS = ("received_batches", "replayed_batches", "replay_requests",
+                       "lost_batches", "malformed_messages", "duplicate_batches", "seq_gaps")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    url: str  # http://host:port
+    api_key: str | None = None  # sent on as Authorization: Bearer
+
+
+@dataclass
+class EngineLink:
+    spec: EngineSpec
+    contract: EngineContract
+    healthy: bool = True
+    refused: str | None = None  # a later contract the router cannot reproduce
+    unhealthy_since: float | None = None
+    expired: bool = False  # entries dropped after stale_after_s without health
+    generation: int = 0  # bumped to make the subscriber thread start over
+    epochs_seen: int = 1
+    index_resets: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    inflight: int = 0  # requests through this router not yet answered
+    external_load: int = 0  # running + waiting at the last poll that were not the router's
+    events_applied: int = 0
+    apply_errors: int = 0
+    subscriber: EventSubscriber | None = None
+    closed_stats: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(SUBSCRIBER_COUNTERS, 0))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.healthy and self.refused is None
+
+    @property
+    def load_requests(self) -> int:
+        """Running + waiting: the router's own in flight now, plus the others the engine
+        reported at the last poll (a poll lags; the router's count does not)."""
+        return self.inflight + self.external_load
+
+    def subscriber_stats(self) -> dict[str, int]:
+        live: SubscriberStats | None = self.subscriber.stats if self.subscriber else None
+        return {name: self.closed_stats[name] + (getattr(live, name) if live else 0)
+                for name in SUBSCRIBER_COUNTERS}
+
+    def headers(self) -> dict[str, str]:
+        key = self.spec.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """One engine's side of a request: its token ids' blocks and the hits predicted."""
+
+    hashes: list[bytes]
+    published_cached_tokens: int  # from blocks the engine has published as stored
+    # the published blocks and the pending ones (routed there, events not yet in): what the
+    # policy scores and the metrics check against the engine's report
+    predicted_cached_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    stale_after_s: float = 10.0  # unhealthy this long: the engine's entries expire
+    # routed blocks count as held while their request is in flight and this long after
+    pending_ttl_s: float = 1.0
+    poll_timeout_s: float = 0.05  # subscriber poll
+    replay_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.stale_after_s > 0:
+            raise ValueError(f"--stale-after must be > 0, got {self.stale_after_s}")
+        if not self.pending_ttl_s >= 0:
+            raise ValueError(f"--pending-ttl must be >= 0, got {self.pending_ttl_s}")
+        if not (self.poll_timeout_s > 0 and self.replay_timeout_s > 0):
+            raise ValueError("FleetConfig poll and replay timeouts must be > 0")
+
+
+class Fleet:
+    def __init__(self, links: Sequence[EngineLink], tokenizers: TokenizerCache,
+                 config: FleetConfig | None = None) -> None:
+        self.links: dict[str, EngineLink] = {link.name: link for link in links}
+        self.config = config or FleetConfig()
+        self.tokenizers = tokenizers
+        self.index = RouterIndex({link.name: link.contract.hashing for link in links})
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        first = links[0].contract
+        self.served_model_name = first.served_model_name
+        for link in links:
+            contract = link.contract
+            if contract.served_model_name != first.served_model_name:
+                raise ContractError(
+                    link.name, "served_model_name",
+                    f"{contract.served_model_name!r}, but engine {links[0].name!r} serves "
+                    f"{first.served_model_name!r}: one router, one model name")
+            tokenizers.get(link.name, contract.model, contract.tokenizer)
+
+    # ---- threads -----------------------------------------------------------------------------
+    def start(self) -> None:
+        for link in self.links.values():
+            thread = threading.Thread(target=self._consume, args=(link,), daemon=True,
+                                      name=f"router-events-{link.name}")
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout_s: float = 3.0) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+    def _consume(self, link: EngineLink) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                generation = link.generation
+                contract = link.contract
+            subscriber = EventSubscriber(SubscriberConfig(
+                endpoint=contract.events_endpoint, replay_endpoint=contract.replay_endpoint,
+                start_seq=0, replay_timeout_s=self.config.replay_timeout_s))
+            link.subscriber = subscriber
+            try:
+                while not self._stop.is_set() and link.generation == generation:
+                    for seq, batch in subscriber.poll(self.config.poll_timeout_s):
+                        self.apply(link, generation, seq, batch)
+            finally:
+                for name in SUBSCRIBER_COUNTERS:
+                    link.closed_stats[name] += getattr(subscriber.stats, name)
+                link.subscriber = None
+                subscriber.close()
+
+    def apply(self, link: EngineLink, generation: int, seq: int, batch: KVEventBatch) -> None:
+        with self.lock:
+            if link.generation != generation:
+                return  # read before the engine's entries were dropped
+            try:
+                self.index.apply_batch(link.name, batch, seq)
+                link.events_applied += len(batch.events)
+            except Exception:  # a malformed event is counted; the router keeps routing
+                link.apply_errors += 1
+                logger.exception("engine %s: could not apply a KV event batch", link.name)
+
+    # ---- health ------------------------------------------------------------------------------
+    def mark_unhealthy(self, link: EngineLink, why: str) -> None:
+        with self.lock:
+            if link.healthy:
+                logger.warning("engine %s leaves rotation: %s", link.name, why)
+            link.healthy = False
+            if link.unhealthy_since is None:
+                link.unhealthy_since = time.monotonic()
+
+    def expire_stale(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            for link in self.links.values():
+                if (not link.healthy and not link.expired and link.unhealthy_since is not None
+                        and now - link.unhealthy_since >= self.config.stale_after_s):
+                    logger.warning("engine %s silent for %.0f s: its index entries expire",
+                                   link.name, now - link.unhealthy_since)
+                    self._reset(link)
+                    link.expired = True
+
+    def _reset(self, link: EngineLink, contract: EngineContract | None = None) -> None:
+        """Drop the engine's entries and make its thread subscribe again (lock held)."""
+        if contract is not None:
+            link.contract = contract
+        self.index.reset_engine(link.name, link.contract.hashing)
+        link.index_resets += 1
+        link.generation += 1
+
+    def engine_healthy(self, link: EngineLink, contract_body: Any,
+                       load: Mapping[str, float]) -> None:
+        """A successful poll: the contract as served now and the load from /metrics."""
+        try:
+            contract = parse_contract(link.name, link.spec.url, contract_body)
+            if contract.reproduction_key != link.contract.reproduction_key:
+                self.tokenizers.get(link.name, contract.model, contract.tokenizer)
+                if contract.served_model_name != self.served_model_name:
+                    raise ContractError(link.name, "served_model_name",
+                                        f"{contract.served_model_name!r} after a restart; the "
+                                        f"router serves {self.served_model_name!r}")
+        except ValueError as error:
+            with self.lock:
+                if link.refused != str(error):
+                    logger.error("engine %s out of rotation: %s", link.name, error)
+                link.refused = str(error)
+            return
+        with self.lock:
+            link.refused = None
+            if contract.epoch != link.contract.epoch:
+                logger.warning("engine %s restarted (epoch %s -> %s): dropping its index "
+                               "entries, replaying its events", link.name,
+                               link.contract.epoch[:8], contract.epoch[:8])
+                link.epochs_seen += 1
+                self._reset(link, contract)
+                link.expired = False
+            elif link.expired:
+                self._reset(link, contract)
+                link.expired = False
+            if not link.healthy:
+                logger.warning("engine %s back in rotation", link.name)
+            link.healthy = True
+            link.unhealthy_since = None
+            link.running = int(load.get("running", 0))
+            link.waiting = int(load.get("waiting", 0))
+            link.external_load = max(0, link.running + link.waiting - link.inflight)
+            link.kv_usage = float(load.get("kv_usage", 0.0))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def plan(self, token_ids: Sequence[int], engines: Sequence[str]
+             ) -> dict[str, EnginePlan]:
+        """Each engine's hashes of the prompt and the hits it will serve. Under the lock."""
+        now = time.monotonic()
+        plans: dict[str, EnginePlan] = {}
+        by_config: dict[Any, list[bytes]] = {}
+        num_tokens = len(token_ids)
+        with self.lock:
+            for name in engines:
+                link = self.links[name]
+                hashing = link.contract.hashing
+                key = (hashing.algo, hashing.seed, hashing.block_size, hashing.lookahead_tokens)
+                hashes = by_config.get(key)
+                if hashes is None:
+                    hashes = by_config[key] = self.index.prompt_hashes(name, token_ids,
+                                                                       NO_HASH_INPUTS)
+                rule = link.contract.hit_rule
+                confirmed = rule.cached_tokens(self.index.matched_blocks(name, hashes),
+                                               num_tokens)
+                with_pending = rule.cached_tokens(
+                    self.index.matched_blocks(name, hashes, pending_at_s=now), num_tokens)
+                if rule.reuses_divergent_blocks:
+                    confirmed, with_pending = (
+                        self._with_reuse(name, rule, hashes, token_ids, hit)
+                        for hit in (confirmed, with_pending))
+                plans[name] = EnginePlan(hashes, confirmed, with_pending, num_tokens)
+        return plans
+
+    def _with_reuse(self, name: str, rule: Any, hashes: Sequence[bytes],
+                    token_ids: Sequence[int], hit: int) -> int:
+        """The hit plus the U - L reused tokens of a divergent block, where the engine holds
+        one right after it (and it ends by N - 1), as the engine's cache manager counts it."""
+        unit = rule.block_size
+        if hit + unit > len(token_ids) - 1:
+            return hit
+        if self.index.divergent_block_cached(name, hashes, token_ids, hit // unit):
+            return hit + unit - rule.lookahead_tokens
+        return hit
+
+    def views(self, plans: Mapping[str, EnginePlan], exclude: set[str]) -> list[EngineView]:
+        with self.lock:
+            return [EngineView(name, plans[name].predicted_cached_tokens, link.load_requests,
+                               link.kv_usage)
+                    for name, link in self.links.items()
+                    if link.in_rotation and name not in exclude and name in plans]
+
+    def routed(self, name: str, plan: EnginePlan) -> None:
+        """A request goes to `name`: its blocks are pending there; one more in flight."""
+        with self.lock:
+            self.links[name].inflight += 1
+            self.index.add_pending(name, plan.hashes)
+
+    def finished(self, name: str, plan: EnginePlan) -> None:
+        """The request routed to `name` is answered (or failed): its blocks stay pending for
+        `pending_ttl_s` more, for their events to arrive."""
+        with self.lock:
+            self.links[name].inflight -= 1
+            self.index.release_pending(name, plan.hashes,
+                                       time.monotonic() + self.config.pending_ttl_s)
+
+    def state(self) -> dict[str, Any]:
+        """Per engine: rotation, contract summary, load, index and event counters (JSON)."""
+        with self.lock:
+            index = self.index.stats()
+            return {name: {
+                "url": link.spec.url, "healthy": link.healthy, "refused": link.refused,
+                "expired": link.expired, "epoch": link.contract.epoch,
+                "epochs_seen": link.epochs_seen, "index_resets": link.index_resets,
+                "hash_mode": link.contract.hash_mode_label,
+                "divergent_block_reuse": link.contract.hit_rule.reuses_divergent_blocks,
+                "block_size": link.contract.hashing.block_size,
+                "running": link.running, "waiting": link.waiting, "kv_usage": link.kv_usage,
+                "inflight": link.inflight, "events_applied": link.events_applied,
+                "apply_errors": link.apply_errors, "generation": link.generation,
+                "index": index[name], "subscriber": link.subscriber_stats(),
+            } for name, link in self.links.items()}
