@@ -201,6 +201,20 @@ def _labelled(text: str, name: str, label: str) -> dict[str, float]:
     return out
 
 
+def settled_metrics(router_url: str, num_completed: int, timeout_s: float = 15.0) -> str:
+    """The router's /metrics once every completed request's usage report is counted. A stream's
+    report is counted when the engine closes it, which can come after the client read its last
+    chunk (the client's [DONE]); on a loaded machine that gap exceeded a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = httpx.get(f"{router_url}/metrics", timeout=30).text
+        checks = metric_totals(metrics).get("speckv_router:prediction_checks_total", 0)
+        if checks >= num_completed or time.monotonic() > deadline:
+            time.sleep(0.2)  # events of the last blocks settle
+            return httpx.get(f"{router_url}/metrics", timeout=30).text
+        time.sleep(0.05)
+
+
 def policy_result(name: str, summary: Any, router_metrics: str | None) -> PolicyResult:
     checks = exact = predicted = reported = None
     decisions = per_engine = None
@@ -353,8 +367,7 @@ def run(args: argparse.Namespace) -> int:
             reset_caches(list(engines.values()))
             router = start_router(engines, policy)
             summary, _ = drive(router.url, requests, args, policy, progress)
-            time.sleep(0.5)  # the last usage reports are counted already; events settle
-            metrics = httpx.get(f"{router.url}/metrics", timeout=30).text
+            metrics = settled_metrics(router.url, summary.num_completed)
             results.append(policy_result(policy, summary, metrics))
             if policy == "kv" and args.overhead_requests > 0:
                 overhead = measure_overhead(engines["a"], router, requests,
