@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -49,6 +48,7 @@ from speckv.router.policy import Decision, Policy
 from speckv.server import errors
 from speckv.server.contract import CONTRACT_PATH
 from speckv.server.errors import APIError
+from speckv.server.http_guard import check_bearer_key, read_body, wait_disconnect
 from speckv.server.protocol import (
     SSE_DONE,
     GenerationRequest,
@@ -114,20 +114,6 @@ async def poll_engine(client: httpx.AsyncClient, fleet: Fleet, link: EngineLink,
         fleet.engine_healthy(link, contract.json(), load_from_metrics(metrics.text))
     except (httpx.HTTPError, ValueError) as error:
         fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise errors.body_too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise errors.body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _upstream_failed(engine: str, detail: str) -> APIError:
@@ -234,7 +220,7 @@ class _Stream:
                    (b"cache-control", b"no-cache"), (ENGINE_HEADER.encode(), self.engine.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         pump = asyncio.ensure_future(self._pump(send))
-        watcher = asyncio.ensure_future(self._wait_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -243,11 +229,6 @@ class _Stream:
             await asyncio.gather(pump, watcher, return_exceptions=True)
             await self.response.aclose()
             self.done()
-
-    @staticmethod
-    async def _wait_disconnect(receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
 
     async def _pump(self, send: Send) -> None:
         usage = _SSEUsage()
@@ -271,13 +252,7 @@ class _Stream:
 
 
 def _check_api_key(router: Router, request: Request) -> None:
-    key = router.config.api_key
-    if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             key.encode()):
-        raise errors.unauthorized()
+    check_bearer_key(request, router.config.api_key)
 
 
 def _passthrough(response: httpx.Response, content: bytes, engine: str) -> Response:
@@ -293,7 +268,7 @@ def build_app(router: Router) -> Starlette:
 
     async def forward(request: Request, kind: str, path: str) -> Any:
         _check_api_key(router, request)
-        raw = await _read_body(request, config.max_request_body_bytes)
+        raw = await read_body(request, config.max_request_body_bytes)
         body = parse_json_object(raw)
         if router.inflight >= config.max_inflight_requests:
             raise errors.queue_full(router.inflight, config.retry_after_s)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -44,6 +43,7 @@ from speckv.server.async_client import AsyncEngineClient, RequestStream
 from speckv.server.contract import CONTRACT_PATH, engine_contract, new_epoch, tokenizer_digest
 from speckv.server.engine_loop import EngineRequest
 from speckv.server.errors import APIError
+from speckv.server.http_guard import check_bearer_key, read_body, wait_disconnect
 from speckv.server.metrics import CONTENT_TYPE, ServerMetrics
 from speckv.server.protocol import (
     SSE_DONE,
@@ -126,41 +126,14 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 def _check_api_key(server: OpenAIServer, request: Request) -> None:
-    key = server.config.api_key
-    if key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             key.encode()):
-        raise errors.unauthorized()
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise errors.body_too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise errors.body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    """Returns when the client has gone (after the body, `receive` only reports that)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    check_bearer_key(request, server.config.api_key)
 
 
 async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> tuple[bool, Any]:
     """(True, result) if `work` finished first; (False, None) if the client left first (the
     work is cancelled)."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -225,7 +198,7 @@ def build_app(server: OpenAIServer) -> Starlette:
                        prefix: str) -> Any:
         arrival = time.perf_counter()
         _check_api_key(server, request)
-        body = parse_json_object(await _read_body(request, config.max_request_body_bytes))
+        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
         generation = parse(body, server.limits, tokenizer)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = await server.client.submit(EngineRequest(
