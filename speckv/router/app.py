@@ -48,7 +48,13 @@ from speckv.router.policy import Decision, Policy
 from speckv.server import errors
 from speckv.server.contract import CONTRACT_PATH
 from speckv.server.errors import APIError
-from speckv.server.http_guard import check_bearer_key, read_body, wait_disconnect
+from speckv.server.http_guard import (
+    check_bearer_key,
+    on_api_error,
+    on_http_error,
+    read_body,
+    wait_disconnect,
+)
 from speckv.server.protocol import (
     SSE_DONE,
     GenerationRequest,
@@ -378,20 +384,6 @@ def build_app(router: Router) -> Starlette:
             if answer.status_code != 200:
                 return _passthrough(answer, answer.content, link.name)
         return JSONResponse({"success": True, "engines": [link.name for link in links]})
-
-    async def on_api_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, APIError)
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    async def on_http_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, HTTPException)
-        if error.status_code == 404:
-            failure = errors.route_not_found(request.method, request.url.path)
-        elif error.status_code == 405:
-            failure = errors.method_not_allowed(request.method, request.url.path)
-        else:
-            failure = APIError(error.status_code, str(error.detail))
-        return JSONResponse(failure.body(), status_code=failure.status)
 
     async def on_unexpected(request: Request, error: Exception) -> Response:
         logger.exception("unexpected error routing %s", request.url.path)

@@ -43,7 +43,14 @@ from speckv.server.async_client import AsyncEngineClient, RequestStream
 from speckv.server.contract import CONTRACT_PATH, engine_contract, new_epoch, tokenizer_digest
 from speckv.server.engine_loop import EngineRequest
 from speckv.server.errors import APIError
-from speckv.server.http_guard import check_bearer_key, read_body, wait_disconnect
+from speckv.server.http_guard import (
+    check_bearer_key,
+    error_response,
+    on_api_error,
+    on_http_error,
+    read_body,
+    wait_disconnect,
+)
 from speckv.server.metrics import CONTENT_TYPE, ServerMetrics
 from speckv.server.protocol import (
     SSE_DONE,
@@ -121,10 +128,6 @@ class OpenAIServer:
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
 def _check_api_key(server: OpenAIServer, request: Request) -> None:
     check_bearer_key(request, server.config.api_key)
 
@@ -233,7 +236,7 @@ def build_app(server: OpenAIServer) -> Starlette:
         loop = server.client.loop
         if loop.is_running:
             return Response(status_code=200)
-        return _error_response(errors.engine_dead(loop.error or "not started"))
+        return error_response(errors.engine_dead(loop.error or "not started"))
 
     async def metrics(request: Request) -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
@@ -258,22 +261,9 @@ def build_app(server: OpenAIServer) -> Starlette:
     async def version_info(request: Request) -> JSONResponse:
         return JSONResponse({"version": speckv_version()})
 
-    async def on_api_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, APIError)
-        return _error_response(error)
-
-    async def on_http_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, HTTPException)
-        if error.status_code == 404:
-            return _error_response(errors.route_not_found(request.method, request.url.path))
-        if error.status_code == 405:
-            return _error_response(errors.method_not_allowed(request.method,
-                                                             request.url.path))
-        return _error_response(APIError(error.status_code, str(error.detail)))
-
     async def on_unexpected(request: Request, error: Exception) -> Response:
         logger.exception("unexpected error serving %s", request.url.path)
-        return _error_response(APIError(500, f"Internal server error: "
+        return error_response(APIError(500, f"Internal server error: "
                                         f"{type(error).__name__}: {error}", "server_error"))
 
     @contextlib.asynccontextmanager

@@ -1,14 +1,18 @@
 """The HTTP checks `speckv serve` and `speckv router` share: the API key, the bounded request
-body, and noticing a client that went away. One copy, so both fronts refuse alike."""
+body, noticing a client that went away, and the OpenAI error shape for API and routing errors.
+One copy, so both fronts refuse alike."""
 
 from __future__ import annotations
 
 import hmac
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from speckv.server import errors
+from speckv.server.errors import APIError
 
 
 def check_bearer_key(request: Request, key: str | None) -> None:
@@ -42,3 +46,24 @@ async def wait_disconnect(receive: Receive) -> None:
     """Returns when the client has gone (after the body, `receive` only reports that)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def on_api_error(request: Request, error: Exception) -> Response:
+    """Starlette handler: an `APIError` as its OpenAI-shaped response."""
+    assert isinstance(error, APIError)
+    return error_response(error)
+
+
+async def on_http_error(request: Request, error: Exception) -> Response:
+    """Starlette handler: unknown routes and methods (and other HTTP errors) in the OpenAI
+    error shape rather than Starlette's plain text."""
+    assert isinstance(error, HTTPException)
+    if error.status_code == 404:
+        return error_response(errors.route_not_found(request.method, request.url.path))
+    if error.status_code == 405:
+        return error_response(errors.method_not_allowed(request.method, request.url.path))
+    return error_response(APIError(error.status_code, str(error.detail)))
