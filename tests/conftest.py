@@ -23,7 +23,7 @@ from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
 from speckv.hashing.functions import get_hash_algo
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
 from speckv.server.launch import ServerThread
-from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from speckv.testing.tiny_model import tiny_model as build_tiny_model
 
 # CI's exactness rerun sets another count: GEMM kernels split work by thread, so rounding moves

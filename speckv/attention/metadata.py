@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from speckv.cache.block import NULL_BLOCK_ID
+
 # up to this many requests, lists beat array ops (their fixed cost dominates)
 _SMALL_BATCH = 8
 
@@ -78,7 +80,7 @@ class AttentionMetadata:
         if len(block_tables) <= _SMALL_BATCH:
             return cls._from_lists(query_lens, seq_lens, block_tables, table_lens, width,
                                    block_size, device)
-        table = np.zeros((len(block_tables), width), dtype=np.int64)  # 0-padded (null)
+        table = np.full((len(block_tables), width), NULL_BLOCK_ID, dtype=np.int64)
         if table_lens:
             flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
                                count=sum(table_lens))
@@ -174,7 +176,8 @@ class AttentionMetadata:
             positions.extend(new_positions)
             slots.extend(bt[pos // block_size] * block_size + pos % block_size
                          for pos in new_positions)
-        table = [[*bt[:n], *[0] * (width - n)] for bt, n in zip(block_tables, table_lens)]
+        table = [[*bt[:n], *[NULL_BLOCK_ID] * (width - n)]
+                 for bt, n in zip(block_tables, table_lens)]
         md = cls(
             query_start_loc=torch.tensor(
                 [0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device

@@ -38,7 +38,7 @@ from speckv.bench.vllm_peer import (
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.specs import parse_group_specs
 from speckv.engine.request import Request
-from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 
 def measure(prompt_len: int, groups: str, num_rounds: int) -> dict:

@@ -1,6 +1,6 @@
 """`speckv bench draft-kv`: a hit reads the same target KV and draft KV as a cold run.
 
-The user documents' check, on the real engine: send a prompt, then the same prompt again, and
+The correctness check, on the real engine: send a prompt, then the same prompt again, and
 compare the KV of the second request's hit blocks (target and draft, every layer, K and V)
 with a cold run of that request on a fresh engine: the max absolute difference per drafter and
 dtype. Negative control: legacy hashes with the drop turned off, and a second prompt whose
@@ -39,22 +39,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from speckv.cache.hash_mode import HashMode
+from speckv.bench.kv_probe import DRAFTERS, StaleHashesEngine, kv_at
 from speckv.cache.specs import SlidingWindowSpec
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
 from speckv.connectors.shared_store import EMBEDDED
 from speckv.engine.llm_engine import LLMEngine
-from speckv.spec.policy import DrafterPolicy, drafter_policy
-
-DRAFTERS = ("eagle", "eagle3", "mtp")
-
-
-class _StaleHashesEngine(LLMEngine):
-    """The negative control's engine: legacy hashes with the drop turned off, which no
-    configuration allows (it serves stale draft KV, which is what the control must show)."""
-
-    def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
-        return HashMode.for_lookahead(0, "negative control: legacy hashes, drop off")
+from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 
 @dataclass(frozen=True)
@@ -80,21 +70,6 @@ class HitKV:
     # groups: each group's [group layers, 2, compared tokens, ...] flattened and concatenated
     target: torch.Tensor
     draft: torch.Tensor  # [num_draft_layers, 2, num_tokens, num_kv_heads, head_dim] fp32
-
-
-def kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int,
-          layer_indices: list[int] | tuple[int, ...] | None = None, start: int = 0
-          ) -> torch.Tensor:
-    """K and V of the layers (default: all) at positions [start, num_tokens) through a
-    block table. # [num_layers, 2, num_tokens - start, num_kv_heads, head_dim]"""
-    positions = torch.arange(start, num_tokens)
-    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
-    offsets = positions % block_size
-    layers = []
-    for layer_idx in (range(cache.num_layers) if layer_indices is None else layer_indices):
-        layer = cache.layer(layer_idx)
-        layers.append(torch.stack([layer.key[blocks, offsets], layer.value[blocks, offsets]]))
-    return torch.stack(layers).float()
 
 
 def make_engine(model, drafter, dtype: str, block_size: int, engine_type=LLMEngine,
@@ -208,8 +183,8 @@ def measure(model, drafter, dtype: str, prompt: list[int], block_size: int,
         successor = prompt[shared]
         first = prompt[:shared] + [successor] + prompt[shared + 1:]
         second = prompt[:shared] + [(successor + 1) % vocab_size] + prompt[shared + 1:]
-        stale = _send_twice(engine(_StaleHashesEngine), first, second,
-                            reader(_StaleHashesEngine))
+        stale = _send_twice(engine(StaleHashesEngine), first, second,
+                            reader(StaleHashesEngine))
         rows.append(row("negative control", stale,
                         first_step_kv(engine(connector=None), second, stale.num_tokens)))
         return rows

@@ -21,9 +21,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from speckv.bench.draft_kv import DRAFTERS, _StaleHashesEngine, kv_at
+from speckv.bench.kv_probe import DRAFTERS, StaleHashesEngine, kv_at
 from speckv.engine.llm_engine import LLMEngine
-from speckv.spec.policy import drafter_policy
+from speckv.speculation.policy import drafter_policy
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def measure_hybrid(model, drafter, dtype: str, prompt: list[int], block_size: in
         first = prompt[:shared] + [successor] + prompt[shared + 1:]
         second = prompt[:shared] + [(successor + 1) % model.config.vocab_size] \
             + prompt[shared + 1:]
-        stale_engine = _engine(model, drafter, dtype, block_size, unit, _StaleHashesEngine)
+        stale_engine = _engine(model, drafter, dtype, block_size, unit, StaleHashesEngine)
         _first_step(stale_engine, first, 0)
         stale = _first_step(stale_engine, second)
         rows.append(row("negative control", stale, _first_step(

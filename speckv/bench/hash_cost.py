@@ -1,6 +1,6 @@
 """`speckv bench hash`: the CPU cost of one whole-prompt block-hashing call, per format.
 
-Owns the reproduction of the user documents' hash-cost table (SPEC §3, seed 000): the four
+Owns the hash-cost table (what each candidate block-hash layout costs per prompt): the four
 formats of `speckv/hashing/formats.py` (legacy, nested, expanded window, adopted lookahead L=1),
 each run through the real `RequestBlockHasher` (so only the format differs), plus a *naive*
 reference hasher of the adopted format (per block: build the tuple, `pickle.dumps`,

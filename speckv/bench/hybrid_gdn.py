@@ -1,6 +1,6 @@
 """`speckv bench hybrid-gdn`: the GDN-hybrid scenario on tensors, and its speed vs transformers.
 
-Owns (1) the scenario of the user documents on a Gated DeltaNet hybrid (RANDOM-init weights,
+Owns (1) the hit-length scenario on a Gated DeltaNet hybrid (RANDOM-init weights,
 said in the output): alignment unit 544 (GDN state checkpoint every 544 tokens, KV blocks of
 16), a 1,367-token prompt sent twice, cached tokens with no drafter, with MTP and lookahead
 hashes, with MTP and the legacy drop; for each, the second request's first logits and the
@@ -122,11 +122,6 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
              ) -> tuple[list[PerfRow], float, float, float]:
     """(rows for speckv and transformers, best prefill seconds with a checkpoint every unit,
     best without any checkpoint, median paired ratio with / without)."""
-    import transformers
-
-    from speckv.attention import AttentionMetadata
-    from speckv.models.hybrid import plan_for
-
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()
@@ -141,7 +136,24 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
         while engine.has_unfinished_requests():
             engine.step()
 
-    # transformers on the same weights
+    hf_prefill, hf_generate = _transformers_peer(model, prompt, decode_tokens)
+    times = _best({"ours_prefill": lambda: engine_run(1),
+                   "ours_total": lambda: engine_run(params.max_tokens),
+                   "hf_prefill": hf_prefill, "hf_total": hf_generate}, repeats)
+    ours = PerfRow("speckv engine (paged, GDN state checkpoints)",
+                   prompt_tokens / times["ours_prefill"],
+                   (decode_tokens - 1) / max(times["ours_total"] - times["ours_prefill"], 1e-9))
+    theirs = PerfRow("transformers Qwen3NextForCausalLM (torch fallbacks)",
+                     prompt_tokens / times["hf_prefill"],
+                     (decode_tokens - 1) / max(times["hf_total"] - times["hf_prefill"], 1e-9))
+    with_ckpt, without, ratio = _checkpoint_cost(model, prompt, repeats)
+    return [ours, theirs], with_ckpt, without, ratio
+
+
+def _transformers_peer(model, prompt: list[int], decode_tokens: int):
+    """(prefill, generate) callables running transformers' Qwen3-Next on `model`'s weights."""
+    import transformers
+
     hf_cfg = model.config.to_hf_config()
     hf_config = transformers.Qwen3NextConfig(**{k: v for k, v in hf_cfg.items()
                                                 if k not in ("architectures", "model_type",
@@ -163,16 +175,16 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
             hf.generate(ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens,
                         do_sample=False)
 
-    times = _best({"ours_prefill": lambda: engine_run(1),
-                   "ours_total": lambda: engine_run(params.max_tokens),
-                   "hf_prefill": hf_prefill, "hf_total": hf_generate}, repeats)
-    ours = PerfRow("speckv engine (paged, GDN state checkpoints)",
-                   prompt_tokens / times["ours_prefill"],
-                   (decode_tokens - 1) / max(times["ours_total"] - times["ours_prefill"], 1e-9))
-    theirs = PerfRow("transformers Qwen3NextForCausalLM (torch fallbacks)",
-                     prompt_tokens / times["hf_prefill"],
-                     (decode_tokens - 1) / max(times["hf_total"] - times["hf_prefill"], 1e-9))
-    # checkpoint cost: the same one-request prefill forward, every unit vs none
+    return hf_prefill, hf_generate
+
+
+def _checkpoint_cost(model, prompt: list[int], repeats: int) -> tuple[float, float, float]:
+    """The same one-request prefill forward with a state checkpoint every unit and with none:
+    (best seconds with, best without, median paired ratio with / without)."""
+    from speckv.attention import AttentionMetadata
+    from speckv.models.hybrid import plan_for
+
+    prompt_tokens = len(prompt)
     kv = model.make_kv_cache(prompt_tokens // BLOCK + 2, BLOCK)
     states = model.make_state_cache(prompt_tokens // UNIT + 2)
     table = list(range(1, prompt_tokens // BLOCK + 2))
@@ -201,8 +213,7 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
         with_times.append(timed[UNIT])
         without_times.append(timed[big])
         ratios.append(timed[UNIT] / timed[big])
-    with_ckpt, without = min(with_times), min(without_times)
-    return [ours, theirs], with_ckpt, without, statistics.median(ratios)
+    return min(with_times), min(without_times), statistics.median(ratios)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,17 +12,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from speckv.bench.engine_workers import EngineWorkers, ModelSpec, drive_round_robin
-from speckv.bench.prefix_repetition import (
+from speckv.bench.prefix_repetition_modes import (
     ModeResult,
     RunOptions,
     arrival_times,
     engine_config,
     summarize,
 )
-from speckv.bench.workload import WorkloadRequest
+from speckv.cluster.engine_pool import EngineWorkers, ModelSpec, drive_round_robin
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
 from speckv.connectors.shared_store import EMBEDDED
+from speckv.workloads import WorkloadRequest
 
 
 def uses_store(kv_connector: str | None) -> bool:

@@ -1,4 +1,4 @@
-"""`speckv bench retention`: seed 003's sliding-window retention scenario on the real cache.
+"""`speckv bench retention`: the sliding-window retention scenario on the real cache.
 
 Attention + sliding window (full-attention block 32, SWA block 16, window 1,024, so the
 alignment unit U = 32), retention interval 8,192, four sequential requests sharing a
@@ -36,7 +36,7 @@ from speckv.cache import KVCacheManager
 from speckv.cache.retention import TailWidening
 from speckv.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from speckv.engine.request import Request
-from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from speckv.testing import run_to_completion, toy_core
 
 

@@ -35,15 +35,15 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from speckv.bench.serve import HttpTarget, metric_totals, run_http, summarize
-from speckv.bench.workload import (
+from speckv.bench.serve_client import HttpTarget, metric_totals, run_http, summarize
+from speckv.events.endpoints import LOOPBACK, free_port, loopback_endpoint
+from speckv.router.policy import POLICIES
+from speckv.workloads import (
     PrefixRepetitionConfig,
     WorkloadRequest,
     oracle_hit_tokens,
     prefix_repetition,
 )
-from speckv.events.endpoints import LOOPBACK, free_port, loopback_endpoint
-from speckv.router.policy import POLICIES
 
 MODEL_NAME = "bench-route"
 

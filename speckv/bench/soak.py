@@ -49,7 +49,7 @@ from speckv.connectors.host_pool import GIB
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
 from speckv.engine.speculative import resolve_connector_hash_mode
-from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from speckv.testing import HitMismatch, PagedSymbolicKV, SymbolicKV, instrument_tiers, toy_core
 from speckv.testing.tiers import CheckedStore
 

@@ -115,7 +115,7 @@ def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
 
     params = SamplingParams(max_tokens=max_tokens)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
-    from speckv.spec.proposer import ProposeTiming
+    from speckv.speculation.proposer import ProposeTiming
 
     done = {}
     proposer = engine.proposer

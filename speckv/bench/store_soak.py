@@ -27,14 +27,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from speckv.bench.engine_workers import (
+from speckv.cluster.engine_pool import (
     EngineSummary,
     EngineWorkers,
     ModelSpec,
     drive_round_robin,
 )
-from speckv.bench.workload import PrefixRepetitionConfig, prefix_repetition
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
+from speckv.workloads import PrefixRepetitionConfig, prefix_repetition
 
 STORE_COUNTERS = ("loaded_blocks", "load_failed_blocks", "saved_blocks", "save_errors",
                   "store_outages", "store_reconnects", "store_errors", "store_skipped_calls")

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+# The physical block that stands for "no KV here" (outside a sliding window, before a Mamba
+# checkpoint, the padding of a block table). The pool takes it first and never frees it; every
+# table, tensor and connector that needs to recognise it imports this name.
+NULL_BLOCK_ID = 0
+
 CacheKey = bytes  # block hash + 4-byte group id: the same hash in two groups is two entries
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from speckv.cache.block import (
+    NULL_BLOCK_ID,
     BlockContent,
     CacheKey,
     FreeBlockQueue,
@@ -166,8 +167,9 @@ class BlockPool:
         self._pending_runs: list[_Run] = []  # noted this step
         self._runs: deque[_Run] = deque()  # committed, not folded into `_successors` yet
         self._num_run_blocks = 0  # blocks in `_runs`
-        # Block 0 stands for "no KV here" (e.g. outside a sliding window); never freed.
+        # NULL_BLOCK_ID stands for "no KV here" (e.g. outside a sliding window); never freed.
         self.null_block = self.free_queue.popleft()
+        assert self.null_block.block_id == NULL_BLOCK_ID
         self.null_block.is_null = True
 
     # ---- reads -------------------------------------------------------------------------------

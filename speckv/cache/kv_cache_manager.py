@@ -274,11 +274,11 @@ class KVCacheManager:
         request: ManagedRequest,
         num_new_tokens: int,
         hit: CacheHit | None = None,
-        num_lookahead_tokens: int = 0,
+        num_draft_slots: int = 0,
         num_external_tokens: int = 0,
     ) -> Allocation | None:
         """Give the request slots for `num_new_tokens` more tokens (the scheduled drafts
-        included) plus `num_lookahead_tokens` slots for the drafter's next proposals, taking
+        included) plus `num_draft_slots` slots for the drafter's next proposals, taking
         `hit` on first scheduling. Caches the blocks whose hashes exist and frees blocks that
         fell out of a sliding window. Mutates; the caller then advances
         `request.num_computed_tokens` by the hit, the external tokens and the new tokens.
@@ -291,11 +291,11 @@ class KVCacheManager:
 
         Returns None, and changes nothing, when there are not enough free blocks.
 
-            [ computed | hit | external | new tokens (+ drafts) | lookahead slots ]
-                     num_total = computed + hit + external + new + lookahead
+            [ computed | hit | external | new tokens (+ drafts) | draft slots ]
+                     num_total = computed + hit + external + new + draft slots
         """
-        if num_new_tokens <= 0 and num_lookahead_tokens <= 0:
-            raise ValueError("allocate_slots needs at least one new token or lookahead slot")
+        if num_new_tokens <= 0 and num_draft_slots <= 0:
+            raise ValueError("allocate_slots needs at least one new token or draft slot")
         if num_external_tokens < 0:
             raise ValueError(f"num_external_tokens must be >= 0, got {num_external_tokens}")
         managers = self.managers
@@ -305,7 +305,7 @@ class KVCacheManager:
         request_id = request.request_id
         num_cacheable = request.num_computed_tokens + num_hit_tokens
         num_computed = num_cacheable + num_external_tokens
-        num_total = num_computed + num_new_tokens + num_lookahead_tokens
+        num_total = num_computed + num_new_tokens + num_draft_slots
         num_needed = 0
         for manager, blocks in zip(managers, hit_blocks):
             num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, blocks)

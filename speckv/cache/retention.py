@@ -9,7 +9,7 @@ every tail (dense retention) costs memory, so a retention interval R keeps them 
     R = 0: only the prompt's own reachable boundary;  R = None: every boundary (dense)
 
 Under the legacy EAGLE drop a hit at checkpoint c is served at c - U, so each kept
-sliding-window tail is widened by U // B blocks (seed 003's fix): a sibling request that
+sliding-window tail is widened by U // B blocks: a sibling request that
 diverges just after c still finds a full window before c - U. Lookahead hashes widen the same
 way: a sibling diverging exactly at c has another successor for the block ending at c, so its
 hit is c - U too.
@@ -28,7 +28,7 @@ class TailWidening(Enum):
     """How much wider a kept sliding-window tail is under the legacy drop."""
 
     UNIT = "unit"  # U // B blocks: the fix
-    NONE = "none"  # the bug seed 003 reported
+    NONE = "none"  # the bug: a sibling diverging after c finds no full window
     ONE_BLOCK = "one_block"  # enough only when B == U
 
     def extra_blocks(self, alignment_tokens: int, block_size: int) -> int:

@@ -51,9 +51,9 @@ def _prefix_repetition(console: Console) -> None:
     import torch
 
     from speckv.bench.prefix_repetition import RunOptions, render_compact, run_benchmark
-    from speckv.bench.workload import PrefixRepetitionConfig, prefix_repetition
     from speckv.engine.llm import load_model
     from speckv.engine.speculative import load_drafter_model
+    from speckv.workloads import PrefixRepetitionConfig, prefix_repetition
 
     torch.set_num_threads(1)  # small matmuls on a shared 2-core CPU stall with 2 threads
     model, tokenizer = load_model("builtin", "float32", "cpu", progress=True)

@@ -1,7 +1,7 @@
 """KV connectors: move KV blocks (target and draft) between this engine and other tiers.
 
 Depends on `speckv.cache`, `speckv.attention` and `speckv.hashing` only: never on the engine
-or `speckv.spec`.
+or `speckv.speculation`.
 
 | module          | owns |
 |-----------------|------|

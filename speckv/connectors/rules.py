@@ -1,7 +1,7 @@
 """Which blocks of a request a content-addressed tier may serve and may store. Pure.
 
 Owns `ConnectorMode` (the engine's hash mode as a connector needs it), the `ConnectorRequest`
-protocol (what a connector reads of a request) and the two length rules (SPEC §4, §5, §9):
+protocol (what a connector reads of a request) and the two length rules:
 
 lookup, from the end of the local hit `h` (a whole number of blocks):
 
@@ -16,7 +16,7 @@ store, with `W` = tokens whose target and draft KV are in the request's blocks:
     blocks [0, min(len(block_hashes), W // B)): only blocks covered by the request's block
     hashes (the offloadable range is capped at `len(block_hashes) * B` tokens)
     lookahead    a block's hash exists only once its successor token(s) are real, and the
-                 drafter writes the draft KV they feed before the hash appears (SPEC §5)
+                 drafter writes the draft KV they feed before the hash appears
     legacy+drop  a legacy hash exists as soon as the block's own tokens do; the block whose
                  successor is not yet a real token (its last draft KV is unwritten) is the
                  unverified last block, and is left out: also at most (N - 1) // B blocks.
@@ -54,7 +54,7 @@ class ConnectorRequest(Protocol):
 
 
 class HashModeLike(Protocol):
-    """`speckv.spec.policy.HashMode` (moving to `speckv.cache`): read, never imported here."""
+    """What a connector reads of `speckv.cache.hash_mode.HashMode`."""
 
     @property
     def lookahead_tokens(self) -> int: ...

@@ -37,7 +37,7 @@ Engine contract (block tables and slots):
   Every drafter forward builds its own `AttentionMetadata.build(query_lens, seq_lens,
   block_tables, block_size)` from it (modules write different position ranges).
 - Catch-up writes positions < n - 1; propose writes provisional KV at positions up to
-  `n - 2 + max(0, S - k)`, inside the `num_lookahead_tokens = S` slots the cache manager
+  `n - 2 + max(0, S - k)`, inside the `num_draft_slots = S` slots the cache manager
   allocates for the target's verification (positions n-1 .. n-1+S).
 - Order (SPEC §5): run `write_draft_kv` for a step BEFORE publishing the block hashes that the
   step's new real tokens complete.
@@ -56,7 +56,7 @@ from torch import nn
 from speckv.attention import AttentionMetadata, PagedKVCache
 from speckv.drafters.layers import dense_attention
 from speckv.models.llama import LlamaDecoderLayer
-from speckv.spec.policy import DrafterPolicy
+from speckv.speculation.policy import DrafterPolicy
 
 
 @dataclass(frozen=True)

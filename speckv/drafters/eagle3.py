@@ -24,7 +24,7 @@ from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_
 from speckv.models.config import ModelConfig
 from speckv.models.layers import Linear, RMSNorm
 from speckv.models.llama import LlamaDecoderLayer
-from speckv.spec.policy import DrafterPolicy, drafter_policy
+from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:

@@ -30,7 +30,7 @@ from speckv.drafters.layers import SharedTarget
 from speckv.models.hybrid import HybridDecoderLayer, ZeroCenteredRMSNorm
 from speckv.models.hybrid_config import HybridConfig
 from speckv.models.rope import RotaryEmbedding
-from speckv.spec.policy import DrafterPolicy, drafter_policy
+from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 

@@ -46,7 +46,7 @@ from speckv.models.config import ModelConfig
 from speckv.models.gemma import GemmaMLP
 from speckv.models.gemma4 import Gemma4Config, Gemma4RMSNorm, _proportional_inv_freq
 from speckv.models.rope import RotaryEmbedding, apply_rope
-from speckv.spec.policy import DrafterPolicy, drafter_policy
+from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 RANDOM_ASSISTANT = "random-assistant"  # the speculative_model name of a random-init one

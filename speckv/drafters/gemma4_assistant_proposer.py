@@ -16,8 +16,8 @@ import torch
 
 from speckv.attention import AttentionMetadata
 from speckv.drafters.gemma4_assistant import Gemma4Assistant, TargetKV
-from speckv.spec.policy import DrafterPolicy
-from speckv.spec.proposer import ProposerInput, ProposeTiming
+from speckv.speculation.policy import DrafterPolicy
+from speckv.speculation.proposer import ProposerInput, ProposeTiming
 
 
 class Gemma4AssistantProposer:

@@ -20,7 +20,7 @@ from speckv.drafters.layers import SharedTarget, drafter_layer_config
 from speckv.models.config import ModelConfig
 from speckv.models.layers import Linear, RMSNorm
 from speckv.models.llama import LlamaDecoderLayer
-from speckv.spec.policy import DrafterPolicy, drafter_policy
+from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 
 class MTPProjection(nn.Module):

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
-from speckv.spec.policy import DrafterPolicy
-from speckv.spec.proposer import ProposerInput, ProposeTiming
+from speckv.speculation.policy import DrafterPolicy
+from speckv.speculation.proposer import ProposerInput, ProposeTiming
 
 
 def _target_states(items: Sequence[ProposerInput], num_aux: int) -> TargetStates:
@@ -68,7 +68,7 @@ class _Deferred:
 
 
 class DrafterProposer:
-    """Runner adapter: call `propose(inputs)` once per step (see speckv/spec/proposer.py)."""
+    """Runner adapter: call `propose(inputs)` once per step (see speckv/speculation/proposer.py)."""
 
     def __init__(
         self,

@@ -62,7 +62,7 @@ class EngineConfig:
     # positions recomputed (prompts diverging at a block boundary); True: recompute the block
     disable_divergent_block_reuse: bool = False
     # draft fewer tokens, or none, when measurement says drafting does not pay (batch size,
-    # acceptance); False: always num_spec_tokens (speckv/spec/adaptive.py)
+    # acceptance); False: always num_spec_tokens (speckv/speculation/adaptive.py)
     adaptive_speculation: bool = True
     prompt_lookup_min: int = 1  # n-gram proposer: shortest suffix matched, tokens
     prompt_lookup_max: int = 3  # n-gram proposer: longest suffix matched, tokens

@@ -60,15 +60,15 @@ from speckv.hashing.functions import get_hash_algo
 from speckv.models.kv_layout import KVCacheLayout
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.tokenizer import Tokenizer
-from speckv.spec.adaptive import (
+from speckv.speculation.adaptive import (
     AdaptiveSpecConfig,
     AdaptiveSpeculation,
     Clock,
     SpecDecodeStats,
     default_clock,
 )
-from speckv.spec.policy import NO_DRAFTER, DrafterPolicy
-from speckv.spec.proposer import Proposer
+from speckv.speculation.policy import NO_DRAFTER, DrafterPolicy
+from speckv.speculation.proposer import Proposer
 
 
 class EventPublisher(Protocol):

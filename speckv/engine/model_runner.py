@@ -46,8 +46,8 @@ from speckv.engine.sampler import verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
 from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
-from speckv.spec.adaptive import AdaptiveSpeculation, StepCost, Verification
-from speckv.spec.proposer import Proposer, ProposerInput, ProposeTiming, TargetRows
+from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost, Verification
+from speckv.speculation.proposer import Proposer, ProposerInput, ProposeTiming, TargetRows
 
 
 @dataclass
@@ -114,7 +114,7 @@ class ModelRunner:
         self.requests: dict[str, _RunnerRequest] = {}
         # the same block tables as one persistent array per group (rows kept in lockstep)
         self._tables = [BatchBlockTable() for _ in self.group_block_sizes]
-        # the draft length per step (speckv/spec/adaptive.py); None: always num_spec_tokens
+        # the draft length per step (speckv/speculation/adaptive.py); None: always num_spec_tokens
         self.spec_policy = spec_policy
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:

@@ -2,9 +2,9 @@
 
 Owns turning `EngineConfig.speculative_method` (+ a drafter loaded from
 `EngineConfig.speculative_model`) into a `Proposer`. The proposer carries its drafter's policy
-(`speckv.spec.policy`), which then decides lookahead hashes versus the legacy drop. Drafter
+(`speckv.speculation.policy`), which then decides lookahead hashes versus the legacy drop. Drafter
 modules live in `speckv.drafters`; the proposer protocol and the n-gram proposer in
-`speckv.spec`. Also the engine's hash mode from its drafter's policy and its KV connector.
+`speckv.speculation`. Also the engine's hash mode from its drafter's policy and its KV connector.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from speckv.connectors.capability import lookahead_blocker
 from speckv.drafters.base import Drafter
 from speckv.engine.config import DRAFTER_METHODS, EngineConfig
 from speckv.models import LlamaForCausalLM
-from speckv.spec.adaptive import Clock
-from speckv.spec.ngram import NgramProposer
-from speckv.spec.policy import DrafterPolicy, resolve_hash_mode
-from speckv.spec.proposer import Proposer
+from speckv.speculation.adaptive import Clock
+from speckv.speculation.ngram import NgramProposer
+from speckv.speculation.policy import DrafterPolicy, resolve_hash_mode
+from speckv.speculation.proposer import Proposer
 
 
 def speculative_args(drafter: Drafter | None, num_spec_tokens: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Owns the hashed layouts. `LegacyFormat` and `LookaheadFormat` are the production formats;
 `NestedFormat` and `ExpandedWindowFormat` exist only so `speckv bench hash` can compare the
-alternatives the user documents measured.
+alternatives a hash layout could take (nested tuples, one expanded window) on cost.
 
     tokens:   ... | t[s] ... t[e-1] | t[e] ... t[e+L-1] | ...
                     \\__ block ___/   \\__ lookahead __/

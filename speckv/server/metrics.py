@@ -43,7 +43,7 @@ from speckv.cache.hash_mode import HashMode
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.stats import SchedulerStats
 from speckv.server.engine_loop import EngineRequest
-from speckv.spec.adaptive import SpecDecodeStats
+from speckv.speculation.adaptive import SpecDecodeStats
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 

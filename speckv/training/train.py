@@ -46,9 +46,7 @@ import torch.nn.functional as F
 
 from speckv.drafters.builtin import BUILTIN_DRAFTER_DIR
 from speckv.drafters.eagle3 import Eagle3Drafter
-from speckv.drafters.evaluate import mean_acceptance_length, speculative_generate
 from speckv.drafters.loaders import build_drafter, load_drafter, save_drafter
-from speckv.drafters.prompts import FOLLOW_UPS, eval_prompts, train_prompts
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.llama import LlamaForCausalLM
 from speckv.models.rope import apply_rope
@@ -63,6 +61,8 @@ from speckv.training.distill import (
     load_sequences,
     save_sequences,
 )
+from speckv.training.evaluate import mean_acceptance_length, speculative_generate
+from speckv.training.prompts import FOLLOW_UPS, eval_prompts, train_prompts
 
 if TYPE_CHECKING:
     from speckv.models.tokenizer import Tokenizer

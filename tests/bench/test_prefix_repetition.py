@@ -10,9 +10,9 @@ from speckv.bench.prefix_repetition import (
     run_benchmark,
     write_chart,
 )
-from speckv.bench.workload import PrefixRepetitionConfig, prefix_repetition
 from speckv.drafters.loaders import random_drafter
 from speckv.testing.tiny_model import tiny_model
+from speckv.workloads import PrefixRepetitionConfig, prefix_repetition
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.bench.engine_workers import ModelSpec
 from speckv.bench.prefix_repetition import RunOptions, outputs_identical, run_benchmark
-from speckv.bench.workload import PrefixRepetitionConfig, oracle_hit_tokens, prefix_repetition
+from speckv.cluster.engine_pool import ModelSpec
+from speckv.workloads import PrefixRepetitionConfig, oracle_hit_tokens, prefix_repetition
 from tests.bench.engine_models import TINY_EAGLE, tiny_eagle
 
 

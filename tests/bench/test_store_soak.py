@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.bench.engine_workers import ModelSpec
 from speckv.bench.store_soak import StoreSoakConfig, run_store_soak
+from speckv.cluster.engine_pool import ModelSpec
 from tests.bench.engine_models import TINY_EAGLE, tiny_eagle
 
 

@@ -12,7 +12,7 @@ from speckv.cache import KVCacheManager
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec, parse_group_specs
 from speckv.engine.request import Request
-from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from speckv.testing import run_to_completion, toy_core
 
 

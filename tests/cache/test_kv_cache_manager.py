@@ -12,7 +12,7 @@ from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.events import BlockStored
 from speckv.cache.hash_mode import HashMode
 from speckv.engine.request import Request
-from speckv.spec.policy import DRAFTER_NAMES
+from speckv.speculation.policy import DRAFTER_NAMES
 from speckv.testing import HitMismatch, SymbolicKV, run_to_completion, toy_core
 
 
@@ -150,7 +150,7 @@ def test_drafts_are_never_cached(world_factory):
     request.num_computed_tokens = 5
     request.append_output_token_ids([9])
     request.spec_token_ids = [1, 2, 3]  # drafts would fill block [4, 8) and more
-    manager.allocate_slots(request, 1 + 3, num_lookahead_tokens=3)
+    manager.allocate_slots(request, 1 + 3, num_draft_slots=3)
     request.num_computed_tokens += 4
     assert manager.managers[0].num_cached_blocks[request.request_id] == 1
     request.apply_verification(3, [1, 7])  # draft 1 accepted, bonus 7

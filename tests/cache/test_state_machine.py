@@ -34,7 +34,7 @@ from speckv.cache.events import BlockStored, KVEventSink
 from speckv.cache.specs import MambaSpec, SlidingWindowSpec
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
-from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from speckv.testing import SymbolicKV, toy_core
 
 GROUP_MIXES = {

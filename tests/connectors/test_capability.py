@@ -14,7 +14,7 @@ from speckv.connectors import (
     supports_lookahead,
 )
 from speckv.engine.speculative import resolve_connector_hash_mode
-from speckv.spec.policy import drafter_policy
+from speckv.speculation.policy import drafter_policy
 
 
 def _disk(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.connectors import ConnectorMode, OffloadConnector, RequestBlocks
-from speckv.spec.policy import drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from tests.connectors.connector_helpers import BLOCK_SIZE, Driver, KVWorld, Req
 
 B = BLOCK_SIZE

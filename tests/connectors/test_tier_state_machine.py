@@ -32,7 +32,7 @@ from speckv.connectors.host_pool import GIB
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
 from speckv.engine.speculative import resolve_connector_hash_mode
-from speckv.spec.policy import drafter_policy
+from speckv.speculation.policy import drafter_policy
 from speckv.testing import PagedSymbolicKV, instrument_tiers, toy_core
 
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]

@@ -14,9 +14,9 @@ from speckv.drafters.builtin import (
     measured_speedup,
 )
 from speckv.drafters.eagle3 import Eagle3Drafter
-from speckv.drafters.evaluate import speculative_generate
 from speckv.models import builtin
 from speckv.models.generate import greedy_generate
+from speckv.training.evaluate import speculative_generate
 
 pytestmark = [
     pytest.mark.slow,

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from speckv.drafters import heldout_prompts as heldout
-from speckv.drafters.prompts import FOLLOW_UPS, eval_prompts, train_prompts
+from speckv.training.prompts import FOLLOW_UPS, eval_prompts, train_prompts
 
 
 def _four_grams(text: str) -> set[tuple[str, ...]]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.drafters.evaluate import speculative_generate
 from speckv.drafters.proposer import DrafterProposer
-from speckv.spec.proposer import ProposerInput
+from speckv.speculation.proposer import ProposerInput
+from speckv.training.evaluate import speculative_generate
 from tests.drafters.drafter_test_utils import (
     FLAVOUR_IDS,
     FLAVOURS,

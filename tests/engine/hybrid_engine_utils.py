@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
-from speckv.spec.policy import drafter_policy
-from speckv.spec.proposer import ProposerInput
+from speckv.speculation.policy import drafter_policy
+from speckv.speculation.proposer import ProposerInput
 
 
 def run_all(engine: LLMEngine) -> dict[str, RequestOutput]:

@@ -10,7 +10,7 @@ from speckv.drafters.loaders import random_drafter
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.spec.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation
+from speckv.speculation.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation
 from tests.engine.engine_test_utils import run_engine
 
 PROMPTS = [[(3 * i + j * 7) % 90 + 1 for j in range(9 + 4 * i)] for i in range(4)]

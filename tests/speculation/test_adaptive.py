@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from speckv.spec.adaptive import (
+from speckv.speculation.adaptive import (
     AdaptiveSpecConfig,
     AdaptiveSpeculation,
     StepCost,

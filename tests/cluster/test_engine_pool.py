@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.bench.engine_workers import EngineWorkers, ModelSpec, WorkerError
 from speckv.bench.prefix_repetition import RunOptions, run_benchmark
+from speckv.cluster.engine_pool import EngineWorkers, ModelSpec, WorkerError
 from tests.bench.engine_models import BROKEN
 
 

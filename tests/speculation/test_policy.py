@@ -1,11 +1,11 @@
-"""Drafter policies and the hash-mode decision (SPEC §6)."""
+"""Drafter policies and the hash-mode decision (`speckv.speculation.policy`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from speckv.cache.hash_mode import HashMode
-from speckv.spec.policy import DRAFTER_NAMES, drafter_policy, resolve_hash_mode
+from speckv.speculation.policy import DRAFTER_NAMES, drafter_policy, resolve_hash_mode
 
 
 class Connector:

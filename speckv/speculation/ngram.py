@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from speckv.spec.policy import DrafterPolicy, drafter_policy
-from speckv.spec.proposer import ProposerInput, ProposeTiming
+from speckv.speculation.policy import DrafterPolicy, drafter_policy
+from speckv.speculation.proposer import ProposerInput, ProposeTiming
 
 
 class NgramProposer:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from speckv.bench.workload import (
+from speckv.workloads import (
     PrefixRepetitionConfig,
     load_jsonl,
     oracle_hit_tokens,

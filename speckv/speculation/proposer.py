@@ -1,7 +1,7 @@
 """The speculative-decoding seam: what a drafter gets after verification, and what it returns.
 
 Owns the `Proposer` protocol and its per-request input. The n-gram proposer
-(`speckv.spec.ngram`) and the EAGLE / EAGLE3 / MTP drafters (`DrafterProposer` in
+(`speckv.speculation.ngram`) and the EAGLE / EAGLE3 / MTP drafters (`DrafterProposer` in
 `speckv.drafters.proposer`) implement it. The model runner calls `propose` once per step, after
 verification and BEFORE the scheduler frees any finished request, so a drafter writes its draft
 KV for every position made final this step (finishing requests included) before the block that
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from speckv.spec.policy import DrafterPolicy
+from speckv.speculation.policy import DrafterPolicy
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Benchmark workloads: vLLM's `prefix_repetition` generator and JSONL prompt files.
+"""vLLM's `prefix_repetition` workload generator, and the hit a perfect cache would give it.
 
 Owns turning workload parameters into a list of `WorkloadRequest`s (token ids + output length).
 `prefix_repetition`: `num_prefixes` random prefixes, each shared by
@@ -12,31 +12,14 @@ so prompts are text a tokenizer really produces (as vLLM's generator does).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
-
-
-class TextTokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, token_ids: list[int]) -> str: ...
-
-
-@dataclass(frozen=True)
-class WorkloadRequest:
-    prompt_token_ids: list[int]
-    output_len: int
-    prefix_index: int | None = None  # which shared prefix, for prefix_repetition
+from speckv.workloads.requests import TextTokenizer, WorkloadRequest
 
 
 @dataclass(frozen=True)
@@ -117,32 +100,3 @@ def oracle_hit_tokens(requests: list[WorkloadRequest], block_size: int) -> int:
         total += hit_blocks * block_size
         seen.update(hashes)
     return total
-
-
-def load_jsonl(path: Path, tokenizer: TextTokenizer, default_output_len: int
-               ) -> list[WorkloadRequest]:
-    """One JSON object per line: `{"prompt": str}` or `{"prompt_token_ids": [...]}`, optional
-    `"output_len"`."""
-    requests = []
-    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_number}: not JSON ({error.msg})") from None
-        if not isinstance(item, dict):
-            raise ValueError(f"{path}:{line_number}: expected an object")
-        if "prompt_token_ids" in item:
-            token_ids = [int(token) for token in item["prompt_token_ids"]]
-        elif isinstance(item.get("prompt"), str):
-            token_ids = tokenizer.encode(item["prompt"])
-        else:
-            raise ValueError(f"{path}:{line_number}: needs 'prompt' or 'prompt_token_ids'")
-        output_len = int(item.get("output_len", default_output_len))
-        if output_len < 1:
-            raise ValueError(f"{path}:{line_number}: output_len must be >= 1")
-        requests.append(WorkloadRequest(token_ids, output_len))
-    if not requests:
-        raise ValueError(f"{path}: no prompts")
-    return requests

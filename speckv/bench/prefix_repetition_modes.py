@@ -1,0 +1,217 @@
+"""One mode of `speckv bench prefix-repetition` on one engine, and its summary.
+
+Owns the modes table, the run options, the engine configuration of a mode, driving one
+engine through a workload (arrivals, the concurrency cap) and summarising what it did into a
+`ModeResult`. `prefix_repetition.py` runs the modes and renders them; `multi_engine.py` runs
+them on several engine processes with the same configuration and summary.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from speckv.workloads import (
+    WorkloadRequest,
+    oracle_hit_tokens,
+)
+
+MODES: dict[str, dict[str, bool]] = {
+    "no spec": {"speculative": False, "legacy": False, "reuse": False},
+    "legacy drop": {"speculative": True, "legacy": True, "reuse": False},
+    "lookahead": {"speculative": True, "legacy": False, "reuse": False},
+    "lookahead + block reuse": {"speculative": True, "legacy": False, "reuse": True},
+}
+REUSE_MODE = "lookahead + block reuse"
+NO_TIER_MODE = "lookahead, no tier"  # added when the other modes run with a KV tier
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 * 1024**2
+    num_spec_tokens: int = 3
+    request_rate: float = float("inf")  # requests/s; inf: all at once
+    max_concurrency: int = 8
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    progress: bool = True
+    # a KV tier under the local cache ("offload", "disk", "offload,disk"; None: none)
+    kv_connector: str | None = None
+    kv_offload_gb: float = 4.0
+    kv_offload_dir: str | None = None  # the disk tier's directory (each mode: a fresh one)
+    kv_offload_disk_gb: float = 16.0
+    kv_store_url: str = "embedded"  # with --engines > 1: one embedded server for all engines
+    kv_store_gb: float = 4.0
+    num_engines: int = 1  # engine processes, request i on engine i mod num_engines
+
+    def __post_init__(self) -> None:
+        if self.request_rate <= 0:
+            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.num_engines < 1:
+            raise ValueError(f"--engines must be >= 1, got {self.num_engines}")
+        if self.kv_connector is not None:
+            from speckv.connectors import ConnectorConfig
+
+            ConnectorConfig.parse(self.kv_connector, offload_gib=self.kv_offload_gb,
+                                  offload_dir=self.kv_offload_dir,
+                                  disk_gib=self.kv_offload_disk_gb,
+                                  store_url=self.kv_store_url, store_gib=self.kv_store_gb)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    hash_mode: str
+    hit_rate: float  # local + tier
+    oracle_hit_rate: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_mean_ms: float
+    ttft_median_ms: float
+    ttft_p99_ms: float
+    tpot_mean_ms: float
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    num_preemptions: int
+    duration_s: float
+    outputs: list[list[int]] = field(repr=False, default_factory=list)
+    tier: str = "-"  # the KV tier under the local cache ("-": none)
+    tier_hit_rate: float = 0.0  # of hit_rate, tokens loaded from the tier
+    num_engines: int = 1
+
+
+def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
+    return np.cumsum(gaps).tolist()
+
+
+def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
+                  store_url: str | None = None) -> tuple[Any, bool]:
+    """(EngineConfig of `mode`, whether it runs the drafter). `store_url`: the store every
+    engine of the mode shares (default: `options.kv_store_url`)."""
+    from speckv.engine.config import EngineConfig
+    from speckv.engine.speculative import speculative_args
+
+    spec = MODES["lookahead" if mode == NO_TIER_MODE else mode]
+    mode_drafter = drafter if spec["speculative"] else None
+    tier = {} if options.kv_connector is None or mode == NO_TIER_MODE else {
+        "kv_connector": options.kv_connector, "kv_offload_gb": options.kv_offload_gb,
+        "kv_offload_disk_gb": options.kv_offload_disk_gb,
+        "kv_offload_dir": (tempfile.mkdtemp(prefix="mode-", dir=options.kv_offload_dir)
+                           if options.kv_offload_dir is not None else None),
+        "kv_store_url": store_url or options.kv_store_url, "kv_store_gb": options.kv_store_gb,
+    }
+    config = EngineConfig(
+        block_size=options.block_size,
+        num_blocks=options.num_blocks,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        max_num_seqs=options.max_concurrency,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        **speculative_args(mode_drafter, options.num_spec_tokens),
+        disable_lookahead_block_hashes=spec["legacy"],
+        disable_divergent_block_reuse=not spec["reuse"],
+        dtype=str(model.dtype),  # EngineConfig drops the "torch." prefix
+        device=str(model.device),
+        hash_seed="0",
+        **tier,
+    )
+    return config, mode_drafter is not None
+
+
+def run_mode(model: Any, drafter: Any, workload: list[WorkloadRequest], mode: str,
+             options: RunOptions) -> ModeResult:
+    """One mode on a fresh engine (empty cache) over the whole workload."""
+    from speckv.engine.llm_engine import LLMEngine
+
+    config, with_drafter = engine_config(model, drafter, mode, options)
+    with LLMEngine(model, config, drafter=drafter if with_drafter else None,
+                   detokenize=False) as engine:
+        return _drive(engine, workload, mode, options)
+
+
+def _drive(engine: Any, workload: list[WorkloadRequest], mode: str, options: RunOptions
+           ) -> ModeResult:
+    from speckv.engine.sampling_params import SamplingParams
+
+    arrivals = arrival_times(len(workload), options.request_rate, options.seed)
+    pending = deque(range(len(workload)))
+    index_of: dict[str, int] = {}
+    first_token: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    results: dict[int, Any] = {}
+    progress = tqdm(total=len(workload), desc=mode, disable=not options.progress, leave=False)
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while (pending and arrivals[pending[0]] <= now
+               and engine.num_unfinished_requests < options.max_concurrency):
+            index = pending.popleft()
+            request = workload[index]
+            params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
+            index_of[engine.add_request(request.prompt_token_ids, params)] = index
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.05, arrivals[pending[0]] - now)))
+            continue
+        for output in engine.step():
+            index = index_of[output.request_id]
+            stamp = time.perf_counter()
+            if output.token_ids and index not in first_token:
+                first_token[index] = stamp
+            if output.finished:
+                finish[index] = stamp
+                results[index] = output
+                progress.update(1)
+    duration = time.perf_counter() - start
+    progress.close()
+    ordered = [results[index] for index in range(len(workload))]
+    tpots = [1000 * (finish[i] - first_token[i]) / (len(o.token_ids) - 1)
+             for i, o in enumerate(ordered) if len(o.token_ids) > 1]
+    tier = engine.connector.name if engine.connector is not None else "-"
+    return summarize(mode, engine.hash_mode.label, tier, workload, ordered, tpots, duration,
+                     options)
+
+
+def summarize(mode: str, hash_mode: str, tier: str, workload: list[WorkloadRequest],
+              ordered: list[Any], tpots_ms: list[float], duration_s: float,
+              options: RunOptions) -> ModeResult:
+    """A mode's row from its RequestOutputs (in workload order)."""
+    from speckv.engine.outputs import acceptance_stats
+
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    ttfts = sorted(1000 * (o.ttft_s or 0.0) for o in ordered)
+    acceptance = acceptance_stats(ordered, options.num_spec_tokens)
+    return ModeResult(
+        mode=mode,
+        hash_mode=hash_mode,
+        hit_rate=sum(o.num_cached_tokens for o in ordered) / prompt_tokens,
+        tier=tier,
+        tier_hit_rate=sum(o.num_external_cached_tokens for o in ordered) / prompt_tokens,
+        oracle_hit_rate=oracle_hit_tokens(workload, options.block_size) / prompt_tokens,
+        requests_per_s=len(workload) / duration_s,
+        output_tokens_per_s=sum(len(o.token_ids) for o in ordered) / duration_s,
+        ttft_mean_ms=statistics.fmean(ttfts),
+        ttft_median_ms=statistics.median(ttfts),
+        ttft_p99_ms=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        tpot_mean_ms=statistics.fmean(tpots_ms) if tpots_ms else 0.0,
+        acceptance_rate=acceptance[0] if acceptance else None,
+        mean_acceptance_length=acceptance[1] if acceptance else None,
+        num_preemptions=sum(o.num_preemptions for o in ordered),
+        duration_s=duration_s,
+        outputs=[list(o.token_ids) for o in ordered],
+        num_engines=options.num_engines,
+    )
+
+

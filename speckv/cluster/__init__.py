@@ -1,0 +1,1 @@
+"""Several engines at once: a pool of engine processes driven over pipes."""
