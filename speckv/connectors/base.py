@@ -122,7 +122,7 @@ class KVConnector(ABC):
 
     @property
     def supports_lookahead_block_hashes(self) -> bool:
-        """True if the connector stays correct with lookahead block hashes (SPEC §9).
+        """True if the connector stays correct with lookahead block hashes.
 
         Content-addressed tiers that store and look up only blocks covered by the request's
         block hashes opt in; anything else keeps the default, and the engine falls back to

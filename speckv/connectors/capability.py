@@ -1,6 +1,6 @@
 """The lookahead capability rule: may this engine use lookahead block hashes with its connector?
 
-Owns the rule the engine applies once at start-up (SPEC §6, §9):
+Owns the rule the engine applies once at start-up:
 - no connector: no restriction;
 - a connector: only if it declares `supports_lookahead_block_hashes`;
 - a multi-connector: only if it has at least one child and every child (recursively) does.

@@ -1,6 +1,6 @@
 """Connector configuration: the frozen, validated `ConnectorConfig`, its CLI flags, the factory.
 
-Owns the user-facing names (SPEC §9, the connector pull request):
+Owns the user-facing names:
 
     --kv-connector offload,disk     which tiers, fastest first ("offload", "disk",
                                     "offload-nolookahead": a CPU tier without the lookahead

@@ -8,7 +8,7 @@ A drafter is a chain of `k` modules (EAGLE / EAGLE3: k = 1; MTP: k modules). Mod
 position `p` reads the token `t[p + j]` and the hidden state `h_{j-1}[p]` (h_0 = the target's
 hidden state at `p`), writes ITS draft KV at `p` and outputs `h_j[p]`, whose logits predict
 `t[p + j + 1]`. So the draft KV at `p` depends on tokens up to `p + L` with `L = k`
-(`draft_kv_lookahead_tokens`): the reason block hashes carry `L` lookahead tokens (SPEC §1).
+(`draft_kv_lookahead_tokens`): the reason block hashes carry `L` lookahead tokens.
 
 Positions in one decode step (n = real tokens now known, t[n-1] just sampled; k = 3 shown)::
 
@@ -39,7 +39,7 @@ Engine contract (block tables and slots):
 - Catch-up writes positions < n - 1; propose writes provisional KV at positions up to
   `n - 2 + max(0, S - k)`, inside the `num_draft_slots = S` slots the cache manager
   allocates for the target's verification (positions n-1 .. n-1+S).
-- Order (SPEC §5): run `write_draft_kv` for a step BEFORE publishing the block hashes that the
+- Order: run `write_draft_kv` for a step BEFORE publishing the block hashes that the
   step's new real tokens complete.
 """
 

@@ -302,3 +302,16 @@ def json_rows(out: str) -> list[dict]:
     import json
 
     return json.loads(out)
+
+
+def test_source_cites_no_document_outside_the_repository():
+    """Comments and docstrings explain in place: a reader of the package has the package, not
+    the documents it was first specified in."""
+    import pathlib
+
+    root = pathlib.Path(cli.__file__).parent
+    cited = [f"{path.relative_to(root.parent)}:{number}"
+             for path in sorted(root.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), start=1)
+             if any(reference in line for reference in INTERNAL_REFERENCES[:3])]
+    assert not cited, cited
