@@ -71,6 +71,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from speckv.cache.events import KVCacheEvent
 from speckv.connectors.layout import DeviceKV
@@ -101,17 +102,29 @@ class RequestBlocks:
 
 @dataclass(frozen=True)
 class ExternalHit:
-    """Tokens a connector can load beyond the local hit: whole blocks, 0 for none."""
+    """Tokens a connector can load beyond the local hit: whole blocks, 0 for none.
+
+    `load_async` (vLLM's `load_kv_async`): the load may outlast a step. The engine then
+    allocates the request's blocks, parks it in `WAITING_FOR_REMOTE_KVS` and schedules it only
+    after `get_finished()` lists it in `finished_recving`; False: the load is done (or failed)
+    when `start_load_kv` returns, and the request computes in the step that loads."""
 
     num_tokens: int
     medium: str | None = None  # where they come from ("CPU", "DISK"); None when 0
+    load_async: bool = False
 
 
 @dataclass(frozen=True)
 class FinishDecision:
-    """What a connector wants done with a finishing request's blocks."""
+    """What a connector wants done with a finishing request's blocks.
 
-    delay_free: bool = False  # True: keep the blocks until get_finished() lists the request
+    `delay_free`: keep the blocks (allocated, not reusable) until `get_finished()` lists the
+    request in `finished_sending` (a transfer still reads them). `kv_transfer_params` ride to
+    the request's final output (`RequestOutput.kv_transfer_params`, the API's field of that
+    name), e.g. where a decode engine finds the blocks."""
+
+    delay_free: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class KVConnector(ABC):

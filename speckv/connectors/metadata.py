@@ -149,6 +149,12 @@ class ConnectorOutput:
     finished_loads: frozenset[str] = frozenset()  # loads done (fully or up to a failure)
     finished_saves: frozenset[str] = frozenset()  # finished requests whose saves all settled
     load_failures: tuple[LoadFailure, ...] = ()
+    # asynchronous loads (`ExternalHit.load_async`) done since the last report, fully or up to
+    # a failure (then also in `load_failures`); every one started is reported exactly once,
+    # also for a request that finished (was aborted) while its load ran
+    finished_recving: frozenset[str] = frozenset()
+    # finished requests whose blocks were kept (`FinishDecision.delay_free`) and may be freed
+    finished_sending: frozenset[str] = frozenset()
 
     @property
     def failed_block_ids(self) -> frozenset[int]:

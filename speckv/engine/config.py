@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speckv.connectors.config import ConnectorConfig
+from speckv.connectors.config import ConnectorConfig, check_load_failure_policy
 from speckv.connectors.disk import DEFAULT_DISK_GIB
 from speckv.connectors.namespace import persistent_hash_seed
 from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB
@@ -80,6 +80,7 @@ class EngineConfig:
     kv_store_cluster: bool = False  # the store URL names a Redis Cluster node
     kv_store_optional: bool = False  # start without the store when it is unreachable
     kv_store_timeout_s: float = 1.0  # per store call, then a miss
+    kv_load_failure_policy: str = "recompute"  # a failed KV load: "recompute" or "fail"
     # tokens per Mamba / GDN state block of a hybrid model: the state checkpoint interval and
     # so the alignment unit of prefix hits (a multiple of block_size); None: the model's
     # default (544 with block_size 16)
@@ -186,6 +187,10 @@ class EngineConfig:
             )
 
     def _check_connector(self) -> None:
+        try:
+            check_load_failure_policy(self.kv_load_failure_policy)
+        except ValueError as error:
+            raise ValueError(f"EngineConfig.kv_load_failure_policy: {error}") from None
         if self.kv_connector is None:
             if self.kv_offload_dir is not None:
                 raise ValueError("EngineConfig.kv_offload_dir needs kv_connector='disk' (or "
@@ -218,7 +223,8 @@ class EngineConfig:
                                      store_url=self.kv_store_url, store_gib=self.kv_store_gb,
                                      store_cluster=self.kv_store_cluster,
                                      store_optional=self.kv_store_optional,
-                                     store_timeout_s=self.kv_store_timeout_s)
+                                     store_timeout_s=self.kv_store_timeout_s,
+                                     load_failure_policy=self.kv_load_failure_policy)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

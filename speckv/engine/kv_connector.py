@@ -31,6 +31,8 @@ from speckv.connectors import (
     ConnectorMode,
     ConnectorOutput,
     DeviceKV,
+    ExternalHit,
+    FinishDecision,
     KVConnector,
     LoadFailure,
     RequestBlocks,
@@ -39,6 +41,7 @@ from speckv.connectors import (
     fingerprint_tensors,
     make_connector,
 )
+from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, check_load_failure_policy
 
 if TYPE_CHECKING:
     from speckv.attention import PagedKVCache
@@ -85,19 +88,28 @@ def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,
 # ---- scheduler side ----------------------------------------------------------------------------
 class SchedulerConnector:
     """The scheduler's calls into the connector. Reads the cache manager for block ids; never
-    touches device memory."""
+    touches device memory. `load_failure_policy` (`--kv-load-failure-policy`): what a failed
+    load does to its request, "recompute" (from the first failed token) or "fail" (it ends
+    with an error)."""
 
-    def __init__(self, connector: KVConnector, manager: KVCacheManager) -> None:
+    def __init__(self, connector: KVConnector, manager: KVCacheManager,
+                 load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY) -> None:
         self.connector = connector
         self.manager = manager
+        self.load_failure_policy = check_load_failure_policy(load_failure_policy)
 
     def _blocks(self, request: Request, num_written_tokens: int) -> RequestBlocks:
         block_ids = self.manager.get_block_ids(request.request_id)[GROUP_ID]
         return RequestBlocks(request, block_ids, num_written_tokens)
 
+    def external_hit(self, request: Request, num_local_hit_tokens: int) -> ExternalHit:
+        """What a tier (or a remote engine) can load right after the local hit (whole
+        blocks), and whether that load is asynchronous."""
+        return self.connector.get_num_new_matched_tokens(request, num_local_hit_tokens)
+
     def num_external_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
         """Tokens a tier can load right after the local hit (whole blocks, 0 for none)."""
-        return self.connector.get_num_new_matched_tokens(request, num_local_hit_tokens).num_tokens
+        return self.external_hit(request, num_local_hit_tokens).num_tokens
 
     def after_alloc(self, request: Request, block_ids: Sequence[int], num_local_hit_tokens: int,
                     num_external_tokens: int) -> None:
@@ -123,25 +135,37 @@ class SchedulerConnector:
         """Before the preempted request's blocks are freed (its computed tokens still set)."""
         self.connector.request_preempted(self._blocks(request, request.num_computed_tokens))
 
-    def finished(self, request: Request) -> None:
-        """Before the exiting request's blocks are freed (no connector here delays freeing)."""
-        decision = self.connector.request_finished(
+    def finished(self, request: Request) -> FinishDecision:
+        """Before the exiting request's blocks are freed. With `delay_free` the scheduler
+        keeps them until the connector lists the request in `finished_sending`."""
+        return self.connector.request_finished(
             self._blocks(request, request.num_computed_tokens))
-        if decision.delay_free:
-            raise RuntimeError(f"KV connector {self.connector.name!r} asked to delay freeing "
-                               "blocks, which this engine does not support")
+
+
+def load_failure_error(failure: LoadFailure) -> str:
+    """The error a request ends with under `--kv-load-failure-policy fail`."""
+    return (f"loading the prompt's KV cache through the KV connector failed at token "
+            f"{failure.first_failed_token} ({failure.reason}); --kv-load-failure-policy fail "
+            "ends the request (recompute would compute those tokens instead)")
 
 
 def apply_load_failure(request: Request, item: ScheduledRequest, failure: LoadFailure) -> None:
     """The request's load failed from `failure.first_failed_token` on; the runner computed
     nothing for it this step. Roll it back so it recomputes from there. Mutates."""
+    roll_back_load(request, item.num_hit_tokens, item.start, failure)
+
+
+def roll_back_load(request: Request, num_hit_tokens: int, end: int,
+                   failure: LoadFailure) -> None:
+    """A load of `[num_hit_tokens, end)` failed from `failure.first_failed_token` on: the
+    request's computed tokens stop there, its cached counts drop by what was lost. Mutates."""
     first = failure.first_failed_token
-    if not item.num_hit_tokens <= first < item.start:
+    if not num_hit_tokens <= first < end:
         raise RuntimeError(
             f"request {request.request_id}: load failure at token {first} outside its loaded "
-            f"range [{item.num_hit_tokens}, {item.start})"
+            f"range [{num_hit_tokens}, {end})"
         )
-    num_lost = item.start - first
+    num_lost = end - first
     request.num_computed_tokens = first
     if request.num_preemptions == 0:  # the first schedule's counts are what outputs report
         request.num_cached_tokens -= num_lost
@@ -174,6 +198,7 @@ class RunnerConnector:
         self.connector = connector
         self.block_size = block_size
         self._cut: dict[str, int] = {}
+        self._scheduled_ids: frozenset[str] = frozenset()
 
     def start_step(self, meta: StepMetadata | None, scheduled: Sequence[ScheduledRequest],
                    block_tables: Mapping[str, list[int]]) -> dict[str, int]:
@@ -182,6 +207,7 @@ class RunnerConnector:
         if meta is None:
             raise RuntimeError("the engine has a KV connector but the step carries no metadata")
         self.connector.start_load_kv(meta)
+        self._scheduled_ids = frozenset(item.request_id for item in scheduled)
         self._cut = failed_requests(scheduled, block_tables,
                                     self.connector.get_block_ids_with_load_errors(),
                                     self.block_size)
@@ -191,11 +217,19 @@ class RunnerConnector:
         """After the forward and the drafter's catch-up: the connector's report of the step."""
         self.connector.wait_for_save()
         output = self.connector.get_finished()
+        # a failure of this step's batch was cut from it; any other is an asynchronous load's
         reported = {failure.request_id: failure.first_failed_token
-                    for failure in output.load_failures}
+                    for failure in output.load_failures
+                    if failure.request_id in self._scheduled_ids}
         if reported != self._cut:
             raise RuntimeError(f"KV connector {self.connector.name!r} reported load failures "
                                f"{reported}, its failed blocks say {self._cut}")
+        stray = {failure.request_id for failure in output.load_failures
+                 if failure.request_id not in self._scheduled_ids} - output.finished_recving
+        if stray:
+            raise RuntimeError(f"KV connector {self.connector.name!r} reported load failures "
+                               f"of {sorted(stray)}, neither in this step's batch nor in "
+                               "finished_recving")
         self._cut = {}
         return output
 
@@ -208,4 +242,5 @@ def connector_engine_kwargs(spec: str, config: ConnectorConfig) -> dict[str, Any
         "kv_store_url": config.store_url, "kv_store_gb": config.store_gib,
         "kv_store_cluster": config.store_cluster, "kv_store_optional": config.store_optional,
         "kv_store_timeout_s": config.store_timeout_s,
+        "kv_load_failure_policy": config.load_failure_policy,
     }

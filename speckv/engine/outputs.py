@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class RequestOutput:
     # steps that accepted it (a draft after a rejected one counts as rejected)
     num_drafts_by_position: tuple[int, ...] = ()
     num_accepted_by_position: tuple[int, ...] = ()
+    # with the final output: what the KV connector returned for the caller (vLLM's field of
+    # that name, e.g. where a decode engine finds this request's prefilled blocks)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_local_cached_tokens(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 from speckv.engine.messages import FinishReason, NewRequestData, StopLimits
 from speckv.engine.sampling_params import SamplingParams
@@ -28,6 +29,9 @@ from speckv.hashing.functions import BlockHash
 
 class RequestStatus(Enum):
     WAITING = "waiting"
+    # allocated, its KV loading asynchronously from a KV connector: not scheduled until the
+    # connector reports the load finished (`ConnectorOutput.finished_recving`)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -105,6 +109,8 @@ class Request:
         self.hash_inputs = hash_inputs
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
+        # what the KV connector's `request_finished` returned for the caller (set at finish)
+        self.finished_kv_transfer_params: dict[str, Any] | None = None
         self._hashers = hashing.hashers_for(hash_inputs)
         self._next_hash_at = 0  # real tokens at which some hasher's next block hash appears
         self._update_hashes()
@@ -127,6 +133,11 @@ class Request:
     def lora_name(self) -> str | None:
         lora: LoRARef | None = self.hash_inputs.lora
         return lora.name if lora is not None else None
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What the API request carried for the KV connector (None: nothing)."""
+        return self.sampling_params.kv_transfer_params
 
     def get_block_hashes(self, lookahead_tokens: int) -> list[BlockHash]:
         return self._hashers[lookahead_tokens].block_hashes

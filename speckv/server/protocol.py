@@ -81,6 +81,8 @@ class _SamplingBody(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    # for the engine's KV connector (vLLM's field): opaque here, read by the connector
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class _CompletionBody(_SamplingBody):
@@ -206,7 +208,8 @@ def _sampling_params(body: _SamplingBody, max_tokens: int | None, num_prompt_tok
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                           top_p=float(top_p), seed=body.seed, stop=_stop_strings(body.stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
-                          skip_special_tokens=body.skip_special_tokens)
+                          skip_special_tokens=body.skip_special_tokens,
+                          kv_transfer_params=body.kv_transfer_params)
 
 
 def _stream_flags(body: _SamplingBody) -> tuple[bool, bool]:
@@ -346,22 +349,31 @@ class ResponseHeader:
         return cls(request_id, int(time.time()), model)
 
 
+def _with_transfer_params(response: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
+    """vLLM's top-level `kv_transfer_params`, when the KV connector returned some."""
+    if output.kv_transfer_params is not None:
+        response["kv_transfer_params"] = output.kv_transfer_params
+    return response
+
+
 def completion_response(header: ResponseHeader, output: RequestOutput) -> dict[str, Any]:
-    return {"id": header.id, "object": "text_completion", "created": header.created,
-            "model": header.model,
-            "choices": [{"index": 0, "text": output.text, "logprobs": None,
-                         "finish_reason": output.finish_reason, "stop_reason": None}],
-            "usage": usage(output)}
+    return _with_transfer_params({
+        "id": header.id, "object": "text_completion", "created": header.created,
+        "model": header.model,
+        "choices": [{"index": 0, "text": output.text, "logprobs": None,
+                     "finish_reason": output.finish_reason, "stop_reason": None}],
+        "usage": usage(output)}, output)
 
 
 def chat_response(header: ResponseHeader, output: RequestOutput) -> dict[str, Any]:
-    return {"id": header.id, "object": "chat.completion", "created": header.created,
-            "model": header.model,
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": output.text},
-                         "logprobs": None, "finish_reason": output.finish_reason,
-                         "stop_reason": None}],
-            "usage": usage(output)}
+    return _with_transfer_params({
+        "id": header.id, "object": "chat.completion", "created": header.created,
+        "model": header.model,
+        "choices": [{"index": 0,
+                     "message": {"role": "assistant", "content": output.text},
+                     "logprobs": None, "finish_reason": output.finish_reason,
+                     "stop_reason": None}],
+        "usage": usage(output)}, output)
 
 
 def sse(payload: Mapping[str, Any] | str) -> bytes:
