@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from speckv.cache.block import CacheKey, make_cache_key
+from speckv.cache.block import NULL_BLOCK_ID, CacheKey, make_cache_key
 from speckv.connectors.base import ExternalHit, FinishDecision, RequestBlocks
 from speckv.connectors.copy_schedule import CopyPoint
 from speckv.connectors.metadata import (
@@ -36,8 +36,6 @@ from speckv.connectors.rules import (
 )
 from speckv.connectors.store import BlockStore
 from speckv.connectors.tier_copier import TierCopier
-
-NULL_BLOCK_ID = 0  # the block manager's "no KV here" block: never saved
 
 
 @dataclass

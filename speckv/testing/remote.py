@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from speckv.cache.block import CacheKey, make_cache_key
+from speckv.cache.block import NULL_BLOCK_ID, CacheKey, make_cache_key
 from speckv.connectors.base import ExternalHit, FinishDecision, KVConnector, RequestBlocks
 from speckv.connectors.layout import BlockTensors, DeviceKV
 from speckv.connectors.metadata import (
@@ -50,7 +50,6 @@ from speckv.connectors.rules import (
 )
 
 MEDIUM_REMOTE = "REMOTE"
-NULL_BLOCK_ID = 0
 
 
 @dataclass

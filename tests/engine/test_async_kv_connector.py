@@ -20,7 +20,7 @@ from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request, RequestStatus
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import resolve_connector_hash_mode
-from speckv.spec.policy import drafter_policy
+from speckv.speculation.policy import drafter_policy
 from speckv.testing import FakeRemoteConnector, PagedSymbolicKV, RemoteBlocks, toy_core
 
 B = 4
