@@ -5,8 +5,9 @@ Owns turning user input into scheduler requests (tokenization, validation agains
 `EngineConfig`, and one step's outer order:
 
     EngineCore.step (core.py): schedule → run → update (scheduler.py, model_runner.py)
-    OutputProcessor (output_processor.py): detokenize, stop strings, deltas → RequestOutput
-        a stop string ends its request in the core (its last block cached, then freed)
+        a stop string (found by the OutputProcessor in the runner's sampled tokens) is an
+        input of the update, which ends its request (its last block cached, then freed)
+    OutputProcessor (output_processor.py): detokenize, deltas → RequestOutput
     publish the step's KV events (optional): the local cache's, then the KV connector's tiers'
 
 The KV cache groups come from the model (`model.kv_cache_layout(block_size)`: full attention,
@@ -212,8 +213,9 @@ class LLMEngine:
         if connector is not None:
             initialize_connector(connector, self.runner.kv_cache,
                                  getattr(proposer, "kv_cache", None), self.hash_mode, block_size)
-        self.core = EngineCore(self.scheduler, self.runner)
         self.output_processor = OutputProcessor(tokenizer, detokenize)
+        # stop strings: the output processor finds them, the core applies them
+        self.core = EngineCore(self.scheduler, self.runner, self.output_processor)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
         self._counter = itertools.count()
@@ -320,8 +322,7 @@ class LLMEngine:
         finished in it (deltas since the previous output)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        outputs, stopped_ids = self.output_processor.process(self.core.step())
-        self.scheduler.finish_requests(stopped_ids, FinishReason.STOP)
+        outputs = self.output_processor.process(self.core.step())
         self._settle_if_idle()
         # taken every step, published or not: a tier's events pile up otherwise
         tier_events = self.connector.take_events() if self.connector is not None else []

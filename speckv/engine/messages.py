@@ -7,6 +7,8 @@ Owns the shapes of one step's traffic:
         │                              │ table (from the deltas below), sampling seed
         └───────ModelRunnerOutput──────┘ sampled tokens (verified, cut at a stop) + next drafts
     Scheduler.update_from_output ──EngineCoreOutput──► OutputProcessor ──► RequestOutput
+        ▲ stop strings: tokens kept per request (`StopStringCuts`), found by the output
+          processor in the runner's sampled tokens before the update (data, no call back)
 
 Block ids travel as deltas: a request's first schedule (or its resume after a preemption)
 carries its whole block table; later steps carry only the blocks allocated in that step.
@@ -130,6 +132,13 @@ class ModelRunnerOutput:
     # load failures (each request named there was cut from the batch: nothing was computed
     # or sampled for it; it recomputes from its failure's first_failed_token)
     kv_connector_output: ConnectorOutput | None = None
+    # why a request's sampled tokens end it (decided here, once: the scheduler only applies
+    # it); requests that go on are absent
+    finish_reasons: dict[str, FinishReason] = field(default_factory=dict)
+    # drafts accepted by this step's verification per request that verified drafts, counted
+    # once here before any stop cut (the adaptive policy reads the same count; the scheduler
+    # reports what the cut kept)
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
