@@ -37,6 +37,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from speckv.cache.results import BlockCopy
+from speckv.engine.direct_init import direct_init
 from speckv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class NewRequestData:
     stop_limits: StopLimits
 
 
+@direct_init
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One request computed in this step, in batch order."""
@@ -144,6 +146,7 @@ class ModelRunnerOutput:
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
 
 
+@direct_init
 @dataclass(frozen=True)
 class EngineCoreOutput:
     """One request's progress in one step, as the scheduler saw it (no text)."""

@@ -206,26 +206,18 @@ class OutputProcessor:
         drafts_by_position = state.drafts_by_position
         accepted_by_position = state.accepted_by_position
         first_token_s = state.first_token_s
-        return RequestOutput.from_fields({
-            "request_id": state.request_id,
-            "prompt_token_ids": state.prompt_token_ids,
-            "token_ids": list(state.output_token_ids),
-            "text": text,
-            "delta_token_ids": delta_ids,
-            "delta_text": delta_text,
-            "num_cached_tokens": state.num_cached_tokens,
-            "ttft_s": first_token_s - state.arrival_time if first_token_s is not None else None,
-            "finish_reason": state.finish_reason.value if finished else None,
-            "num_preemptions": state.num_preemptions,
-            "num_draft_tokens": state.num_draft_tokens,
-            "num_accepted_tokens": state.num_accepted_tokens,
-            "error": state.error,
-            "num_external_cached_tokens": state.num_external_cached_tokens,
-            "num_drafts_by_position": tuple(drafts_by_position) if drafts_by_position else (),
-            "num_accepted_by_position": tuple(accepted_by_position) + (0,) * (
+        return RequestOutput(
+            state.request_id, state.prompt_token_ids, list(state.output_token_ids), text,
+            delta_ids, delta_text, state.num_cached_tokens,
+            first_token_s - state.arrival_time if first_token_s is not None else None,
+            state.finish_reason.value if finished else None, state.num_preemptions,
+            state.num_draft_tokens, state.num_accepted_tokens, state.error,
+            state.num_external_cached_tokens,
+            tuple(drafts_by_position) if drafts_by_position else (),
+            tuple(accepted_by_position) + (0,) * (
                 len(drafts_by_position) - len(accepted_by_position)) if drafts_by_position
             else (),
-        })
+        )
 
 
 def _count_positions(counts: list[int], num_positions: int) -> None:

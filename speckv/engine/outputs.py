@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from speckv.engine.direct_init import direct_init
 
 
+@direct_init  # one per request per step: the frozen init's per-field setattr costs
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str
@@ -35,15 +37,6 @@ class RequestOutput:
     # steps that accepted it (a draft after a rejected one counts as rejected)
     num_drafts_by_position: tuple[int, ...] = ()
     num_accepted_by_position: tuple[int, ...] = ()
-
-    @classmethod
-    def from_fields(cls, fields: dict[str, Any]) -> RequestOutput:
-        """The output holding `fields` (every field, by name), built without the frozen
-        `__init__`'s one `object.__setattr__` per field: the output processor makes one per
-        request per step, and that init costs ~6x this."""
-        output = object.__new__(cls)
-        output.__dict__.update(fields)
-        return output
 
     @property
     def num_local_cached_tokens(self) -> int:
