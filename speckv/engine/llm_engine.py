@@ -37,7 +37,6 @@ from speckv.attention import bytes_per_block
 from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
-from speckv.cache.hash_mode import HashMode
 from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
@@ -68,7 +67,7 @@ from speckv.spec.adaptive import (
     SpecDecodeStats,
     default_clock,
 )
-from speckv.spec.policy import NO_DRAFTER, DrafterPolicy
+from speckv.spec.policy import NO_DRAFTER
 from speckv.spec.proposer import Proposer
 
 
@@ -176,7 +175,14 @@ class LLMEngine:
         self.connector: KVConnector | None = (
             connector if connector is not None else build_connector(config, model, drafter))
         self._closed = False
-        self.hash_mode = self._resolve_hash_mode(proposer.policy if proposer else NO_DRAFTER)
+        # lookahead hashes or the legacy drop, from the drafter's policy and the connector
+        self.hash_mode = resolve_connector_hash_mode(
+            proposer.policy if proposer else NO_DRAFTER,
+            enable_prefix_caching=config.enable_prefix_caching,
+            disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
+            connector=self.connector,
+            reuse_divergent_blocks=not config.disable_divergent_block_reuse,
+        )
         self._owned_publisher: Any = None  # made from the config; close() ends it
         if event_publisher is None and config.kv_events_endpoint is not None:
             from speckv.events.publisher import publisher_for_endpoints
@@ -221,17 +227,6 @@ class LLMEngine:
         self._counter = itertools.count()
         self.last_stats: SchedulerStats | None = None  # the last step's, set by every step()
 
-    def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
-        """Lookahead hashes or the legacy drop for this engine, from the drafter's policy and
-        the KV connector's capability."""
-        return resolve_connector_hash_mode(
-            policy,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            disable_lookahead_block_hashes=self.config.disable_lookahead_block_hashes,
-            connector=self.connector,
-            reuse_divergent_blocks=not self.config.disable_divergent_block_reuse,
-        )
-
     # ---- requests --------------------------------------------------------------------------
     def add_request(
         self,
@@ -255,11 +250,6 @@ class LLMEngine:
             token_ids: Sequence[int] = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
-                f"({self.max_model_len})"
-            )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
