@@ -47,7 +47,7 @@ from speckv.engine.sampler import verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
 from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
-from speckv.spec.adaptive import AdaptiveSpeculation, StepCost, Verification
+from speckv.spec.adaptive import AdaptiveSpeculation, StepCost
 from speckv.spec.proposer import Proposer, ProposerInput, ProposeTiming, TargetRows
 
 
@@ -285,7 +285,8 @@ class ModelRunner:
         sampled_by_id: dict[str, list[int]] = {}
         reasons: dict[str, FinishReason] = {}
         accepted: dict[str, int] = {}
-        verifications: list[Verification] = []
+        verified: list[int] = []  # drafts verified, per request that had drafts
+        verified_accepted: list[int] = []  # of them accepted
         logit_offsets = forward.logit_offsets
         for index, item in enumerate(scheduled):
             if not item.samples:
@@ -304,7 +305,8 @@ class ModelRunner:
             if drafts:
                 num_accepted = len(sampled) - 1
                 accepted[item.request_id] = num_accepted
-                verifications.append(Verification(len(drafts), num_accepted))
+                verified.append(len(drafts))
+                verified_accepted.append(num_accepted)
             token_ids = state.token_ids
             num_kept, reason = first_stop(sampled, len(token_ids), len(data.prompt_token_ids),
                                           data.stop_limits)
@@ -313,8 +315,8 @@ class ModelRunner:
                 reasons[item.request_id] = reason
             token_ids.extend(sampled)
             sampled_by_id[item.request_id] = sampled
-        if self.spec_policy is not None and verifications:
-            self.spec_policy.observe_verifications(verifications)
+        if self.spec_policy is not None and verified:
+            self.spec_policy.observe_acceptance(verified, verified_accepted)
         return sampled_by_id, reasons, accepted
 
     def _propose(self, scheduled: list[ScheduledRequest], forward: _Forward,
