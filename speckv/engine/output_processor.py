@@ -65,6 +65,7 @@ class OutputProcessor:
         self.detokenize = detokenize and tokenizer is not None
         self._states: dict[str, _OutputState] = {}
         self._with_stops: dict[str, _OutputState] = {}  # unfinished requests with stop strings
+        self._one_token_text: dict[tuple[int, bool], str] = {}  # see `_decode_one`
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
@@ -188,7 +189,20 @@ class OutputProcessor:
             # a complete character ends the window: its text is final
             state.committed = state.text
             state.prefix_offset, state.read_offset = state.read_offset, len(tokens)
-            state.prefix_text = self._decode(state, tokens[state.prefix_offset:])
+            prefix = tokens[state.prefix_offset:]
+            # one token a step (no drafts accepted): the next window's prefix is one token,
+            # whose text depends on nothing else (decoding is a pure function of the ids)
+            state.prefix_text = (self._decode_one(state, prefix[0]) if len(prefix) == 1
+                                 else self._decode(state, prefix))
+
+    def _decode_one(self, state: _OutputState, token_id: int) -> str:
+        """The text of the single token `token_id`, decoded once per (token, flag) and kept
+        (at most twice the vocabulary)."""
+        key = (token_id, state.params.skip_special_tokens)
+        text = self._one_token_text.get(key)
+        if text is None:
+            text = self._one_token_text[key] = self._decode(state, (token_id,))
+        return text
 
     def _output(self, state: _OutputState) -> RequestOutput:
         finished = state.finish_reason is not None
