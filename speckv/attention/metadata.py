@@ -9,6 +9,7 @@ themselves. That one shape covers chunked prefill, decode and verification of dr
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,11 +46,16 @@ class AttentionMetadata:
             self.query_lens_host = tuple(b - a for a, b in itertools.pairwise(qsl))
         if self.seq_lens_host is None:
             self.seq_lens_host = tuple(int(x) for x in self.seq_lens.tolist())
-        if len(self.query_lens_host) != len(self.seq_lens_host):
+        query_lens, seq_lens = self.query_lens_host, self.seq_lens_host
+        if len(query_lens) != len(seq_lens):
             raise ValueError("query_start_loc and seq_lens disagree on num_reqs")
-        for q, s in zip(self.query_lens_host, self.seq_lens_host):
-            if q < 0 or q > s:
-                raise ValueError(f"seq_lens must be >= new tokens per request (got {q} > {s})")
+        # the whole batch checked in C (built once per forward, for every request)
+        if query_lens and (min(query_lens) < 0 or not all(map(operator.le, query_lens,
+                                                               seq_lens))):
+            for q, s in zip(query_lens, seq_lens):
+                if q < 0 or q > s:
+                    raise ValueError(f"seq_lens must be >= new tokens per request (got {q} > "
+                                     f"{s})")
 
     @property
     def num_reqs(self) -> int:

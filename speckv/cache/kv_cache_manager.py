@@ -299,6 +299,8 @@ class KVCacheManager:
             raise ValueError("allocate_slots needs at least one new token or draft slot")
         if num_external_tokens < 0:
             raise ValueError(f"num_external_tokens must be >= 0, got {num_external_tokens}")
+        if hit is None and not num_external_tokens:
+            return self._allocate_running(request, num_new_tokens, num_draft_slots)
         managers = self.managers
         hit_blocks = hit.blocks if hit is not None else self._no_hit_blocks
         num_hit_tokens = hit.num_computed_tokens if hit is not None else 0
@@ -342,6 +344,30 @@ class KVCacheManager:
         for manager in self._managers_that_skip:
             manager.remove_skipped_blocks(request_id, num_computed)
         return Allocation(tuple(new_block_ids), tuple(copies))
+
+    def _allocate_running(self, request: ManagedRequest, num_new_tokens: int,
+                          num_draft_slots: int) -> Allocation | None:
+        """`allocate_slots` without a hit or external tokens (a running request's step, the
+        common case): the same bookkeeping without the hit's branches."""
+        request_id = request.request_id
+        num_computed = request.num_computed_tokens
+        num_total = num_computed + num_new_tokens + num_draft_slots
+        managers = self.managers
+        num_needed = 0
+        for manager in managers:
+            num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, ())
+        if num_needed > self.pool.get_num_free_blocks():
+            return None
+        new_block_ids = tuple([block.block_id for block in
+                               manager.allocate_new_blocks(request_id, num_total)]
+                              for manager in managers)
+        # Draft positions are not real tokens: their KV may be rejected.
+        self._cache_blocks(request, min(num_computed + num_new_tokens
+                                        - len(request.spec_token_ids), request.num_tokens))
+        # only after caching: a block leaving the window may be one a later hit needs
+        for manager in self._managers_that_skip:
+            manager.remove_skipped_blocks(request_id, num_computed)
+        return Allocation(new_block_ids)
 
     def step_executed(self) -> None:
         """The runner has carried out a step: release the copy sources it has copied, and let

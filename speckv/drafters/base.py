@@ -50,6 +50,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -296,6 +297,8 @@ class Drafter(nn.Module, ABC):
                 )
         k = len(self.modules_chain)
         h0 = self.first_hidden(target_states)  # [total, hidden]
+        if k == 1 and requests:
+            return self._catch_up_one_module(h0, requests, kv_cache, will_propose)
         offs = [0]
         for r in requests:
             offs.append(offs[-1] + r.num_positions)
@@ -336,6 +339,67 @@ class Drafter(nn.Module, ABC):
             block_tables=[list(r.block_table) for r in requests],
             _last_h1=last_h1,
         )
+
+    def _catch_up_one_module(
+        self,
+        h0: torch.Tensor,
+        requests: Sequence[CatchUpRequest],
+        kv_cache: PagedKVCache,
+        will_propose: bool,
+    ) -> DraftState:
+        """`write_draft_kv` for a one-module chain (EAGLE, EAGLE3, one-module MTP), batched:
+        the module writes every catch-up position (a next token is known for each), nothing
+        is carried, and only each request's last output feeds `propose`. The same forwards
+        on the same rows as the general path (`_run_module` with `last_only`), built from
+        whole-batch index arrays instead of per-request slices."""
+        module = self.modules_chain[0]
+        device = self.device
+        block_size = kv_cache.block_size
+        counts = [r.num_positions for r in requests]
+        starts = [r.start_position for r in requests]
+        ids = [t for r in requests for t in r.next_token_ids[: r.num_positions]]
+        seq_lens = [a + n for a, n in zip(starts, counts)]
+        tables = [r.block_table for r in requests]
+        count_arr = np.asarray(counts, dtype=np.int64)
+        ends = np.cumsum(count_arr)  # one past each request's last row of h0
+        # [total] position of every row: start + 0 .. count - 1 per request
+        positions = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - count_arr),
+                              count_arr) + np.arange(int(ends[-1]))
+        state = DraftState(
+            carries=[DraftCarry([], [], end) for end in seq_lens],
+            num_real_tokens=[a + 1 + len(r.next_token_ids) for a, r in zip(starts, requests)],
+            block_tables=[list(table) for table in tables],
+        )
+
+        ids_arr = np.asarray(ids, dtype=np.int64)
+
+        def run(fn, rows, q_lens, s_lens, which):
+            """`fn` over the rows `rows` of h0 (None: all) for the requests `which`."""
+            md = AttentionMetadata.build(q_lens, s_lens, tables if which is None
+                                         else [tables[i] for i in which], block_size, device)
+            if rows is None:
+                return fn(torch.from_numpy(ids_arr).to(device), h0,
+                          torch.from_numpy(positions).to(device), kv_cache, md)
+            return fn(torch.from_numpy(ids_arr[rows]).to(device),
+                      h0.index_select(0, torch.from_numpy(rows).to(h0.device)),
+                      torch.from_numpy(positions[rows]).to(device), kv_cache, md)
+
+        if not will_propose:
+            run(module.write_kv, None, counts, seq_lens, None)
+            return state
+        if int(count_arr.max()) > 1:
+            # KV of every row but each request's last, then the last rows in full (their
+            # attention reads the KV just written)
+            head = np.flatnonzero(count_arr > 1)
+            is_last = np.zeros(int(ends[-1]), dtype=bool)
+            is_last[ends - 1] = True
+            run(module.write_kv, np.flatnonzero(~is_last), [counts[i] - 1 for i in head],
+                [seq_lens[i] - 1 for i in head], head.tolist())
+            out = run(module, ends - 1, [1] * len(counts), seq_lens, None)
+        else:
+            out = run(module, None, counts, seq_lens, None)  # one row per request
+        state._last_h1 = list(out.unbind(0))  # [hidden] per request
+        return state
 
     def _run_module(
         self,

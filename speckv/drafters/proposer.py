@@ -100,44 +100,50 @@ class DrafterProposer:
         deferred = self._deferred.get(request_id)
         return deferred.end - deferred.start if deferred is not None else 0
 
-    def _with_deferred(self, x: ProposerInput) -> _Deferred:
+    def _with_deferred(self, x: ProposerInput) -> _Deferred | None:
         """x's rows after the positions deferred before them (dropped when x does not continue
-        them: after a prefix hit or a preemption those positions are computed again)."""
-        deferred = self._deferred.pop(x.request_id, None)
+        them: after a prefix hit or a preemption those positions are computed again); None
+        when nothing deferred joins them (x's own rows, not sliced out here)."""
+        deferred = self._deferred.pop(x.request_id, None) if self._deferred else None
         if deferred is None or deferred.end != x.start:
-            return _Deferred(x.start, x.end, x.hidden_states, tuple(x.aux_hidden_states))
+            return None
         return _Deferred(
             deferred.start, x.end, torch.cat([deferred.hidden_states, x.hidden_states]),
             tuple(torch.cat([a, b]) for a, b in zip(deferred.aux_hidden_states,
                                                     x.aux_hidden_states)))
 
-    def _first_unwritten(self, request_id: str, rows: _Deferred) -> int:
-        """The first position some module has not written the draft KV of: `rows.start`, or
-        earlier where a lagging module (k-module MTP) still holds carried rows."""
+    def _first_unwritten(self, request_id: str, start: int) -> int:
+        """The first position some module has not written the draft KV of: `start` (where
+        this pass's rows begin), or earlier where a lagging module (k-module MTP) still holds
+        carried rows."""
         carry = self._carries.get(request_id)
-        if carry is None or carry.next_position != rows.start:
-            return rows.start
-        return min([rows.start, *carry.start])
+        if carry is None or carry.next_position != start:
+            return start
+        return min([start, *carry.start])
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
         start = self.clock()
         self.last_timing = ProposeTiming()
         L = self.drafter.draft_kv_lookahead_tokens
         block_size = self.kv_cache.block_size
-        items: list[tuple[ProposerInput, _Deferred]] = []
+        items: list[tuple[ProposerInput, _Deferred | None]] = []
         want: list[int] = []
         for x in inputs:
             if x.end <= x.start:
                 continue
             rows = self._with_deferred(x)
+            start = x.start if rows is None else rows.start
             # Draft only for requests whose catch-up reaches their last real token.
             drafts = x.wants_drafts and x.max_drafts > 0 and x.end == len(x.token_ids) - 1
             first_open_block = len(x.token_ids) // block_size * block_size
-            if not drafts and self._first_unwritten(x.request_id, rows) >= first_open_block:
+            if not drafts and self._first_unwritten(x.request_id, start) >= first_open_block:
                 # no hash can name these positions yet: write them later, in one pass
-                self._deferred[x.request_id] = _Deferred(
-                    rows.start, rows.end, rows.hidden_states.clone(),
-                    tuple(a.clone() for a in rows.aux_hidden_states))
+                self._deferred[x.request_id] = (
+                    _Deferred(x.start, x.end, x.hidden_states.clone(),
+                              tuple(a.clone() for a in x.aux_hidden_states))
+                    if rows is None else _Deferred(
+                        rows.start, rows.end, rows.hidden_states.clone(),
+                        tuple(a.clone() for a in rows.aux_hidden_states)))
                 continue
             if drafts:
                 want.append(len(items))
@@ -146,22 +152,25 @@ class DrafterProposer:
             self.last_timing = ProposeTiming(self.clock() - start, 0.0)
             return {}
         reqs = []
+        carries = self._carries
         for x, rows in items:
-            carry = self._carries.get(x.request_id)
-            if carry is not None and carry.next_position != rows.start:
+            start, end = (x.start, x.end) if rows is None else (rows.start, rows.end)
+            carry = carries.get(x.request_id)
+            if carry is not None and carry.next_position != start:
                 carry = None  # prefix hit / preemption: positions below start are complete
             # Real tokens after each final position, plus up to L - 1 more known ones (prefill).
-            nxt = list(x.token_ids[rows.start + 1 : rows.end + L])
-            reqs.append(CatchUpRequest(rows.start, rows.end - rows.start, nxt, x.block_table,
-                                       carry))
-        if all(rows.hidden_states is x.hidden_states for x, rows in items):
+            nxt = list(x.token_ids[start + 1 : end + L])
+            reqs.append(CatchUpRequest(start, end - start, nxt, x.block_table, carry))
+        if all(rows is None for _, rows in items):
             # nothing deferred joined these rows: one gather from the step's shared rows
             states = _target_states([x for x, _ in items], len(self.aux_layers))
         else:
+            joined = [(x.hidden_states, x.aux_hidden_states) if rows is None
+                      else (rows.hidden_states, rows.aux_hidden_states) for x, rows in items]
             states = TargetStates(
-                torch.cat([rows.hidden_states for _, rows in items]),
+                torch.cat([hidden for hidden, _ in joined]),
                 tuple(
-                    torch.cat([rows.aux_hidden_states[i] for _, rows in items])
+                    torch.cat([aux[i] for _, aux in joined])
                     for i in range(len(self.aux_layers))
                 ),
             )

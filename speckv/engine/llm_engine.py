@@ -5,8 +5,9 @@ Owns turning user input into scheduler requests (tokenization, validation agains
 `EngineConfig`, and one step's outer order:
 
     EngineCore.step (core.py): schedule → run → update (scheduler.py, model_runner.py)
-    OutputProcessor (output_processor.py): detokenize, stop strings, deltas → RequestOutput
-        a stop string ends its request in the core (its last block cached, then freed)
+        a stop string (found by the OutputProcessor in the runner's sampled tokens) is an
+        input of the update, which ends its request (its last block cached, then freed)
+    OutputProcessor (output_processor.py): detokenize, deltas → RequestOutput
     publish the step's KV events (optional): the local cache's, then the KV connector's tiers'
 
 The KV cache groups come from the model (`model.kv_cache_layout(block_size)`: full attention,
@@ -30,14 +31,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any, Protocol
 
 from speckv.attention import bytes_per_block
 from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
-from speckv.cache.hash_mode import HashMode
 from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
@@ -68,7 +67,7 @@ from speckv.speculation.adaptive import (
     SpecDecodeStats,
     default_clock,
 )
-from speckv.speculation.policy import NO_DRAFTER, DrafterPolicy
+from speckv.speculation.policy import NO_DRAFTER
 from speckv.speculation.proposer import Proposer
 
 
@@ -176,7 +175,14 @@ class LLMEngine:
         self.connector: KVConnector | None = (
             connector if connector is not None else build_connector(config, model, drafter))
         self._closed = False
-        self.hash_mode = self._resolve_hash_mode(proposer.policy if proposer else NO_DRAFTER)
+        # lookahead hashes or the legacy drop, from the drafter's policy and the connector
+        self.hash_mode = resolve_connector_hash_mode(
+            proposer.policy if proposer else NO_DRAFTER,
+            enable_prefix_caching=config.enable_prefix_caching,
+            disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
+            connector=self.connector,
+            reuse_divergent_blocks=not config.disable_divergent_block_reuse,
+        )
         self._owned_publisher: Any = None  # made from the config; close() ends it
         if event_publisher is None and config.kv_events_endpoint is not None:
             from speckv.events.publisher import publisher_for_endpoints
@@ -214,23 +220,13 @@ class LLMEngine:
         if connector is not None:
             initialize_connector(connector, self.runner.kv_cache,
                                  getattr(proposer, "kv_cache", None), self.hash_mode, block_size)
-        self.core = EngineCore(self.scheduler, self.runner)
         self.output_processor = OutputProcessor(tokenizer, detokenize)
+        # stop strings: the output processor finds them, the core applies them
+        self.core = EngineCore(self.scheduler, self.runner, self.output_processor)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
         self._counter = itertools.count()
         self.last_stats: SchedulerStats | None = None  # the last step's, set by every step()
-
-    def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
-        """Lookahead hashes or the legacy drop for this engine, from the drafter's policy and
-        the KV connector's capability."""
-        return resolve_connector_hash_mode(
-            policy,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            disable_lookahead_block_hashes=self.config.disable_lookahead_block_hashes,
-            connector=self.connector,
-            reuse_divergent_blocks=not self.config.disable_divergent_block_reuse,
-        )
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
@@ -255,11 +251,6 @@ class LLMEngine:
             token_ids: Sequence[int] = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
-                f"({self.max_model_len})"
-            )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
@@ -322,11 +313,7 @@ class LLMEngine:
         finished in it (deltas since the previous output)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        outputs, stopped_ids = self.output_processor.process(self.core.step())
-        params = self.scheduler.finish_requests(stopped_ids, FinishReason.STOP)
-        if params:  # a stop string ended them after their output was made
-            outputs = [replace(output, kv_transfer_params=params[output.request_id])
-                       if output.request_id in params else output for output in outputs]
+        outputs = self.output_processor.process(self.core.step())
         self._settle_if_idle()
         # taken every step, published or not: a tier's events pile up otherwise
         tier_events = self.connector.take_events() if self.connector is not None else []

@@ -7,6 +7,8 @@ Owns the shapes of one step's traffic:
         │                              │ table (from the deltas below), sampling seed
         └───────ModelRunnerOutput──────┘ sampled tokens (verified, cut at a stop) + next drafts
     Scheduler.update_from_output ──EngineCoreOutput──► OutputProcessor ──► RequestOutput
+        ▲ stop strings: tokens kept per request (`StopStringCuts`), found by the output
+          processor in the runner's sampled tokens before the update (data, no call back)
 
 Block ids travel as deltas: a request's first schedule (or its resume after a preemption)
 carries its whole block table; later steps carry only the blocks allocated in that step.
@@ -35,6 +37,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from speckv.cache.results import BlockCopy
+from speckv.engine.direct_init import direct_init
 from speckv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -70,6 +73,7 @@ class NewRequestData:
     stop_limits: StopLimits
 
 
+@direct_init
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One request computed in this step, in batch order."""
@@ -130,11 +134,19 @@ class ModelRunnerOutput:
     # load failures (each request named there was cut from the batch: nothing was computed
     # or sampled for it; it recomputes from its failure's first_failed_token)
     kv_connector_output: ConnectorOutput | None = None
+    # why a request's sampled tokens end it (decided here, once: the scheduler only applies
+    # it); requests that go on are absent
+    finish_reasons: dict[str, FinishReason] = field(default_factory=dict)
+    # drafts accepted by this step's verification per request that verified drafts, counted
+    # once here before any stop cut (the adaptive policy reads the same count; the scheduler
+    # reports what the cut kept)
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
 
 
+@direct_init
 @dataclass(frozen=True)
 class EngineCoreOutput:
     """One request's progress in one step, as the scheduler saw it (no text)."""

@@ -37,6 +37,7 @@ from speckv.engine.hybrid_state import RunnerStates, state_group
 from speckv.engine.kv_connector import RunnerConnector
 from speckv.engine.messages import (
     EMPTY_RUNNER_OUTPUT,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -46,7 +47,7 @@ from speckv.engine.sampler import verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
 from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
 from speckv.models.llama import LlamaForCausalLM, ModelOutput
-from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost, Verification
+from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
 from speckv.speculation.proposer import Proposer, ProposerInput, ProposeTiming, TargetRows
 
 
@@ -143,20 +144,23 @@ class ModelRunner:
             return EMPTY_RUNNER_OUTPUT
         sampled: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
+        reasons: dict[str, FinishReason] = {}
+        accepted: dict[str, int] = {}
         if scheduled:
             clock = self.spec_policy.clock if self.spec_policy is not None else time.perf_counter
             start = clock()
             forward = self._forward(scheduled)
-            sampled, stopped = self._sample(scheduled, forward)
+            sampled, reasons, accepted = self._sample(scheduled, forward)
             if self.states is not None and forward.state_plan is not None:
                 # rejected drafts must not advance the recurrent state
                 self.states.commit(forward.state_plan, scheduled, self._state_tables(scheduled),
                                    sampled)
             target_s = clock() - start
-            drafts = self._propose(scheduled, forward, sampled, stopped, target_s)
+            drafts = self._propose(scheduled, forward, sampled, reasons, target_s)
         if self.connector is None:
-            return ModelRunnerOutput(sampled, drafts)
-        return ModelRunnerOutput(sampled, drafts, self.connector.finish_step())
+            return ModelRunnerOutput(sampled, drafts, None, reasons, accepted)
+        return ModelRunnerOutput(sampled, drafts, self.connector.finish_step(), reasons,
+                                 accepted)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         tables = self._tables
@@ -266,9 +270,10 @@ class ModelRunner:
                 for item in scheduled]
 
     def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward
-                ) -> tuple[dict[str, list[int]], set[str]]:
+                ) -> tuple[dict[str, list[int]], dict[str, FinishReason], dict[str, int]]:
         """Verified tokens per sampling request, cut at the first stop and appended to the
-        runner's token ids; and the ids of the requests that stopped."""
+        runner's token ids; why the stopped ones stop; drafts accepted per request that
+        verified drafts (before the cut: what verification accepted)."""
         logits = forward.logits  # [num_sample_rows, vocab]
         requests = self.requests
         states = [requests[item.request_id] for item in scheduled]
@@ -278,8 +283,10 @@ class ModelRunner:
                 argmax = logits.argmax(-1).tolist()
                 break
         sampled_by_id: dict[str, list[int]] = {}
-        stopped: set[str] = set()
-        verifications: list[Verification] = []
+        reasons: dict[str, FinishReason] = {}
+        accepted: dict[str, int] = {}
+        verified: list[int] = []  # drafts verified, per request that had drafts
+        verified_accepted: list[int] = []  # of them accepted
         logit_offsets = forward.logit_offsets
         for index, item in enumerate(scheduled):
             if not item.samples:
@@ -296,20 +303,25 @@ class ModelRunner:
                 sampled = verify_random(logits[lo:hi], drafts, data.sampling_params, seed,
                                         len(state.token_ids))
             if drafts:
-                verifications.append(Verification(len(drafts), len(sampled) - 1))
-            num_kept, reason = first_stop(sampled, len(state.token_ids),
-                                          len(data.prompt_token_ids), data.stop_limits)
-            sampled = sampled[:num_kept]
-            state.token_ids.extend(sampled)
-            sampled_by_id[item.request_id] = sampled
+                num_accepted = len(sampled) - 1
+                accepted[item.request_id] = num_accepted
+                verified.append(len(drafts))
+                verified_accepted.append(num_accepted)
+            token_ids = state.token_ids
+            num_kept, reason = first_stop(sampled, len(token_ids), len(data.prompt_token_ids),
+                                          data.stop_limits)
             if reason is not None:
-                stopped.add(item.request_id)
-        if self.spec_policy is not None and verifications:
-            self.spec_policy.observe_verifications(verifications)
-        return sampled_by_id, stopped
+                sampled = sampled[:num_kept]
+                reasons[item.request_id] = reason
+            token_ids.extend(sampled)
+            sampled_by_id[item.request_id] = sampled
+        if self.spec_policy is not None and verified:
+            self.spec_policy.observe_acceptance(verified, verified_accepted)
+        return sampled_by_id, reasons, accepted
 
     def _propose(self, scheduled: list[ScheduledRequest], forward: _Forward,
-                 sampled_by_id: dict[str, list[int]], stopped: set[str], target_s: float
+                 sampled_by_id: dict[str, list[int]], stopped: dict[str, FinishReason],
+                 target_s: float
                  ) -> dict[str, list[int]]:
         if self.proposer is None:
             return {}

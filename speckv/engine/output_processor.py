@@ -3,8 +3,9 @@
 Owns everything about a request that is text or presentation: detokenization, stop strings,
 streaming deltas (token ids and text since the last output, an incomplete UTF-8 sequence held
 back), time to first token, and the running totals reported in `RequestOutput`. It never
-touches the scheduler: a stop string it finds is returned to `LLMEngine`, which ends the
-request in the core.
+touches the scheduler: before the core applies a step, `find_stop_strings` looks at the new
+tokens of the requests that have stop strings and hands the core how many to keep (data, an
+input of `Scheduler.update_from_output`, which ends the request there).
 
 Text is decoded incrementally (a step decodes only the tokens since the last complete
 character, in the context of the chunk before them, as vLLM's incremental detokenizer does),
@@ -18,7 +19,7 @@ Requests with stop strings decode the whole output as before (a stop string may 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,8 @@ class _OutputState:
     read_offset: int = 0
     committed: str = ""
     prefix_text: str = ""
+    # stop-string requests: (output tokens, their text) decoded by `find_stop_strings`
+    decoded: tuple[int, str | None] | None = None
 
 
 class OutputProcessor:
@@ -63,57 +66,79 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.detokenize = detokenize and tokenizer is not None
         self._states: dict[str, _OutputState] = {}
+        self._with_stops: dict[str, _OutputState] = {}  # unfinished requests with stop strings
+        self._one_token_text: dict[tuple[int, bool], str] = {}  # see `_decode_one`
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
-        self._states[request_id] = _OutputState(request_id, prompt_token_ids, params,
-                                                arrival_time, incremental=not params.stop)
+        state = _OutputState(request_id, prompt_token_ids, params, arrival_time,
+                             incremental=not params.stop)
+        self._states[request_id] = state
+        if params.stop and self.tokenizer is not None:
+            self._with_stops[request_id] = state
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def process(self, core_outputs: Sequence[EngineCoreOutput]
-                ) -> tuple[list[RequestOutput], list[str]]:
-        """(one RequestOutput per core output, ids of the requests a stop string ended that the
-        core still runs: the caller must finish them there)."""
+    def find_stop_strings(self, sampled_token_ids: Mapping[str, list[int]]) -> dict[str, int]:
+        """Before the core applies a step: per request whose new tokens complete one of its
+        stop strings, how many of them to keep (through the token that completes it). Only
+        requests with stop strings are looked at; the text decoded here is kept for
+        `process`."""
+        cuts: dict[str, int] = {}
+        for request_id, state in self._with_stops.items():
+            tokens = sampled_token_ids.get(request_id)
+            if not tokens:
+                continue
+            cut, text = self._find_stop_string(state, tokens)
+            num_kept = len(tokens) if cut is None else cut
+            state.decoded = (len(state.output_token_ids) + num_kept, text)
+            if cut is not None:
+                cuts[request_id] = cut
+        return cuts
+
+    def process(self, core_outputs: Sequence[EngineCoreOutput]) -> list[RequestOutput]:
+        """One RequestOutput per core output of a request this processor knows (the core
+        already cut the tokens at a stop string and finished the request)."""
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
-        to_stop: list[str] = []
+        states = self._states
+        detokenize = self.detokenize
         for core_output in core_outputs:
-            state = self._states.get(core_output.request_id)
+            state = states.get(core_output.request_id)
             if state is None:
                 continue
             tokens = core_output.new_token_ids
-            reason = core_output.finish_reason
-            text = None
-            if state.params.stop and self.tokenizer is not None and tokens:
-                cut, text = self._find_stop_string(state, tokens)
-                if cut is not None:
-                    tokens = tokens[:cut]
-                    if reason is None:
-                        to_stop.append(state.request_id)
-                    reason = FinishReason.STOP
-            if tokens and state.first_token_s is None:
-                state.first_token_s = now
-            state.output_token_ids.extend(tokens)
+            output_token_ids = state.output_token_ids
+            if tokens:
+                if state.first_token_s is None:
+                    state.first_token_s = now
+                output_token_ids.extend(tokens)
             state.num_cached_tokens = core_output.num_cached_tokens
             state.num_external_cached_tokens = core_output.num_external_cached_tokens
             state.num_preemptions = core_output.num_preemptions
-            num_accepted = min(core_output.num_accepted_tokens, max(0, len(tokens) - 1))
-            state.num_draft_tokens += core_output.num_draft_tokens
-            state.num_accepted_tokens += num_accepted
-            if core_output.num_draft_tokens:
-                _count_positions(state.drafts_by_position, core_output.num_draft_tokens)
-            if num_accepted:
-                _count_positions(state.accepted_by_position, num_accepted)
-            state.finish_reason = reason
+            num_drafts = core_output.num_draft_tokens
+            if num_drafts:
+                num_accepted = core_output.num_accepted_tokens
+                state.num_draft_tokens += num_drafts
+                state.num_accepted_tokens += num_accepted
+                _count_positions(state.drafts_by_position, num_drafts)
+                if num_accepted:
+                    _count_positions(state.accepted_by_position, num_accepted)
+            state.finish_reason = core_output.finish_reason
             state.error = core_output.error
             if core_output.kv_transfer_params is not None:
                 state.kv_transfer_params = core_output.kv_transfer_params
-            if self.detokenize and tokens:
+            if detokenize and tokens:
+                text = None
+                decoded = state.decoded
+                if decoded is not None:
+                    state.decoded = None
+                    if decoded[0] == len(output_token_ids):
+                        text = decoded[1]
                 self._update_text(state, text)
             outputs.append(self._output(state))
-        return outputs, to_stop
+        return outputs
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The final output of an aborted request (None: unknown or already finished)."""
@@ -168,7 +193,20 @@ class OutputProcessor:
             # a complete character ends the window: its text is final
             state.committed = state.text
             state.prefix_offset, state.read_offset = state.read_offset, len(tokens)
-            state.prefix_text = self._decode(state, tokens[state.prefix_offset:])
+            prefix = tokens[state.prefix_offset:]
+            # one token a step (no drafts accepted): the next window's prefix is one token,
+            # whose text depends on nothing else (decoding is a pure function of the ids)
+            state.prefix_text = (self._decode_one(state, prefix[0]) if len(prefix) == 1
+                                 else self._decode(state, prefix))
+
+    def _decode_one(self, state: _OutputState, token_id: int) -> str:
+        """The text of the single token `token_id`, decoded once per (token, flag) and kept
+        (at most twice the vocabulary)."""
+        key = (token_id, state.params.skip_special_tokens)
+        text = self._one_token_text.get(key)
+        if text is None:
+            text = self._one_token_text[key] = self._decode(state, (token_id,))
+        return text
 
     def _output(self, state: _OutputState) -> RequestOutput:
         finished = state.finish_reason is not None
@@ -182,26 +220,22 @@ class OutputProcessor:
         state.num_sent_tokens = len(state.output_token_ids)
         if finished:
             del self._states[state.request_id]
+            self._with_stops.pop(state.request_id, None)
+        drafts_by_position = state.drafts_by_position
+        accepted_by_position = state.accepted_by_position
+        first_token_s = state.first_token_s
         return RequestOutput(
-            request_id=state.request_id,
-            prompt_token_ids=state.prompt_token_ids,
-            token_ids=list(state.output_token_ids),
-            text=text,
-            delta_token_ids=delta_ids,
-            delta_text=delta_text,
-            num_cached_tokens=state.num_cached_tokens,
-            ttft_s=(state.first_token_s - state.arrival_time
-                    if state.first_token_s is not None else None),
-            finish_reason=state.finish_reason.value if finished else None,
-            num_preemptions=state.num_preemptions,
-            num_draft_tokens=state.num_draft_tokens,
-            num_accepted_tokens=state.num_accepted_tokens,
-            error=state.error,
-            num_drafts_by_position=tuple(state.drafts_by_position),
-            num_accepted_by_position=tuple(state.accepted_by_position) + (0,) * (
-                len(state.drafts_by_position) - len(state.accepted_by_position)),
-            num_external_cached_tokens=state.num_external_cached_tokens,
-            kv_transfer_params=state.kv_transfer_params if finished else None,
+            state.request_id, state.prompt_token_ids, list(state.output_token_ids), text,
+            delta_ids, delta_text, state.num_cached_tokens,
+            first_token_s - state.arrival_time if first_token_s is not None else None,
+            state.finish_reason.value if finished else None, state.num_preemptions,
+            state.num_draft_tokens, state.num_accepted_tokens, state.error,
+            state.num_external_cached_tokens,
+            tuple(drafts_by_position) if drafts_by_position else (),
+            tuple(accepted_by_position) + (0,) * (
+                len(drafts_by_position) - len(accepted_by_position)) if drafts_by_position
+            else (),
+            state.kv_transfer_params if finished else None,
         )
 
 

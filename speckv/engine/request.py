@@ -86,10 +86,14 @@ class Request:
         sampling_params: SamplingParams | None = None,
         sampling_seed: int | None = None,
     ) -> None:
+        # the one check of a prompt's tokens (the engine only turns text into them first)
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
         if max_tokens < 1:
             raise ValueError(f"request {request_id}: max_tokens must be >= 1, got {max_tokens}")
+        if max_model_len and len(prompt_token_ids) > max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than "
+                             f"max_model_len ({max_model_len})")
         self.request_id = request_id
         self.prompt_token_ids = validate_token_ids(prompt_token_ids, vocab_size, "prompt")
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -33,7 +33,9 @@ target and draft KV exist.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from speckv.cache.kv_cache_manager import KVCacheManager
@@ -55,7 +57,8 @@ from speckv.engine.messages import (
 )
 from speckv.engine.request import Request, RequestStatus
 from speckv.engine.stats import SchedulerStats, StatsCollector
-from speckv.engine.stopping import first_stop
+
+EMPTY_CUTS: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ class Scheduler:
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason
                         ) -> dict[str, dict[str, Any]]:
-        """End unfinished requests now (abort, or a stop string the output processor found).
+        """End unfinished requests now (an abort, between steps).
         ABORT frees their blocks; other reasons first cache what the last token completed.
         Unknown or finished ids are ignored. Returns the KV connector's `kv_transfer_params`
         of those that have some, by id. Mutates."""
@@ -344,9 +347,12 @@ class Scheduler:
 
     # ---- one step: what it produced ----------------------------------------------------------
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+        stop_string_cuts: Mapping[str, int] = EMPTY_CUTS,
     ) -> list[EngineCoreOutput]:
-        """Apply one step's sampled tokens and drafts; finish what stopped. Mutates."""
+        """Apply one step's sampled tokens and drafts; finish what stopped. `stop_string_cuts`:
+        per request whose sampled tokens complete a stop string, how many of them to keep
+        (the output processor finds them in the text; the request ends with STOP). Mutates."""
         outputs, self._outputs = self._outputs, []
         connector_output = runner_output.kv_connector_output
         if connector_output is not None:
@@ -354,6 +360,8 @@ class Scheduler:
             self._apply_connector_output(scheduler_output, connector_output, outputs)
         sampled_by_id = runner_output.sampled_token_ids
         drafts_by_id = runner_output.draft_token_ids
+        reasons = runner_output.finish_reasons
+        accepted_by_id = runner_output.num_accepted_drafts
         requests = self.requests
         record_verification = self.stats.record_verification
         for item in scheduler_output.scheduled:
@@ -364,16 +372,19 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None:
                 continue
-            # the runner already cut `sampled` at the first stop; this names the reason
-            num_kept, reason = first_stop(
-                sampled, len(request.all_token_ids), request.num_prompt_tokens,
-                request.stop_limits
-            )
-            sampled = sampled[:num_kept]
+            # the runner cut `sampled` at the first stop token and named the reason
+            reason = reasons.get(request_id)
+            if stop_string_cuts:
+                cut = stop_string_cuts.get(request_id)
+                if cut is not None:
+                    sampled = sampled[:cut]
+                    reason = FinishReason.STOP
             num_drafts = len(item.draft_token_ids)
             request.apply_verification(num_drafts, sampled)
-            num_accepted = len(sampled) - 1
+            num_accepted = 0
             if num_drafts:
+                # what the verification accepted, as far as the stop kept it
+                num_accepted = min(accepted_by_id[request_id], len(sampled) - 1)
                 record_verification(num_drafts, num_accepted)
             if reason is None:
                 next_drafts = drafts_by_id.get(request_id)

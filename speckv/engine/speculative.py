@@ -10,7 +10,6 @@ modules live in `speckv.drafters`; the proposer protocol and the n-gram proposer
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from speckv.cache.hash_mode import HashMode
@@ -131,19 +130,13 @@ def resolve_connector_hash_mode(
     reuse_divergent_blocks: bool = True,
 ) -> HashMode:
     """The engine's hash mode given its drafter and connector (no divergent block reuse
-    under a connector). Pure."""
-    blocker = lookahead_blocker(connector)
-
-    class _Capability:
-        supports_lookahead_block_hashes = blocker is None
-
-    mode = resolve_hash_mode(
+    under a connector), decided in one call of `resolve_hash_mode` with the connector's
+    blocker named. Pure."""
+    return resolve_hash_mode(
         drafter,
         enable_prefix_caching=enable_prefix_caching,
         disable_lookahead_block_hashes=disable_lookahead_block_hashes,
-        connector=_Capability() if connector is not None else None,
+        connector=connector,
         reuse_divergent_blocks=reuse_divergent_blocks,
+        connector_blocker=lookahead_blocker(connector),
     )
-    if blocker is not None and mode.drops_last_unit and not disable_lookahead_block_hashes:
-        return replace(mode, reason=f"{blocker}: legacy hashes with the last-block drop")
-    return mode

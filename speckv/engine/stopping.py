@@ -1,4 +1,4 @@
-"""When a request stops on a token: the one rule the runner and the scheduler both apply.
+"""When a request stops on a token: the one rule the runner (and the toy runner) applies.
 
 Owns `first_stop`: given the tokens sampled in one step (accepted drafts + bonus), where the
 request ends and why. Stop strings are text and belong to the output processor.

@@ -202,21 +202,36 @@ class AdaptiveSpeculation:
     # ---- measurements -------------------------------------------------------------------------
     def observe_verifications(self, verifications: Sequence[Verification]) -> None:
         """Per-position acceptance from one step's verified requests."""
+        self.observe_acceptance([v.num_drafts for v in verifications],
+                                [v.num_accepted for v in verifications])
+
+    def observe_acceptance(self, num_drafts: Sequence[int], num_accepted: Sequence[int]
+                           ) -> None:
+        """`observe_verifications` from the step's counts as two lists (request i verified
+        num_drafts[i] drafts and accepted num_accepted[i]): the runner's one count of
+        acceptance, without a record per request."""
+        if len(num_drafts) != len(num_accepted):
+            raise ValueError("num_drafts and num_accepted must have one entry per request")
+        for d, a in zip(num_drafts, num_accepted):
+            if not 0 <= a <= d:
+                raise ValueError(f"accepted {a} of {d} drafts")
         c = self._decayed
         decay = self.config.acceptance_decay
         c.tested = [x * decay for x in c.tested]
         c.accepted = [x * decay for x in c.accepted]
         s = self.config.max_spec_tokens
-        for v in verifications:
-            for j in range(min(v.num_drafts, s)):
-                self._drafts[j] += 1
-            for j in range(min(v.num_accepted, s)):
-                self._accepted[j] += 1
+        drafts, accepted = self._drafts, self._accepted
+        tested, accepted_decayed = c.tested, c.accepted
+        for d, a in zip(num_drafts, num_accepted):
+            for j in range(min(d, s)):
+                drafts[j] += 1
+            for j in range(min(a, s)):
+                accepted[j] += 1
             # conditional: position j counts only when drafts 1..j-1 were accepted
-            for j in range(min(v.num_drafts, v.num_accepted + 1, s)):
-                c.tested[j] += 1.0
-                if j < v.num_accepted:
-                    c.accepted[j] += 1.0
+            for j in range(min(d, a + 1, s)):
+                tested[j] += 1.0
+                if j < a:
+                    accepted_decayed[j] += 1.0
 
     def observe_step(self, cost: StepCost) -> None:
         if cost.num_target_tokens > 0:

@@ -94,10 +94,13 @@ def resolve_hash_mode(
     disable_lookahead_block_hashes: bool = False,
     connector: ConnectorCapability | None = None,
     reuse_divergent_blocks: bool = True,
+    connector_blocker: str | None = None,
 ) -> HashMode:
     """Decide lookahead hashes vs legacy hashes (+ drop) for one engine, and whether blocks
     are reused at divergence points (lookahead hashes only; not under a KV connector, whose
-    tiers are keyed by whole block hashes). Pure."""
+    tiers are keyed by whole block hashes). `connector_blocker`: why the engine's connector
+    rules lookahead hashes out, naming the connector at fault (the engine's caller computes it
+    with `speckv.connectors.capability.lookahead_blocker`). Pure."""
     lookahead = drafter.draft_kv_lookahead_tokens
     if lookahead == 0:
         return HashMode.for_lookahead(0, f"{drafter.name} writes no draft KV from later tokens")
@@ -105,6 +108,9 @@ def resolve_hash_mode(
         return HashMode.for_lookahead(0, "prefix caching is off")
     if disable_lookahead_block_hashes:
         return HashMode.legacy_drop("disable_lookahead_block_hashes is set")
+    if connector_blocker is not None:
+        return HashMode.legacy_drop(f"{connector_blocker}: legacy hashes with the last-block "
+                                    "drop")
     if connector is not None and not connector.supports_lookahead_block_hashes:
         return HashMode.legacy_drop("the KV connector does not support lookahead block hashes")
     reuse = reuse_divergent_blocks and connector is None

@@ -191,14 +191,20 @@ class ToyRunner:
                     self._check_computed(state, item.start)
         sampled_by_id: dict[str, list[int]] = {}
         drafts_by_id: dict[str, list[int]] = {}
+        reasons: dict[str, FinishReason] = {}
+        accepted: dict[str, int] = {}
         for item, state in items:
             if not item.samples:
                 continue
             sampled = self._verify(state.token_ids, item.draft_token_ids)
+            if item.draft_token_ids:
+                accepted[item.request_id] = len(sampled) - 1
             limits = state.data.stop_limits
             num_kept, reason = first_stop(sampled, len(state.token_ids),
                                           len(state.data.prompt_token_ids), limits)
             sampled = sampled[:num_kept]
+            if reason is not None:
+                reasons[item.request_id] = reason
             state.token_ids.extend(sampled)
             sampled_by_id[item.request_id] = sampled
             num_computed = item.end - (item.num_drafts - (len(sampled) - 1))
@@ -213,9 +219,9 @@ class ToyRunner:
                 room = min(self.num_spec_tokens, limits.max_tokens - num_output - 1,
                            limits.max_model_len - len(state.token_ids) - 1)
                 drafts_by_id[item.request_id] = self._propose(state.token_ids)[: max(0, room)]
-        if self.connector is None:
-            return ModelRunnerOutput(sampled_by_id, drafts_by_id)
-        return ModelRunnerOutput(sampled_by_id, drafts_by_id, self.connector.finish_step())
+        connector_output = self.connector.finish_step() if self.connector is not None else None
+        return ModelRunnerOutput(sampled_by_id, drafts_by_id, connector_output, reasons,
+                                 accepted)
 
     def _verify(self, tokens: list[int], drafts: Sequence[int]) -> list[int]:
         """Drafts matching the toy model, up to `num_accept`, then one bonus token."""

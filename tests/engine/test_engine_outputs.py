@@ -9,7 +9,7 @@ from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.generate import greedy_generate
-from tests.engine.engine_test_utils import run_engine, shared_prefix_prompts
+from tests.engine.engine_test_utils import StillClock, run_engine, shared_prefix_prompts
 
 GREEDY = SamplingParams(max_tokens=12)
 
@@ -86,8 +86,8 @@ def test_ngram_speculative_greedy_equals_plain_greedy(tiny_model, num_blocks):
             max_num_batched_tokens=48,
             speculative_method="ngram",
             num_spec_tokens=3,
-            adaptive_speculation=False,  # drafts every step (the adaptive length is timed)
         ),
+        spec_clock=StillClock(),  # the adaptive draft length's choices the same everywhere
     )
     params = SamplingParams(max_tokens=24)
     expected = outputs_in_order(run_engine(plain, prompts, params), len(prompts))

@@ -13,6 +13,7 @@ from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.hybrid_loader import tiny_hybrid
+from tests.engine.engine_test_utils import StillClock
 from tests.engine.hybrid_engine_utils import OracleProposer, run_all
 
 B, U = 4, 8  # KV block size, GDN state unit (the alignment unit)
@@ -86,9 +87,9 @@ def test_greedy_speculative_output_equals_greedy(hybrid):
     assert {r: o.token_ids for r, o in mtp.items()} == {r: o.token_ids for r, o in base.items()}
     # oracle drafts with one wrong token every third window: windows accepted in part
     oracle = OracleProposer(reference, 3)
-    # every step drafts: the adaptive length would follow wall-clock timings
-    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400,
-                                            adaptive_speculation=False), proposer=oracle)
+    # the adaptive draft length on a clock that never moves: the same choices everywhere
+    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400),
+                       proposer=oracle, spec_clock=StillClock())
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"r{i}")
     spec = run_all(engine)
@@ -108,9 +109,9 @@ def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
     base.add_request(prompt, params, "r0")
     full = prompt + run_all(base)["r0"].token_ids
     oracle = OracleProposer({"r0": full, "again": full + [0] * 64}, 3, wrong_every=2)
-    # every step drafts: the adaptive length would follow wall-clock timings
-    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400,
-                                            adaptive_speculation=False), proposer=oracle)
+    # the adaptive draft length on a clock that never moves: the same choices everywhere
+    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400),
+                       proposer=oracle, spec_clock=StillClock())
     engine.add_request(prompt, params, "r0")
     run_all(engine)
     again = full[:35]

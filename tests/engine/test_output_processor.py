@@ -39,7 +39,7 @@ def _run(tokenizer: Tokenizer, tokens: list[int], chunks: list[int]) -> None:
         position += len(new)
         last = index == len(chunks) - 1 or position >= len(tokens)
         core = EngineCoreOutput("r", new, FinishReason.LENGTH if last else None, 0)
-        (output,), _ = processor.process([core])
+        (output,) = processor.process([core])
         whole = tokenizer.decode(tokens[:position], skip_special_tokens=True)
         assert output.text == whole
         sent += output.delta_text

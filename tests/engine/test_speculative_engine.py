@@ -10,6 +10,7 @@ from speckv.drafters.loaders import random_drafter
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
+from tests.engine.engine_test_utils import StillClock
 
 DRAFTERS = [("eagle", {}), ("eagle3", {"aux_layers": (0, 1, 1)}),
             ("mtp", {"num_modules": 1}),
@@ -39,11 +40,12 @@ def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs
     reference, _, _ = _run(LLMEngine(tiny_model, EngineConfig(num_blocks=200, block_size=4)),
                            prompts)
     method = fmt
-    # a fixed draft length: preemption here comes from the 3 lookahead slots every step
+    # preemption here comes from the 3 lookahead slots every step; the adaptive draft length
+    # reads a clock that never moves (its choices the same on every machine)
     tight = EngineConfig(num_blocks=14, block_size=4, speculative_method=method,
-                         num_spec_tokens=3, max_num_batched_tokens=16,
-                         adaptive_speculation=False)
-    outputs, preemptions, finals = _run(LLMEngine(tiny_model, tight, drafter=drafter), prompts)
+                         num_spec_tokens=3, max_num_batched_tokens=16)
+    outputs, preemptions, finals = _run(
+        LLMEngine(tiny_model, tight, drafter=drafter, spec_clock=StillClock()), prompts)
     assert outputs == reference
     assert preemptions > 0, "the tight cache should force preemptions"
     assert sum(o.num_draft_tokens for o in finals) > 0

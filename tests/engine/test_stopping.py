@@ -1,4 +1,4 @@
-"""The stop rule the runner and the scheduler share: where a step's sampled tokens end."""
+"""The stop rule the runner applies: where a step's sampled tokens end."""
 
 from __future__ import annotations
 
