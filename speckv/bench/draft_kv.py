@@ -34,6 +34,7 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -53,8 +54,9 @@ class _StaleHashesEngine(LLMEngine):
     """The negative control's engine: legacy hashes with the drop turned off, which no
     configuration allows (it serves stale draft KV, which is what the control must show)."""
 
-    def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
-        return HashMode.for_lookahead(0, "negative control: legacy hashes, drop off")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, hash_mode=HashMode.for_lookahead(
+            0, "negative control: legacy hashes, drop off"), **kwargs)
 
 
 @dataclass(frozen=True)
