@@ -7,11 +7,12 @@ a sliding window) and `draft_kv_hybrid.py` (the GDN hybrid) both import them fro
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from speckv.cache.hash_mode import HashMode
 from speckv.engine.llm_engine import LLMEngine
-from speckv.speculation.policy import DrafterPolicy
 
 DRAFTERS = ("eagle", "eagle3", "mtp")
 
@@ -20,8 +21,9 @@ class StaleHashesEngine(LLMEngine):
     """The negative control's engine: legacy hashes with the drop turned off, which no
     configuration allows (it serves stale draft KV, which is what the control must show)."""
 
-    def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
-        return HashMode.for_lookahead(0, "negative control: legacy hashes, drop off")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, hash_mode=HashMode.for_lookahead(
+            0, "negative control: legacy hashes, drop off"), **kwargs)
 
 
 def kv_at(cache, block_ids: list[int], num_tokens: int, block_size: int,

@@ -37,6 +37,7 @@ from speckv.attention import bytes_per_block
 from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
+from speckv.cache.hash_mode import HashMode
 from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
@@ -91,6 +92,7 @@ class LLMEngine:
         retention_interval: int | None = None,
         tail_widening: TailWidening = TailWidening.UNIT,
         spec_clock: Clock | None = None,
+        hash_mode: HashMode | None = None,
     ) -> None:
         """`connector`: a KV connector to use instead of the one `config.kv_connector` names
         (not yet initialized; the engine initializes it and closes it).
@@ -100,7 +102,8 @@ class LLMEngine:
         `retention_interval` / `tail_widening` go to the `KVCacheManager` (sliding-window
         tails kept only at multiples of the interval, and how they widen). `spec_clock`: what
         the adaptive draft length times steps with (default `default_clock` of the model's
-        device; tests pass a scripted one)."""
+        device; tests pass a scripted one). `hash_mode`: used instead of the one resolved from the
+        drafter and the connector (the negative control of `bench draft-kv`)."""
         self.config = config = config or EngineConfig()
         if connector is not None and config.kv_connector is not None:
             raise ValueError("pass a connector or set EngineConfig.kv_connector, not both")
@@ -176,7 +179,7 @@ class LLMEngine:
             connector if connector is not None else build_connector(config, model, drafter))
         self._closed = False
         # lookahead hashes or the legacy drop, from the drafter's policy and the connector
-        self.hash_mode = resolve_connector_hash_mode(
+        self.hash_mode = hash_mode or resolve_connector_hash_mode(
             proposer.policy if proposer else NO_DRAFTER,
             enable_prefix_caching=config.enable_prefix_caching,
             disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
