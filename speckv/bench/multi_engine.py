@@ -34,7 +34,7 @@ def shared_store_url(stack: contextlib.ExitStack, options: RunOptions) -> str:
     (stopped with `stack`), or the user's `--kv-store-url`."""
     if options.kv_store_url != EMBEDDED:
         return options.kv_store_url
-    server = stack.enter_context(EmbeddedValkey(int(options.kv_store_gb * GIB)))
+    server = stack.enter_context(EmbeddedValkey(int(options.kv_store_gib * GIB)))
     return server.url
 
 

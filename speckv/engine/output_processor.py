@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from speckv.engine.messages import EngineCoreOutput, FinishReason
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
 
 
 @dataclass

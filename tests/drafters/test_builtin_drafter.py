@@ -15,8 +15,8 @@ from speckv.drafters.builtin import (
 )
 from speckv.drafters.eagle3 import Eagle3Drafter
 from speckv.drafters.evaluate import speculative_generate
-from speckv.models import builtin
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
+from speckv.models.llama import builtin
 
 pytestmark = [
     pytest.mark.slow,

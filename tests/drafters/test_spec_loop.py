@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from speckv.drafters.evaluate import speculative_generate
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
 from tests.drafters.drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, tiny_target
 
 

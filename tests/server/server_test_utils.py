@@ -15,7 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from speckv.engine.config import EngineConfig
 from speckv.engine.llm_engine import LLMEngine
 from speckv.models import LlamaForCausalLM
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
 from speckv.testing.tiny_model import tiny_model_config
@@ -50,8 +50,8 @@ TINY_CONFIG = tiny_model_config(vocab_size=TOKENIZER.vocab_size, max_position_em
 
 def make_server(model: LlamaForCausalLM, engine_config: EngineConfig | None = None,
                 **server_config) -> ServerThread:
-    engine = LLMEngine(model, engine_config or EngineConfig(block_size=4, num_blocks=512,
-                                                            max_num_seqs=16, hash_seed="0"),
+    engine = LLMEngine(model, engine_config or engine_config(block_size=4, num_blocks=512,
+                                                             max_num_seqs=16, hash_seed="0"),
                        TOKENIZER)
     config = ServerConfig(served_model_name=MODEL_NAME, **server_config)
     return ServerThread(OpenAIServer(engine, config, model_path="tiny-random")).start()
