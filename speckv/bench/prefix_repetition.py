@@ -135,7 +135,7 @@ def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
                   store_url: str | None = None) -> tuple[Any, bool]:
     """(EngineConfig of `mode`, whether it runs the drafter). `store_url`: the store every
     engine of the mode shares (default: `options.kv_store_url`)."""
-    from speckv.engine.engine_args import engine_config
+    from speckv.engine.engine_args import EngineArgs
     from speckv.engine.speculative import speculative_args
 
     spec = MODES["lookahead" if mode == NO_TIER_MODE else mode]
@@ -147,7 +147,7 @@ def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
                            if options.kv_offload_dir is not None else None),
         "kv_store_url": store_url or options.kv_store_url, "kv_store_gib": options.kv_store_gib,
     }
-    config = engine_config(
+    config = EngineArgs(
         block_size=options.block_size,
         num_blocks=options.num_blocks,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
@@ -156,11 +156,11 @@ def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
         **speculative_args(mode_drafter, options.num_spec_tokens),
         disable_lookahead_block_hashes=spec["legacy"],
         disable_divergent_block_reuse=not spec["reuse"],
-        dtype=str(model.dtype),  # EngineConfig drops the "torch." prefix
+        dtype=str(model.dtype),  # EngineArgs drops the "torch." prefix
         device=str(model.device),
         hash_seed="0",
         **tier,
-    )
+    ).create_engine_config()
     return config, mode_drafter is not None
 
 

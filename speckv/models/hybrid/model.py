@@ -6,7 +6,7 @@ partial RoPE on the first `rotary_dim` dims of each head, an output gate from `q
 `PagedKVCache` holding only the attention layers), each followed by a dense SwiGLU MLP. Norms are
 zero-centred (`x * (1 + w)`), as in transformers. Same calling convention as
 `LlamaForCausalLM` plus a `StatePlan` (`state=`) for the linear layers; parameter names equal
-transformers' minus the leading "model." (see `hybrid_loader.py`).
+transformers' minus the leading "model." (see `loader.py`).
 """
 
 from __future__ import annotations
