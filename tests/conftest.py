@@ -16,15 +16,23 @@ import torch
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVEventSink
+from speckv.connectors.config import ConnectorEntry, register_connector
+from speckv.connectors.offload import NoLookaheadOffloadConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.request import Request
 from speckv.events.endpoints import loopback_endpoint
 from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
 from speckv.hashing.functions import get_hash_algo
-from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.models.common.decoder import ModelOutput
+from speckv.models.llama.model import LlamaForCausalLM
 from speckv.server.launch import ServerThread
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from speckv.testing.tiny_model import tiny_model as build_tiny_model
+
+# a CPU tier that declares no lookahead capability: the connector tests' fallback case
+register_connector("offload-nolookahead", ConnectorEntry(
+    lambda config, _identity: NoLookaheadOffloadConnector(
+        config.offload_gib, max_pending_blocks=config.max_pending_blocks), "cpu"))
 
 # CI's exactness rerun sets another count: GEMM kernels split work by thread, so rounding moves
 TEST_TORCH_THREADS = int(os.environ.get("SPECKV_TEST_THREADS", "1"))

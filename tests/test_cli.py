@@ -68,7 +68,7 @@ def test_generate_refuses_bad_tier_flags_before_loading_a_model(tmp_path):
         (["--kv-connector", "tape"], "unknown connector 'tape'"),
         (["--kv-offload-dir", str(tmp_path)], "--kv-offload-dir needs --kv-connector disk"),
         (["--kv-connector", "disk"], "needs --kv-offload-dir"),
-        (["--kv-connector", "offload", "--kv-offload-gb", "0"], "--kv-offload-gb must be"),
+        (["--kv-connector", "offload", "--kv-offload-gib", "0"], "--kv-offload-gib must be"),
         (["--kv-connector", "disk", "--kv-offload-dir", str(tmp_path)], "--hash-seed"),
     ):
         result = subprocess.run([sys.executable, "-m", "speckv.cli", "generate", "hi", *args],

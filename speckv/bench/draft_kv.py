@@ -77,17 +77,17 @@ def make_engine(model, drafter, dtype: str, block_size: int, engine_type=LLMEngi
                 store_url: str = "embedded"):
     """An engine for the check (a tier, if named, small and in `directory`; the store at
     `store_url`)."""
-    from speckv.engine.config import EngineConfig
+    from speckv.engine.engine_args import engine_config
     from speckv.engine.speculative import speculative_args
 
     tier = {} if kv_connector is None else {
-        "kv_connector": kv_connector, "kv_offload_gb": 0.25, "kv_offload_disk_gb": 0.25,
+        "kv_connector": kv_connector, "kv_offload_gib": 0.25, "kv_offload_disk_gib": 0.25,
         "kv_offload_dir": directory if "disk" in kv_connector else None,
         "kv_store_url": store_url,
     }
-    config = EngineConfig(block_size=block_size, num_blocks=256, dtype=dtype,
-                          **speculative_args(drafter, 3), hash_seed="0",
-                          device=str(model.device), **tier)
+    config = engine_config(block_size=block_size, num_blocks=256, dtype=dtype,
+                           **speculative_args(drafter, 3), hash_seed="0",
+                           device=str(model.device), **tier)
     return engine_type(model, config, drafter=drafter, detokenize=False)
 
 
@@ -100,7 +100,7 @@ def first_step_kv(engine, prompt: list[int], num_tokens: int | None = None) -> H
     engine.step()
     request = engine.get_request(request_id)
     length = request.num_cached_tokens if num_tokens is None else num_tokens
-    block_size = engine.config.block_size
+    block_size = engine.config.cache.block_size
     target = target_kv(engine, request_id, length)
     draft_ids = engine.runner.block_table(request_id, engine.runner.draft_group)
     draft = kv_at(engine.proposer.kv_cache, draft_ids, length, block_size)
@@ -116,7 +116,7 @@ def target_kv(engine, request_id: str, num_tokens: int) -> torch.Tensor:
     layout = engine.layout
     if layout.num_groups == 1:
         return kv_at(engine.runner.kv_cache, engine.runner.block_table(request_id),
-                     num_tokens, engine.config.block_size)
+                     num_tokens, engine.config.cache.block_size)
     parts = []
     for g, group in enumerate(layout.groups):
         spec = group.spec
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{row.target_max_abs_diff:.3g}", f"{row.draft_max_abs_diff:.3g}")
     Console().print(table)
     if args.model == "hybrid-swa":
-        from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
+        from speckv.models.gemma.hybrid_swa import RANDOM_INIT_NOTE
 
         print(f"{RANDOM_INIT_NOTE}; drafters random-init; KV groups "
               f"{model.kv_cache_layout(args.block_size).describe()}")

@@ -47,11 +47,11 @@ class _HitState:
 
 
 def _engine(model, drafter, dtype, block_size, unit, engine_type=LLMEngine):
-    from speckv.engine.config import EngineConfig
+    from speckv.engine.engine_args import engine_config
     from speckv.engine.speculative import speculative_args
 
-    config = EngineConfig(block_size=block_size, mamba_block_size=unit, num_blocks=256,
-                          dtype=dtype, hash_seed="0", **speculative_args(drafter, 3))
+    config = engine_config(block_size=block_size, mamba_block_size=unit, num_blocks=256,
+                           dtype=dtype, hash_seed="0", **speculative_args(drafter, 3))
     return engine_type(model, config, drafter=drafter, detokenize=False)
 
 
@@ -63,7 +63,7 @@ def _first_step(engine: LLMEngine, prompt: list[int], num_tokens: int | None = N
     engine.step()
     length = engine.get_request(rid).num_cached_tokens if num_tokens is None else num_tokens
     tables = engine.runner.block_tables(rid)
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     draft_table = tables[engine.layout.draft_group or 0]
     target = kv_at(engine.runner.kv_cache, draft_table, length, bs)
     draft = kv_at(engine.proposer.kv_cache, draft_table, length, bs)
@@ -118,7 +118,7 @@ def measure_hybrid(model, drafter, dtype: str, prompt: list[int], block_size: in
 def run_hybrid_gdn(args: argparse.Namespace) -> int:
     """The `--model hybrid-gdn` path of `speckv bench draft-kv`."""
     from speckv.drafters.hybrid_mtp import random_hybrid_drafter
-    from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE, hybrid_gdn_model
+    from speckv.models.hybrid.hybrid_gdn import RANDOM_INIT_NOTE, hybrid_gdn_model
 
     names = [name.strip() for name in args.drafters.split(",")]
     unknown = [name for name in names if name not in DRAFTERS]

@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 
@@ -45,9 +45,9 @@ class ScenarioRow:
 
 def _engine(model, drafter=None, legacy: bool = False, unit: int = UNIT) -> LLMEngine:
     spec = {"speculative_method": "mtp", "num_spec_tokens": 1} if drafter is not None else {}
-    config = EngineConfig(block_size=BLOCK, mamba_block_size=unit, num_blocks=600,
-                          max_num_batched_tokens=4096, disable_lookahead_block_hashes=legacy,
-                          **spec)
+    config = engine_config(block_size=BLOCK, mamba_block_size=unit, num_blocks=600,
+                           max_num_batched_tokens=4096, disable_lookahead_block_hashes=legacy,
+                           **spec)
     return LLMEngine(model, config, drafter=drafter, detokenize=False)
 
 
@@ -127,9 +127,9 @@ def run_perf(model, prompt_tokens: int, decode_tokens: int, repeats: int = 3
                            generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
 
-    engine = LLMEngine(model, EngineConfig(block_size=BLOCK, mamba_block_size=UNIT,
-                                           num_blocks=600, max_num_batched_tokens=4096,
-                                           enable_prefix_caching=False), detokenize=False)
+    engine = LLMEngine(model, engine_config(block_size=BLOCK, mamba_block_size=UNIT,
+                                            num_blocks=600, max_num_batched_tokens=4096,
+                                            enable_prefix_caching=False), detokenize=False)
 
     def engine_run(max_tokens: int):  # no prefix caching: every run computes the prompt
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -182,7 +182,7 @@ def _checkpoint_cost(model, prompt: list[int], repeats: int) -> tuple[float, flo
     """The same one-request prefill forward with a state checkpoint every unit and with none:
     (best seconds with, best without, median paired ratio with / without)."""
     from speckv.attention import AttentionMetadata
-    from speckv.models.hybrid import plan_for
+    from speckv.models.hybrid.model import plan_for
 
     prompt_tokens = len(prompt)
     kv = model.make_kv_cache(prompt_tokens // BLOCK + 2, BLOCK)
@@ -229,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE, hybrid_gdn_model
+    from speckv.models.hybrid.hybrid_gdn import RANDOM_INIT_NOTE, hybrid_gdn_model
 
     if args.prompt_tokens < 2:
         raise ValueError("--prompt-tokens must be >= 2")

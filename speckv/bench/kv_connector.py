@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import speculative_args
@@ -76,13 +77,13 @@ def _sync(device: torch.device) -> None:
 def _config(model, drafter, kv_connector: str | None, directory: str, num_blocks: int,
             num_spec_tokens: int, **extra: Any) -> EngineConfig:
     tiers = {} if kv_connector is None else {
-        "kv_connector": kv_connector, "kv_offload_gb": 2.0, "kv_offload_disk_gb": 2.0,
+        "kv_connector": kv_connector, "kv_offload_gib": 2.0, "kv_offload_disk_gib": 2.0,
         "kv_offload_dir": directory if "disk" in kv_connector else None,
-        "kv_store_gb": 2.0,  # the engine's own embedded Valkey server on loopback
+        "kv_store_gib": 2.0,  # the engine's own embedded Valkey server on loopback
     }
-    return EngineConfig(block_size=16, num_blocks=num_blocks, dtype=str(model.dtype),
-                        device=str(model.device), hash_seed="0",
-                        **speculative_args(drafter, num_spec_tokens), **tiers, **extra)
+    return engine_config(block_size=16, num_blocks=num_blocks, dtype=str(model.dtype),
+                         device=str(model.device), hash_seed="0",
+                         **speculative_args(drafter, num_spec_tokens), **tiers, **extra)
 
 
 def _first_token(engine: LLMEngine, prompt: list[int]) -> tuple[float, Any]:

@@ -220,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
                          num_spec_tokens=args.num_spec_tokens, request_rate=args.request_rate,
                          max_concurrency=args.max_concurrency, seed=args.seed,
                          progress=not args.json, kv_connector=args.kv_connector,
-                         kv_offload_gb=args.kv_offload_gb, kv_offload_dir=offload_dir,
-                         kv_offload_disk_gb=args.kv_offload_disk_gb,
+                         kv_offload_gib=args.kv_offload_gib, kv_offload_dir=offload_dir,
+                         kv_offload_disk_gib=args.kv_offload_disk_gib,
                          kv_store_url=connector.store_url if connector else "embedded",
-                         kv_store_gb=connector.store_gib if connector else 4.0,
+                         kv_store_gib=connector.store_gib if connector else 4.0,
                          num_engines=args.engines)
     model, tokenizer = load_model(args.model, args.dtype, "cpu", progress=not args.json)
     if config is None:

@@ -46,11 +46,11 @@ class RunOptions:
     progress: bool = True
     # a KV tier under the local cache ("offload", "disk", "offload,disk"; None: none)
     kv_connector: str | None = None
-    kv_offload_gb: float = 4.0
+    kv_offload_gib: float = 4.0
     kv_offload_dir: str | None = None  # the disk tier's directory (each mode: a fresh one)
-    kv_offload_disk_gb: float = 16.0
+    kv_offload_disk_gib: float = 16.0
     kv_store_url: str = "embedded"  # with --engines > 1: one embedded server for all engines
-    kv_store_gb: float = 4.0
+    kv_store_gib: float = 4.0
     num_engines: int = 1  # engine processes, request i on engine i mod num_engines
 
     def __post_init__(self) -> None:
@@ -63,10 +63,10 @@ class RunOptions:
         if self.kv_connector is not None:
             from speckv.connectors import ConnectorConfig
 
-            ConnectorConfig.parse(self.kv_connector, offload_gib=self.kv_offload_gb,
+            ConnectorConfig.parse(self.kv_connector, offload_gib=self.kv_offload_gib,
                                   offload_dir=self.kv_offload_dir,
-                                  disk_gib=self.kv_offload_disk_gb,
-                                  store_url=self.kv_store_url, store_gib=self.kv_store_gb)
+                                  disk_gib=self.kv_offload_disk_gib,
+                                  store_url=self.kv_store_url, store_gib=self.kv_store_gib)
 
 
 @dataclass
@@ -102,19 +102,19 @@ def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
                   store_url: str | None = None) -> tuple[Any, bool]:
     """(EngineConfig of `mode`, whether it runs the drafter). `store_url`: the store every
     engine of the mode shares (default: `options.kv_store_url`)."""
-    from speckv.engine.config import EngineConfig
+    from speckv.engine.engine_args import EngineArgs
     from speckv.engine.speculative import speculative_args
 
     spec = MODES["lookahead" if mode == NO_TIER_MODE else mode]
     mode_drafter = drafter if spec["speculative"] else None
     tier = {} if options.kv_connector is None or mode == NO_TIER_MODE else {
-        "kv_connector": options.kv_connector, "kv_offload_gb": options.kv_offload_gb,
-        "kv_offload_disk_gb": options.kv_offload_disk_gb,
+        "kv_connector": options.kv_connector, "kv_offload_gib": options.kv_offload_gib,
+        "kv_offload_disk_gib": options.kv_offload_disk_gib,
         "kv_offload_dir": (tempfile.mkdtemp(prefix="mode-", dir=options.kv_offload_dir)
                            if options.kv_offload_dir is not None else None),
-        "kv_store_url": store_url or options.kv_store_url, "kv_store_gb": options.kv_store_gb,
+        "kv_store_url": store_url or options.kv_store_url, "kv_store_gib": options.kv_store_gib,
     }
-    config = EngineConfig(
+    config = EngineArgs(
         block_size=options.block_size,
         num_blocks=options.num_blocks,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
@@ -123,11 +123,11 @@ def engine_config(model: Any, drafter: Any, mode: str, options: RunOptions,
         **speculative_args(mode_drafter, options.num_spec_tokens),
         disable_lookahead_block_hashes=spec["legacy"],
         disable_divergent_block_reuse=not spec["reuse"],
-        dtype=str(model.dtype),  # EngineConfig drops the "torch." prefix
+        dtype=str(model.dtype),  # EngineArgs drops the "torch." prefix
         device=str(model.device),
         hash_seed="0",
         **tier,
-    )
+    ).create_engine_config()
     return config, mode_drafter is not None
 
 
@@ -213,5 +213,3 @@ def summarize(mode: str, hash_mode: str, tier: str, workload: list[WorkloadReque
         outputs=[list(o.token_ids) for o in ordered],
         num_engines=options.num_engines,
     )
-
-

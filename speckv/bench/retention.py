@@ -146,7 +146,7 @@ def _run_on_tensors(args: argparse.Namespace, variants, rows: list[RetentionRow]
     )
     from speckv.drafters.gemma4_assistant import random_gemma4_assistant
     from speckv.drafters.loaders import random_drafter
-    from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
+    from speckv.models.gemma.hybrid_swa import RANDOM_INIT_NOTE
 
     torch.set_num_threads(1)
     if args.model == "gemma4":

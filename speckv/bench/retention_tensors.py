@@ -28,10 +28,10 @@ import torch
 
 from speckv.cache.retention import TailWidening
 from speckv.cache.specs import FullAttentionSpec, SlidingWindowSpec
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.kv_layout import KVCacheGroup, KVCacheLayout
+from speckv.models.common.kv_layout import KVCacheGroup, KVCacheLayout
 from speckv.testing.group_kv import max_abs_diff, read_group_kv
 
 FULL_BLOCK = 32
@@ -68,7 +68,7 @@ def scenario_prompts(prefix_len: int, num_requests: int = 4) -> list[list[int]]:
 
 def scenario_model(window: int):
     """The `hybrid-swa` shape with window `window` (random init; vocabulary 32,000)."""
-    from speckv.models.hybrid_swa import hybrid_swa_model
+    from speckv.models.gemma.hybrid_swa import hybrid_swa_model
 
     return hybrid_swa_model(vocab_size=32000, sliding_window=window)
 
@@ -76,8 +76,8 @@ def scenario_model(window: int):
 def scenario_gemma4_model(window: int):
     """A tiny random-init Gemma 4 (vocabulary 32,000): 12 layers, 5 sliding : 1 global, global
     layers of another head size with K = V, per-layer inputs, the last 2 layers KV-shared."""
-    from speckv.models.config import ModelConfig
-    from speckv.models.gemma4 import Gemma4Config, Gemma4ForCausalLM
+    from speckv.models.common.config import ModelConfig
+    from speckv.models.gemma.gemma4 import Gemma4Config, Gemma4ForCausalLM
 
     kinds = (("sliding_attention",) * 5 + ("full_attention",)) * 2
     base = ModelConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
@@ -109,9 +109,9 @@ def _engine(model, drafter, legacy: bool, widening: TailWidening, prefix_len: in
     spec = {} if drafter is None else {
         "speculative_method": getattr(drafter, "speculative_method", drafter.policy.name),
         "num_spec_tokens": 3, "adaptive_speculation": False}  # MTP3: 3 drafts every step
-    config = EngineConfig(block_size=FULL_BLOCK, num_blocks=8 * prefix_len // 16 + 256,
-                          max_num_batched_tokens=1 << 20, hash_seed="0",
-                          disable_lookahead_block_hashes=legacy, **spec)
+    config = engine_config(block_size=FULL_BLOCK, num_blocks=8 * prefix_len // 16 + 256,
+                           max_num_batched_tokens=1 << 20, hash_seed="0",
+                           disable_lookahead_block_hashes=legacy, **spec)
     return LLMEngine(model, config, drafter=drafter, detokenize=False,
                      layout=scenario_layout(model), retention_interval=retention,
                      tail_widening=widening)

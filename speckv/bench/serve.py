@@ -228,7 +228,7 @@ def write_ttft_png(summaries: list[Summary], path: Path) -> None:
 
 # ---- command -------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from speckv.server.cli import add_engine_arguments
+    from speckv.engine.cli_args import add_engine_arguments
 
     parser.add_argument("--base-url", default=None,
                         help="a running server (default: launch `speckv serve` with the engine "
@@ -270,10 +270,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_tokenizer(model: str) -> Any:
     """The tokenizer alone where possible (the built-in model: its converted copy)."""
-    from speckv.models.tokenizer import Tokenizer
+    from speckv.models.common.tokenizer import Tokenizer
 
     if model == "builtin":
-        from speckv.models.builtin import convert_builtin
+        from speckv.models.llama.builtin import convert_builtin
 
         return Tokenizer.from_dir(convert_builtin(progress=False))
     if Path(model).is_dir():
@@ -288,8 +288,8 @@ class LaunchedServer:
     """`speckv serve` with the bench's engine flags, as a subprocess on a free port."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from speckv.engine.cli_args import engine_flags
         from speckv.events.endpoints import LOOPBACK, free_port
-        from speckv.server.cli import engine_flags
 
         port = free_port()
         self.base_url = f"http://{LOOPBACK}:{port}"
@@ -432,15 +432,15 @@ class InProcess:
                  oracle: float | None, progress: bool) -> None:
         import torch
 
+        from speckv.engine.cli_args import engine_args_from_cli
         from speckv.engine.llm import LLM
-        from speckv.server.cli import engine_kwargs
 
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        kwargs = engine_kwargs(args)
-        kwargs["max_num_seqs"] = min(args.max_num_seqs, args.max_concurrency)
-        kwargs["kv_events_endpoint"] = kwargs["kv_events_replay_endpoint"] = None
-        self.llm = LLM(args.model, progress=False, **kwargs)
+        engine_args = replace(engine_args_from_cli(args),
+                              max_num_seqs=min(args.max_num_seqs, args.max_concurrency),
+                              kv_events_endpoint=None, kv_events_replay_endpoint=None)
+        self.llm = LLM(args.model, progress=False, **vars(engine_args))
         self.args = args
         self.requests = requests
         self.oracle = oracle

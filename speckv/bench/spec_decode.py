@@ -94,7 +94,7 @@ def _add(into: list[int], values) -> None:
 
 
 def _engine(model, tokenizer, drafters, mode: str, batch_size: int, num_spec: int):
-    from speckv.engine.config import EngineConfig
+    from speckv.engine.engine_args import engine_config
     from speckv.engine.llm_engine import LLMEngine
 
     speculative: dict = {}
@@ -105,8 +105,8 @@ def _engine(model, tokenizer, drafters, mode: str, batch_size: int, num_spec: in
                        "adaptive_speculation": not mode.endswith("-fixed")}
     elif mode == "ngram":
         speculative = {"speculative_method": "ngram", "num_spec_tokens": num_spec}
-    config = EngineConfig(max_num_seqs=batch_size, num_blocks=max(256, 16 * batch_size),
-                          dtype=str(model.dtype).removeprefix("torch."), **speculative)
+    config = engine_config(max_num_seqs=batch_size, num_blocks=max(256, 16 * batch_size),
+                           dtype=str(model.dtype).removeprefix("torch."), **speculative)
     return LLMEngine(model, config, tokenizer, drafter=drafter)
 
 

@@ -43,7 +43,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 
@@ -158,11 +158,11 @@ class SpeckvSide:
         if drafter is not None:
             spec = dict(speculative_method=drafter.policy.name,
                         num_spec_tokens=num_spec_tokens, adaptive_speculation=False)
-        config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks,
-                              max_num_seqs=batch_size,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
-                              hash_seed="0", **spec)
+        config = engine_config(block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                               max_num_seqs=batch_size,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
+                               hash_seed="0", **spec)
         self.engine = engine = LLMEngine(model, config, tokenizer=tokenizer, drafter=drafter)
         self.batch_size = batch_size
         # the primer's blocks are cached when it finishes: every prompt then hits the prefix
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
                           "CPU) to compare side by side.")
     tokenizer = None
     if not args.no_detokenize:
-        from speckv.models.builtin import builtin_tokenizer
+        from speckv.models.llama.builtin import builtin_tokenizer
 
         tokenizer = builtin_tokenizer(progress=False)
         if tokenizer is None:

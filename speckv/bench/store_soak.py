@@ -132,7 +132,7 @@ class _Restarter:
 
 
 def _engine_config(model: Any, drafter: Any, config: StoreSoakConfig, store_url: str | None):
-    from speckv.engine.config import EngineConfig
+    from speckv.engine.engine_args import engine_config
     from speckv.engine.speculative import speculative_args
 
     tokens_per_request = config.prefix_len + config.suffix_len + config.output_len
@@ -145,10 +145,10 @@ def _engine_config(model: Any, drafter: Any, config: StoreSoakConfig, store_url:
         "kv_connector": "store", "kv_store_url": store_url,
         "kv_store_timeout_s": config.store_timeout_s,
     }
-    return EngineConfig(block_size=config.block_size, num_blocks=num_blocks,
-                        max_num_seqs=per_engine, dtype=str(model.dtype),
-                        device=str(model.device), hash_seed="0",
-                        **speculative_args(drafter, config.num_spec_tokens), **store)
+    return engine_config(block_size=config.block_size, num_blocks=num_blocks,
+                         max_num_seqs=per_engine, dtype=str(model.dtype),
+                         device=str(model.device), hash_seed="0",
+                         **speculative_args(drafter, config.num_spec_tokens), **store)
 
 
 def run_store_soak(config: StoreSoakConfig, spec: ModelSpec, model: Any, drafter: Any,

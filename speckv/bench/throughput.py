@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import EngineArgs
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 
@@ -130,8 +130,8 @@ def _load_pair(model_name: str, dtype_name: str, device: torch.device, scratch: 
     if model_name == "hybrid-swa":
         from transformers import Gemma3ForCausalLM
 
-        from speckv.models.gemma_loader import save_gemma_dir
-        from speckv.models.hybrid_swa import hybrid_swa_model
+        from speckv.models.gemma.hybrid_swa import hybrid_swa_model
+        from speckv.models.gemma.loader import save_gemma_dir
 
         model = hybrid_swa_model(dtype=dtype_name, device=device)
         save_gemma_dir(scratch, model)
@@ -139,8 +139,8 @@ def _load_pair(model_name: str, dtype_name: str, device: torch.device, scratch: 
         hf = hf.to(device).eval()
         _check_same_logits(model, hf, device)
         return model, hf, "hybrid-swa (random-init, SWA 128 + global)"
-    from speckv.models.builtin import convert_builtin
-    from speckv.models.loader import load_hf_dir
+    from speckv.models.llama.builtin import convert_builtin
+    from speckv.models.llama.loader import load_hf_dir
 
     path = convert_builtin()
     model, _ = load_hf_dir(path, dtype_name, device)
@@ -151,7 +151,7 @@ def _load_pair(model_name: str, dtype_name: str, device: torch.device, scratch: 
 def _check_same_logits(model, hf, device: torch.device) -> None:
     """The two models must be the same function: last-position logits of a prompt past the
     window agree (fp32: 1e-3; a half dtype: loosely)."""
-    from speckv.models.generate import greedy_generate
+    from speckv.models.common.generate import greedy_generate
 
     prompt = list(range(3, 300))
     ours = greedy_generate(model, prompt, 4)
@@ -171,7 +171,8 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
 
 def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_name: str,
              scratch: str) -> ThroughputResult:
-    base = EngineConfig(dtype=dtype, device=device)
+    args = EngineArgs(dtype=dtype, device=device)
+    base = args.create_engine_config()
     torch_device = base.resolved_device()
     dtype_name = base.resolved_dtype()
     repeats = repeats or (1 if quick else 3)
@@ -185,8 +186,9 @@ def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_na
     # (a) prefill of a 1,024-token prompt, cold (prefix caching off) vs HF
     prompt = _random_tokens(rng, PREFILL_TOKENS, vocab)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine = LLMEngine(model, replace(base, enable_prefix_caching=False,
-                                      max_num_batched_tokens=PREFILL_TOKENS))
+    engine = LLMEngine(model, replace(args, enable_prefix_caching=False,
+                                      max_num_batched_tokens=PREFILL_TOKENS
+                                      ).create_engine_config())
     ours, theirs = [], []
     for index in range(repeats + 1):  # the first round warms up both
         _sync(torch_device)
@@ -206,7 +208,7 @@ def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_na
     prompts = [_random_tokens(rng, DECODE_PROMPT_TOKENS, vocab)
                for _ in range(NUM_DECODE_REQUESTS)]
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
-    engine = LLMEngine(model, replace(base, enable_prefix_caching=False))
+    engine = LLMEngine(model, replace(args, enable_prefix_caching=False).create_engine_config())
     _run_engine(engine, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     best = float("inf")
     for _ in range(repeats):
@@ -237,7 +239,7 @@ def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_na
     # (c) TTFT: 1,024 cached prefix tokens + a fresh suffix vs the same prompt cold
     prefix = _random_tokens(rng, CACHED_PREFIX_TOKENS, vocab)
     cold_times, cached_times, cached_tokens = [], [], 0
-    engine = LLMEngine(model, replace(base, max_num_batched_tokens=2048))
+    engine = LLMEngine(model, replace(args, max_num_batched_tokens=2048).create_engine_config())
     _run_engine(engine, [_random_tokens(rng, 64, vocab)], one)  # warm up
     for _ in range(repeats):
         engine.manager.reset_prefix_cache()

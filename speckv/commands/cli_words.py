@@ -1,7 +1,7 @@
 """Errors in the words of the command line: the flags a user typed, not internal names.
 
 Owns two rewrites of an error message raised below a command: a config or field name
-(`EngineConfig.num_spec_tokens`, or a bare `max_model_len` / `num_prompts`) becomes the
+(`EngineArgs.num_spec_tokens`, or a bare `max_model_len` / `num_prompts`) becomes the
 command's flag (`--num-spec-tokens`) when the command has that flag, and an internal request id
 prefix ("request llm-7f64...-0-0: ") is dropped (a CLI user never named a request).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-_QUALIFIED = re.compile(r"\b[A-Z]\w*\.([a-z_]+)\b")  # EngineConfig.num_spec_tokens
+_QUALIFIED = re.compile(r"\b[A-Z]\w*\.([a-z_]+)\b")  # EngineArgs.num_spec_tokens
 _BARE = re.compile(r"(?<![\w.-])([a-z]+(?:_[a-z]+)+)\b")  # identifiers with an underscore
 _REQUEST_ID = re.compile(r"\brequest [\w.:-]+?: ")
 

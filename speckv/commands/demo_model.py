@@ -32,7 +32,7 @@ def run_model_demo(console: Console, max_tokens: int = 32) -> None:
     from speckv.drafters.builtin import measured_speedup, speculation_default
     from speckv.engine.llm import LLM
     from speckv.engine.sampling_params import SamplingParams
-    from speckv.models.builtin import BuiltinModelMissingError
+    from speckv.models.llama.builtin import BuiltinModelMissingError
 
     measured = measured_speedup()
     default = speculation_default(measured)
@@ -50,7 +50,8 @@ def run_model_demo(console: Console, max_tokens: int = 32) -> None:
         "speculation off") + f": {default.reason}"
     console.print(
         f"[bold]Built-in model[/] SmolLM2-135M-Instruct on {engine.runner.device} "
-        f"({engine.model.dtype}), {engine.num_blocks} KV blocks of {engine.config.block_size}, "
+        f"({engine.model.dtype}), {engine.num_blocks} KV blocks of "
+        f"{engine.config.cache.block_size}, "
         f"{engine.hash_mode.label} block hashes; {spec_line}"
     )
     params = SamplingParams(max_tokens=max_tokens)

@@ -18,54 +18,31 @@ import os
 import sys
 import time
 
-from speckv.connectors.config import add_connector_arguments, connector_config_from_args
-from speckv.engine.kv_connector import connector_engine_kwargs
-from speckv.engine.speculation_choice import SPECULATIVE_METHODS, choose_speculation
+from speckv.engine.cli_args import add_engine_arguments, engine_args_from_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from speckv.engine.config import MAX_NUM_SPEC_TOKENS
-
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default="builtin",
                         help="'builtin' (SmolLM2-135M-Instruct), 'hybrid-swa' (tiny random-init "
                         "Gemma-3-style sliding-window model), 'hybrid-gdn' (small random-init "
                         "Qwen3-Next-style GDN hybrid), an HF model dir or a .gguf file")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens, at most")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="prompt + output tokens, at most (default: the model's context)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--top-k", type=int, default=0, help="0: off")
     parser.add_argument("--seed", type=int, default=None,
                         help="sampling seed (default: a fixed engine seed)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    parser.add_argument("--speculative-method", "--drafter", dest="speculative_method",
-                        choices=SPECULATIVE_METHODS, default=None,
-                        help="speculative decoding (default: eagle3 with the built-in head on "
-                        "the built-in model where its recorded benchmark is faster, else none)")
-    parser.add_argument("--speculative-model", "--draft-model", dest="speculative_model",
-                        default=None,
-                        help="drafter dir (EAGLE / EAGLE3 / MTP) or 'builtin' (the built-in "
-                        "model's EAGLE3 head); --draft-model is a deprecated alias")
-    parser.add_argument("--num-spec-tokens", type=int, default=3,
-                        help=f"drafts per step, 1..{MAX_NUM_SPEC_TOKENS} (the engine drafts "
-                        "fewer or none when that is faster)")
-    parser.add_argument("--no-adaptive-speculation", action="store_true",
-                        help="always draft --num-spec-tokens tokens")
-    parser.add_argument("--disable-lookahead-block-hashes", action="store_true",
-                        help="legacy block hashes and the last-block drop")
-    parser.add_argument("--hash-seed", default=None,
-                        help="block-hash seed (default: PYTHONHASHSEED, else random; a disk "
-                        "tier needs one that another process can reproduce)")
-    add_connector_arguments(parser)
+    add_engine_arguments(parser, seed_flag=False)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from speckv.engine.llm import LLM, random_init_note
     from speckv.engine.sampling_params import SamplingParams
+    from speckv.engine.speculation_choice import choose_speculation
 
     if not args.prompt:  # one rule with the server's: an empty prompt is refused
         raise ValueError("the prompt is empty: give the text to complete, e.g. "
@@ -81,25 +58,20 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    choice = choose_speculation(args.model, args.speculative_method, args.speculative_model,
-                                args.num_spec_tokens)
-    method, speculative_model, line = choice.method, choice.speculative_model, choice.summary
-    speculative = {} if method == "none" else {
-        "speculative_method": method, "num_spec_tokens": args.num_spec_tokens,
-        "speculative_model": speculative_model,
-        "adaptive_speculation": not args.no_adaptive_speculation,
-    }
-    connector = connector_config_from_args(args)  # flag errors before the model loads
+    line = choose_speculation(args.model, args.speculative_method, args.speculative_model,
+                              args.num_spec_tokens).summary
+    engine_args = engine_args_from_cli(args)  # flag errors before the model loads
+    connector = engine_args.kv_transfer_config
     persistent = connector is not None and {"disk", "store"} & set(connector.names)
     if persistent and args.hash_seed is None and "PYTHONHASHSEED" not in os.environ:
         raise ValueError(f"--kv-connector {args.kv_connector} needs block hashes another process "
                          "can reproduce: pass --hash-seed (e.g. --hash-seed 0) or set "
                          "PYTHONHASHSEED")
-    tiers = {} if connector is None else connector_engine_kwargs(args.kv_connector, connector)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len,
-              disable_lookahead_block_hashes=args.disable_lookahead_block_hashes,
-              hash_seed=args.hash_seed, **speculative, **tiers)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, **vars(engine_args))
     # after the engine is built: an error in the flags or the model files comes alone
     print(f"[{line}]", file=sys.stderr, flush=True)
     note = random_init_note(args.model)

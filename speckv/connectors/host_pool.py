@@ -27,7 +27,7 @@ from speckv.connectors.store import PutOutcome, PutResult, StoreUsage
 GIB = 1 << 30
 
 
-def capacity_blocks_for(size_gib: float, layout: BlockLayout, what: str = "--kv-offload-gb"
+def capacity_blocks_for(size_gib: float, layout: BlockLayout, what: str = "--kv-offload-gib"
                         ) -> int:
     """Whole blocks of `layout` in `size_gib` GiB; a clear error if not even one fits."""
     if not size_gib > 0:

@@ -1,6 +1,6 @@
 """The CPU offload tier: a bounded LRU pool of host blocks behind the tier connector.
 
-Owns the CPU tier's sizing (`--kv-offload-gb`, GiB of host memory, target + draft KV of every
+Owns the CPU tier's sizing (`--kv-offload-gib`, GiB of host memory, target + draft KV of every
 layer per block) and `NoLookaheadOffloadConnector`, the same tier declaring no lookahead
 capability: with it the engine falls back to legacy hashes with the last-block drop, and the
 tier follows the drop too (lookup and store leave out the unverified last block).
@@ -24,7 +24,7 @@ class OffloadConnector(TierConnector):
     def __init__(self, size_gib: float = DEFAULT_OFFLOAD_GIB, *, name: str = "offload",
                  max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS) -> None:
         if not size_gib > 0:
-            raise ValueError(f"--kv-offload-gb must be > 0, got {size_gib}")
+            raise ValueError(f"--kv-offload-gib must be > 0, got {size_gib}")
         super().__init__(name, max_pending_blocks)
         self.size_gib = size_gib
 

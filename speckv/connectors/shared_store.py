@@ -123,7 +123,7 @@ class StoreConnector(TierConnector):
         if not url:
             raise ValueError("--kv-store-url must be a redis:// URL or 'embedded'")
         if not size_gib > 0:
-            raise ValueError(f"--kv-store-gb must be > 0, got {size_gib}")
+            raise ValueError(f"--kv-store-gib must be > 0, got {size_gib}")
         if not model_fingerprint:
             raise ValueError("the store KV tier needs a model fingerprint")
         self.embedded = url == EMBEDDED
@@ -158,7 +158,7 @@ class StoreConnector(TierConnector):
         if self.embedded:
             maxmemory = int(self.size_gib * GIB)
             if maxmemory < 2 * kv.layout.nbytes:
-                raise ValueError(f"--kv-store-gb {self.size_gib} GiB holds no KV block of "
+                raise ValueError(f"--kv-store-gib {self.size_gib} GiB holds no KV block of "
                                  f"{kv.layout.nbytes} bytes")
             self.server = EmbeddedValkey(maxmemory).start()
             endpoint = replace(endpoint, url=self.server.url)

@@ -56,7 +56,7 @@ from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache
 from speckv.drafters.layers import dense_attention
-from speckv.models.llama import LlamaDecoderLayer
+from speckv.models.llama.model import LlamaDecoderLayer
 from speckv.speculation.policy import DrafterPolicy
 
 

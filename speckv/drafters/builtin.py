@@ -17,7 +17,7 @@ import torch
 
 from speckv.drafters.base import Drafter
 from speckv.drafters.loaders import load_drafter
-from speckv.models.llama import LlamaForCausalLM
+from speckv.models.base import TargetModel
 
 BUILTIN_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-eagle3"
 BUILTIN_DRAFTER_METHOD = "eagle3"  # the only drafter the built-in model ships
@@ -31,7 +31,7 @@ def builtin_drafter_available() -> bool:
 
 
 def load_builtin_drafter(
-    model: LlamaForCausalLM,
+    model: TargetModel,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
 ) -> Drafter:

@@ -21,9 +21,9 @@ from torch import nn
 from speckv.attention import AttentionMetadata, PagedKVCache
 from speckv.drafters.base import Drafter, DraftModule, TargetStates
 from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_config
-from speckv.models.config import ModelConfig
-from speckv.models.layers import Linear, RMSNorm
-from speckv.models.llama import LlamaDecoderLayer
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.layers import Linear, RMSNorm
+from speckv.models.llama.model import LlamaDecoderLayer
 from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 

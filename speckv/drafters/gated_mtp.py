@@ -27,9 +27,9 @@ from torch import nn
 from speckv.attention import AttentionMetadata, PagedKVCache, get_attention_backend
 from speckv.drafters.base import Drafter, DraftModule, TargetStates
 from speckv.drafters.layers import SharedTarget
-from speckv.models.hybrid import HybridDecoderLayer, ZeroCenteredRMSNorm
-from speckv.models.hybrid_config import HybridConfig
-from speckv.models.rope import RotaryEmbedding
+from speckv.models.common.rope import RotaryEmbedding
+from speckv.models.hybrid.config import HybridConfig
+from speckv.models.hybrid.model import HybridDecoderLayer, ZeroCenteredRMSNorm
 from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -119,9 +119,9 @@ def load_gated_mtp(path: str | Path, model) -> GatedMTPDrafter:
     `model` (a `HybridForCausalLM` of that checkpoint)."""
     from safetensors import safe_open
 
-    from speckv.models.loader import _safetensors_files
+    from speckv.models.common.weights import safetensors_files
 
-    files = _safetensors_files(Path(path))
+    files = safetensors_files(Path(path))
     where: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:

@@ -42,10 +42,10 @@ from torch import nn
 from speckv.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from speckv.attention.kv_cache import LayerKVCache
 from speckv.drafters.layers import SharedTarget
-from speckv.models.config import ModelConfig
-from speckv.models.gemma import GemmaMLP
-from speckv.models.gemma4 import Gemma4Config, Gemma4RMSNorm, _proportional_inv_freq
-from speckv.models.rope import RotaryEmbedding, apply_rope
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.rope import RotaryEmbedding, apply_rope
+from speckv.models.gemma.gemma3 import GemmaMLP
+from speckv.models.gemma.gemma4 import Gemma4Config, Gemma4RMSNorm, _proportional_inv_freq
 from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
@@ -345,12 +345,12 @@ def load_gemma4_assistant(path: str | Path, target: nn.Module) -> Gemma4Assistan
     """A `Gemma4AssistantForCausalLM` directory (config.json + *.safetensors) for `target`."""
     from safetensors import safe_open
 
-    from speckv.models.loader import _safetensors_files
+    from speckv.models.common.weights import safetensors_files
 
     d = Path(path)
     config = AssistantConfig.from_hf_config(json.loads((d / "config.json").read_text()))
     tensors: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(d):
+    for f in safetensors_files(d):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 tensors[name] = st.get_tensor(name)

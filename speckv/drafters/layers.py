@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speckv.models.config import ModelConfig
-from speckv.models.llama import LlamaAttention
-from speckv.models.rope import RotaryEmbedding, apply_rope
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.rope import RotaryEmbedding, apply_rope
+from speckv.models.llama.model import LlamaAttention
 
 
 class SharedTarget:

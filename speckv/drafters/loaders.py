@@ -39,10 +39,10 @@ from speckv.drafters.eagle import EagleDrafter
 from speckv.drafters.eagle3 import Eagle3Drafter, vllm_aux_to_ours
 from speckv.drafters.layers import SharedTarget
 from speckv.drafters.mtp import MTPDrafter
-from speckv.models.llama import LlamaForCausalLM
-from speckv.models.loader import _safetensors_files
+from speckv.models.base import TargetModel
+from speckv.models.common.weights import safetensors_files
 
-METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # EngineConfig.speculative_method
+METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # SpeculativeConfig.method
 MTP_LAYOUTS: tuple[str, ...] = ("deepseek", "qwen")  # where an MTP checkpoint keeps its tensors
 # The loader's own key per (method, layout): the tensor-name table and the config.json tag.
 FORMATS: tuple[str, ...] = ("eagle", "eagle3", "mtp_deepseek", "mtp_qwen")
@@ -191,7 +191,7 @@ def _detect_key(path: str | Path) -> str:
 
 def _tensor_index(d: Path) -> dict[str, Path]:
     out: dict[str, Path] = {}
-    for f in _safetensors_files(d):
+    for f in safetensors_files(d):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 out[name] = f
@@ -238,14 +238,14 @@ def save_drafter(
     return d
 
 
-def build_drafter(method: str, target: LlamaForCausalLM, *, layout: str | None = None,
+def build_drafter(method: str, target: TargetModel, *, layout: str | None = None,
                   **kwargs: Any) -> Drafter:
     """An (uninitialised) drafter of `method` (eagle, eagle3, mtp; MTP in checkpoint `layout`)
     on `target`'s config, fp32 on CPU."""
     return _build(format_key(method, layout), target, **kwargs)
 
 
-def _build(fmt: str, target: LlamaForCausalLM, **kwargs: Any) -> Drafter:
+def _build(fmt: str, target: TargetModel, **kwargs: Any) -> Drafter:
     shared = SharedTarget.of(target)
     if fmt == "eagle":
         return EagleDrafter(target.config, shared, **kwargs)
@@ -259,7 +259,7 @@ def _build(fmt: str, target: LlamaForCausalLM, **kwargs: Any) -> Drafter:
 
 def random_drafter(
     method: str,
-    target: LlamaForCausalLM,
+    target: TargetModel,
     init_std: float = 0.02,
     seed: int | None = None,
     *,
@@ -282,7 +282,7 @@ def random_drafter(
 
 def load_drafter(
     path: str | Path,
-    target: LlamaForCausalLM,
+    target: TargetModel,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
 ) -> Drafter:

@@ -17,9 +17,9 @@ from torch import nn
 
 from speckv.drafters.base import Drafter, FuseThenLayerModule, TargetStates
 from speckv.drafters.layers import SharedTarget, drafter_layer_config
-from speckv.models.config import ModelConfig
-from speckv.models.layers import Linear, RMSNorm
-from speckv.models.llama import LlamaDecoderLayer
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.layers import Linear, RMSNorm
+from speckv.models.llama.model import LlamaDecoderLayer
 from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 

@@ -90,6 +90,9 @@ class DrafterProposer:
         self.clock = clock  # times the catch-up and the drafts (the adaptive policy's clock)
         self.last_timing = ProposeTiming()
 
+    def bind_target_kv(self, kv_cache, layout) -> None:
+        """Reads the target's hidden states, not its KV."""
+
     def free(self, request_id: str) -> None:
         """Forget a finished request's carry (the engine should call this when it frees one)."""
         self._carries.pop(request_id, None)

@@ -11,6 +11,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "speckv.engine.llm",
     "LLMEngine": "speckv.engine.llm_engine",
+    "EngineArgs": "speckv.engine.engine_args",
     "EngineConfig": "speckv.engine.config",
     "SamplingParams": "speckv.engine.sampling_params",
     "RequestOutput": "speckv.engine.outputs",

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from speckv.attention.state_cache import PagedStateCache, StatePlan
 from speckv.cache.specs import MambaSpec
 from speckv.engine.messages import ScheduledRequest
-from speckv.models.hybrid import plan_for
-from speckv.models.kv_layout import KVCacheLayout
+from speckv.models.common.kv_layout import KVCacheLayout
+from speckv.models.hybrid.model import plan_for
 
 
 def state_group(layout: KVCacheLayout) -> int | None:

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from speckv.connectors import (
-    ConnectorConfig,
     ConnectorMode,
     ConnectorOutput,
     DeviceKV,
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
     from speckv.engine.config import EngineConfig
     from speckv.engine.messages import ScheduledRequest
     from speckv.engine.request import Request
-    from speckv.models.llama import LlamaForCausalLM
+    from speckv.models.base import TargetModel
 
 logger = logging.getLogger("speckv.engine")
 
@@ -58,13 +57,13 @@ GROUP_ID = 0  # the connector copies the one full-attention group the engine run
 
 
 # ---- start-up ----------------------------------------------------------------------------------
-def build_connector(config: EngineConfig, model: LlamaForCausalLM, drafter: Any | None
+def build_connector(config: EngineConfig, model: TargetModel, drafter: Any | None
                     ) -> KVConnector | None:
-    """The configured connector, not yet initialized (None: no `kv_connector`).
+    """The configured connector, not yet initialized (None: no `kv_transfer`).
 
     A disk tier or a shared store is namespaced by a fingerprint of the target's and the
     drafter's weights: the draft KV it keeps depends on both."""
-    connector_config = config.connector_config()
+    connector_config = config.kv_transfer
     if connector_config is None:
         return None
     identity = None
@@ -72,7 +71,8 @@ def build_connector(config: EngineConfig, model: LlamaForCausalLM, drafter: Any 
         named = [(f"target.{name}", tensor) for name, tensor in model.named_parameters()]
         if drafter is not None:
             named += [(f"draft.{name}", tensor) for name, tensor in drafter.named_parameters()]
-        identity = TierIdentity(fingerprint_tensors(named), config.hash_algo, config.hash_seed)
+        identity = TierIdentity(fingerprint_tensors(named), config.cache.hash_algo,
+                                config.cache.hash_seed)
     return make_connector(connector_config, identity)
 
 
@@ -233,14 +233,3 @@ class RunnerConnector:
         self._cut = {}
         return output
 
-
-def connector_engine_kwargs(spec: str, config: ConnectorConfig) -> dict[str, Any]:
-    """The `EngineConfig` fields for a connector the CLI parsed (`--kv-connector` = `spec`)."""
-    return {
-        "kv_connector": spec, "kv_offload_gb": config.offload_gib,
-        "kv_offload_dir": config.offload_dir, "kv_offload_disk_gb": config.disk_gib,
-        "kv_store_url": config.store_url, "kv_store_gb": config.store_gib,
-        "kv_store_cluster": config.store_cluster, "kv_store_optional": config.store_optional,
-        "kv_store_timeout_s": config.store_timeout_s,
-        "kv_load_failure_policy": config.load_failure_policy,
-    }

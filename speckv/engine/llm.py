@@ -1,12 +1,9 @@
 """LLM: the user-facing API. `LLM(model=...)`, `generate(...)`, and `stream(...)` for deltas.
 
-Owns loading a model by name (None / "builtin": the built-in SmolLM2-135M-Instruct;
-"hybrid-swa": a tiny random-init Gemma 3-style sliding-window model; "hybrid-gdn": a small
-random-init Qwen3-Next-style Gated DeltaNet hybrid; a directory: an HF safetensors dir
-(Llama family, Gemma 3 or 4 text, Qwen3-Next / Qwen3.5 text); a `.gguf` file; or an
-already-built model) onto the configured device and dtype, and driving an `LLMEngine` until
-the given prompts finish. A bad prompt gets an output with `finish_reason == "error"` and
-`error` set; the others finish.
+Owns loading a model (a name, an HF directory or a `.gguf` file through
+`speckv.models.registry.load_model`, or an already-built model) onto the configured device
+and dtype, and driving an `LLMEngine` until the given prompts finish. A bad prompt gets an
+output with `finish_reason == "error"` and `error` set; the others finish.
 """
 
 from __future__ import annotations
@@ -19,90 +16,17 @@ from typing import Any
 
 import torch
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import EngineArgs
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import load_configured_drafter
-from speckv.models.llama import LlamaForCausalLM
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
+from speckv.models.registry import load_model, random_init_note
+
+__all__ = ["LLM", "load_model", "random_init_note"]
 
 Prompt = str | Sequence[int]
-
-
-def load_model(
-    model: str | Path | None, dtype: str, device: Any, progress: bool = True
-) -> tuple[LlamaForCausalLM, Tokenizer | None]:
-    """(model, tokenizer) for a model name: None / "builtin", an HF dir or a .gguf file."""
-    if model is None or str(model) == "builtin":
-        from speckv.models.builtin import load_builtin_model
-
-        loaded, tokenizer, _ = load_builtin_model(dtype, device, progress=progress)
-        return loaded, tokenizer
-    if str(model) == "hybrid-swa":
-        from speckv.models.hybrid_swa import load_hybrid_swa
-
-        return load_hybrid_swa(dtype, device, progress)  # type: ignore[return-value]
-    if str(model) == "hybrid-gdn":
-        from speckv.models.hybrid_gdn import load_hybrid_gdn
-
-        return load_hybrid_gdn(dtype, device, progress)  # type: ignore[return-value]
-    path = Path(model)
-    if path.is_dir() and _hf_config_is(path, "hybrid"):
-        from speckv.models.hybrid_loader import load_hybrid_dir
-        from speckv.models.loader import load_hf_tokenizer
-
-        gdn, gdn_config = load_hybrid_dir(path, dtype, device)
-        return gdn, load_hf_tokenizer(path, gdn_config)  # type: ignore[return-value,arg-type]
-    if path.is_dir() and _is_gemma_dir(path):
-        from speckv.models.gemma_loader import load_gemma_dir
-        from speckv.models.loader import load_hf_tokenizer
-
-        gemma = load_gemma_dir(path, dtype, device)
-        return gemma, load_hf_tokenizer(path, gemma.config)  # type: ignore[return-value]
-    if path.is_dir():
-        from speckv.models.loader import load_hf_dir, load_hf_tokenizer
-
-        loaded, config = load_hf_dir(path, dtype, device)
-        return loaded, load_hf_tokenizer(path, config)
-    if path.is_file() and path.suffix == ".gguf":
-        from speckv.models.loader import load_gguf
-
-        loaded, _, tokenizer = load_gguf(path, dtype, device)
-        return loaded, tokenizer
-    raise FileNotFoundError(
-        f"model {str(model)!r}: not 'builtin', an HF model directory or a .gguf file"
-    )
-
-
-def random_init_note(model: str | Path | None) -> str | None:
-    """What to tell a user of a built-in model with random weights (None for other models)."""
-    if str(model) == "hybrid-swa":
-        from speckv.models.hybrid_swa import RANDOM_INIT_NOTE
-
-        return RANDOM_INIT_NOTE
-    if str(model) == "hybrid-gdn":
-        from speckv.models.hybrid_gdn import RANDOM_INIT_NOTE
-
-        return RANDOM_INIT_NOTE
-    return None
-
-
-def _hf_config_is(path: Path, family: str) -> bool:
-    """Whether the HF dir's config.json is of a family ("hybrid": Qwen3-Next / Qwen3.5)."""
-    from speckv.models.hybrid_config import is_hybrid_hf_config
-    from speckv.models.model_files import read_json_file
-
-    config = path / "config.json"
-    return config.is_file() and is_hybrid_hf_config(read_json_file(config))
-
-
-def _is_gemma_dir(path: Path) -> bool:
-    from speckv.models.gemma import is_gemma_config
-    from speckv.models.model_files import read_json_file
-
-    config = path / "config.json"
-    return config.is_file() and is_gemma_config(read_json_file(config))
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -123,8 +47,8 @@ class LLM:
         progress: bool = True,
         **engine_args: Any,
     ) -> None:
-        config = EngineConfig(**engine_args)
-        if isinstance(model, torch.nn.Module):  # LlamaForCausalLM, GemmaForCausalLM
+        config = EngineArgs(**engine_args).create_engine_config()
+        if isinstance(model, torch.nn.Module):  # a TargetModel (speckv.models.base)
             loaded = model
         else:
             loaded, loaded_tokenizer = load_model(

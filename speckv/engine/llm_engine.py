@@ -16,7 +16,7 @@ from their block sizes, the hash mode from the drafter), the runner one block ta
 Every layer keeps a `[num_blocks, ...]` tensor, so a block id costs the bytes of all layers
 whichever group holds it (simple, over-provisioned for multi-group models).
 
-With `EngineConfig.kv_connector`, the engine builds the connector (`kv_connector.py`), resolves
+With `EngineConfig.kv_transfer`, the engine builds the connector (`kv_connector.py`), resolves
 its hash mode from the drafter AND the connector's lookahead capability (`hash_mode.reason`
 says why; logged at start-up), and binds the connector to the target's and drafter's caches.
 When the engine goes idle, the saves of the requests that just left are snapshotted (their
@@ -33,7 +33,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from speckv.attention import bytes_per_block
 from speckv.cache import KVCacheManager
 from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
@@ -42,12 +41,14 @@ from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
+from speckv.engine.engine_check import check_engine, check_model_fits
 from speckv.engine.kv_connector import (
     RunnerConnector,
     SchedulerConnector,
     build_connector,
     initialize_connector,
 )
+from speckv.engine.kv_plan import plan_kv_cache
 from speckv.engine.messages import FinishReason
 from speckv.engine.model_runner import ModelRunner
 from speckv.engine.output_processor import OutputProcessor
@@ -58,9 +59,9 @@ from speckv.engine.scheduler import Scheduler
 from speckv.engine.speculative import Drafter, make_proposer, resolve_connector_hash_mode
 from speckv.engine.stats import SchedulerStats
 from speckv.hashing.functions import get_hash_algo
-from speckv.models.kv_layout import KVCacheLayout
-from speckv.models.llama import LlamaForCausalLM
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.base import TargetModel
+from speckv.models.common.kv_layout import KVCacheLayout
+from speckv.models.common.tokenizer import Tokenizer
 from speckv.speculation.adaptive import (
     AdaptiveSpecConfig,
     AdaptiveSpeculation,
@@ -79,7 +80,7 @@ class EventPublisher(Protocol):
 class LLMEngine:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: TargetModel,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         proposer: Proposer | None = None,
@@ -94,142 +95,108 @@ class LLMEngine:
         spec_clock: Clock | None = None,
         hash_mode: HashMode | None = None,
     ) -> None:
-        """`connector`: a KV connector to use instead of the one `config.kv_connector` names
+        """`connector`: a KV connector to use instead of the one `config.kv_transfer` names
         (not yet initialized; the engine initializes it and closes it).
 
         Cache-policy overrides (benches, tests): `layout` replaces the model's KV cache groups
-        (e.g. other block sizes per group; the drafter's group keeps `config.block_size`);
+        (e.g. other block sizes per group; the drafter's group keeps `config.cache.block_size`);
         `retention_interval` / `tail_widening` go to the `KVCacheManager` (sliding-window
         tails kept only at multiples of the interval, and how they widen). `spec_clock`: what
         the adaptive draft length times steps with (default `default_clock` of the model's
         device; tests pass a scripted one). `hash_mode`: used instead of the one resolved from the
         drafter and the connector (the negative control of `bench draft-kv`)."""
         self.config = config = config or EngineConfig()
-        if connector is not None and config.kv_connector is not None:
-            raise ValueError("pass a connector or set EngineConfig.kv_connector, not both")
+        cache = config.cache
         self.model = model
         self.tokenizer = tokenizer
-        model_config = model.config
-        self.vocab_size = model_config.vocab_size
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        block_size = config.block_size
-        assert model_config.head_dim is not None
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        check_model_fits(model, config)
         # a drafter's KV layers share the target's blocks (same heads and head size)
         num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
-        if config.mamba_block_size is not None and not getattr(model, "is_hybrid", False):
-            raise ValueError("EngineConfig.mamba_block_size applies to models with a GDN / "
-                             "Mamba state group only")
-        context = model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > context:
-            # as vLLM: positions past the model's context give noise, not an error
-            raise ValueError(f"max_model_len {config.max_model_len} is more than the model's "
-                             f"context of {context} tokens (max_position_embeddings in its "
-                             "config)")
-        if config.num_blocks is not None:
-            self.num_blocks = config.num_blocks
-        else:
-            if hasattr(model, "kv_cache_bytes_per_block"):
-                # layers of different KV shapes (Gemma 4), KV + GDN state (hybrids): the model
-                # sizes its own blocks
-                per_block = model.kv_cache_bytes_per_block(block_size)
-                if num_draft_layers:
-                    per_block += bytes_per_block(num_draft_layers, block_size,
-                                                 model_config.num_key_value_heads,
-                                                 model_config.head_dim, model.dtype)
-            else:
-                per_block = bytes_per_block(model_config.num_hidden_layers + num_draft_layers,
-                                            block_size, model_config.num_key_value_heads,
-                                            model_config.head_dim, model.dtype)
-            self.num_blocks = config.kv_cache_memory_bytes // per_block
-            if self.num_blocks < 2:  # named as the config field: the CLI shows it as its flag
-                raise ValueError(f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes:,} "
-                                 f"bytes) fits {self.num_blocks} KV blocks of {per_block:,} "
-                                 "bytes; at least 2 are needed (block 0 is the null block)")
+        self.kv_plan = plan = plan_kv_cache(
+            model, block_size=cache.block_size, num_blocks=cache.num_blocks,
+            budget_bytes=cache.kv_cache_memory_bytes, state_block_size=cache.mamba_block_size,
+            num_draft_layers=num_draft_layers, layout=layout)
+        self.num_blocks, self.layout = plan.num_blocks, plan.layout
         clock = spec_clock or default_clock(model.device.type)
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks, clock)
         self.proposer = proposer
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
-        layout = layout or (
-            model.kv_cache_layout(block_size, config.mamba_block_size)
-            if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
-        if num_draft_layers and layout.draft_group is None:
-            # the drafter's KV is full attention: no block of it may be freed
-            layout = layout.as_one_full_group()
-        self.layout = layout
-        draft_group = layout.draft_group
-        if num_draft_layers and draft_group is not None \
-                and layout.specs[draft_group].block_size != block_size:
-            raise ValueError(f"the drafter's KV group has blocks of "
-                             f"{layout.specs[draft_group].block_size} tokens; block_size is "
-                             f"{block_size}: they must be equal")
-        if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
-                and layout.draft_group is None:
-            raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
-                             f"has none ({layout.describe()}): pass the drafter as `drafter`")
-        if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None):
-            raise ValueError(
-                "KV connectors support single-group (full-attention) models only; this model "
-                f"has {layout.num_groups} KV cache groups ({layout.describe()}): drop "
-                "--kv-connector")
-        if connector is not None and not config.enable_prefix_caching:
-            raise ValueError("a KV connector needs enable_prefix_caching: tiers are keyed by "
-                             "the prefix cache's block hashes")
+        check_engine(plan.layout, config, num_draft_layers=num_draft_layers, proposer=proposer,
+                     connector=connector)
         self.connector: KVConnector | None = (
             connector if connector is not None else build_connector(config, model, drafter))
         self._closed = False
         # lookahead hashes or the legacy drop, from the drafter's policy and the connector
         self.hash_mode = hash_mode or resolve_connector_hash_mode(
             proposer.policy if proposer else NO_DRAFTER,
-            enable_prefix_caching=config.enable_prefix_caching,
-            disable_lookahead_block_hashes=config.disable_lookahead_block_hashes,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            disable_lookahead_block_hashes=cache.disable_lookahead_block_hashes,
             connector=self.connector,
-            reuse_divergent_blocks=not config.disable_divergent_block_reuse,
+            reuse_divergent_blocks=not cache.disable_divergent_block_reuse,
         )
         self._owned_publisher: Any = None  # made from the config; close() ends it
-        if event_publisher is None and config.kv_events_endpoint is not None:
-            from speckv.events.publisher import publisher_for_endpoints
-
-            event_publisher = self._owned_publisher = publisher_for_endpoints(
-                config.kv_events_endpoint, config.kv_events_replay_endpoint)
-        self.event_publisher = event_publisher
-        algo = get_hash_algo(config.hash_algo)
-        self.manager = KVCacheManager(
-            layout.specs,
-            self.num_blocks,
-            self.hash_mode,
-            enable_caching=config.enable_prefix_caching,
-            hit_check=hit_check_for(algo),
-            event_sink=KVEventSink() if event_publisher is not None else None,
-            retention_interval=retention_interval,
-            tail_widening=tail_widening,
-        )
-        self.hashing = self.manager.block_hashing(algo, config.hash_seed)
-        connector = self.connector
-        self.scheduler = Scheduler(
-            self.manager, config.max_num_batched_tokens, config.max_num_seqs, self.num_spec_tokens,
-            SchedulerConnector(connector, self.manager, config.kv_load_failure_policy)
-            if connector is not None else None,
-        )
-        # how many drafts each step verifies (adaptive unless config says otherwise)
-        self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
-            self.num_spec_tokens, adaptive=config.adaptive_speculation), clock)
-        self.runner = ModelRunner(
-            model, self.num_blocks, block_size, proposer,
-            RunnerConnector(connector, block_size) if connector is not None else None,
-            layout,
-            spec_policy=self.spec_policy,
-        )
-        if connector is not None:
-            initialize_connector(connector, self.runner.kv_cache,
-                                 getattr(proposer, "kv_cache", None), self.hash_mode, block_size)
+        self.event_publisher = (event_publisher if event_publisher is not None
+                                else self._configured_publisher())
+        self._build_parts(model, proposer, clock, retention_interval, tail_widening)
         self.output_processor = OutputProcessor(tokenizer, detokenize)
         # stop strings: the output processor finds them, the core applies them
         self.core = EngineCore(self.scheduler, self.runner, self.output_processor)
         eos = tokenizer.eos_token_ids if tokenizer is not None else ()
-        self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model.config.eos_token_ids)
         self._counter = itertools.count()
         self.last_stats: SchedulerStats | None = None  # the last step's, set by every step()
+
+    def _configured_publisher(self) -> EventPublisher | None:
+        """The KV-event publisher `config.events` names (None: none); the engine owns it."""
+        events = self.config.events
+        if events is None:
+            return None
+        from speckv.events.publisher import publisher_for_endpoints
+
+        self._owned_publisher = publisher_for_endpoints(events.endpoint, events.replay_endpoint)
+        return self._owned_publisher
+
+    def _build_parts(self, model: TargetModel, proposer: Proposer | None, clock: Clock,
+                     retention_interval: int | None, tail_widening: TailWidening) -> None:
+        """The cache manager, scheduler, adaptive draft length and runner for the plan, and
+        the connector bound to the runner's caches."""
+        config, cache = self.config, self.config.cache
+        algo = get_hash_algo(cache.hash_algo)
+        self.manager = KVCacheManager(
+            self.layout.specs,
+            self.num_blocks,
+            self.hash_mode,
+            enable_caching=cache.enable_prefix_caching,
+            hit_check=hit_check_for(algo),
+            event_sink=KVEventSink() if self.event_publisher is not None else None,
+            retention_interval=retention_interval,
+            tail_widening=tail_widening,
+        )
+        self.hashing = self.manager.block_hashing(algo, cache.hash_seed)
+        connector = self.connector
+        self.scheduler = Scheduler(
+            self.manager, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+            self.num_spec_tokens,
+            SchedulerConnector(connector, self.manager, config.kv_load_failure_policy)
+            if connector is not None else None,
+        )
+        # how many drafts each step verifies (adaptive unless config says otherwise)
+        adaptive = config.speculative is None or config.speculative.adaptive
+        self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
+            self.num_spec_tokens, adaptive=adaptive), clock)
+        self.runner = ModelRunner(
+            model, self.num_blocks, cache.block_size, proposer,
+            RunnerConnector(connector, cache.block_size) if connector is not None else None,
+            self.layout,
+            spec_policy=self.spec_policy,
+        )
+        if connector is not None:
+            initialize_connector(connector, self.runner.kv_cache,
+                                 proposer.kv_cache if proposer is not None else None,
+                                 self.hash_mode, cache.block_size)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
@@ -273,7 +240,7 @@ class LLMEngine:
             sampling_seed=seed,
         )
         # every KV cache group holds its own blocks of a prefill chunk
-        capacity = (self.num_blocks - 1) // self.layout.num_groups * self.config.block_size
+        capacity = self.kv_plan.token_capacity(self.config.cache.block_size)
         if request.num_prompt_tokens + 1 + self.num_spec_tokens > capacity:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds "

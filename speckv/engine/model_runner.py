@@ -45,10 +45,11 @@ from speckv.engine.messages import (
 )
 from speckv.engine.sampler import verify_greedy, verify_random
 from speckv.engine.stopping import first_stop
-from speckv.models.kv_layout import KVCacheLayout, make_layout_kv_cache
-from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.models.base import TargetModel
+from speckv.models.common.decoder import ModelOutput
+from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
-from speckv.speculation.proposer import Proposer, ProposerInput, ProposeTiming, TargetRows
+from speckv.speculation.proposer import Proposer, ProposerInput, TargetRows
 
 
 @dataclass
@@ -78,7 +79,7 @@ class _Forward:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: TargetModel,
         num_blocks: int,
         block_size: int,
         proposer: Proposer | None = None,
@@ -94,22 +95,20 @@ class ModelRunner:
         self.group_block_sizes = tuple(spec.block_size for spec in self.layout.specs)
         self.layer_to_group = self.layout.layer_to_group
         draft_group = self.layout.draft_group
-        if proposer is not None and getattr(proposer, "kv_cache", None) is not None \
-                and draft_group is None:
+        if proposer is not None and proposer.kv_cache is not None and draft_group is None:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
                              f"has none ({self.layout.describe()})")
         self.draft_group = draft_group if draft_group is not None else 0
         # one tensor for all layers, or one per group when their block sizes differ
-        self.kv_cache: PagedKVCache = make_layout_kv_cache(model, self.layout, num_blocks)
+        self.kv_cache: PagedKVCache = model.make_layout_kv_cache(self.layout, num_blocks)
         self.device = model.device
         # GDN / Mamba state per block id of the model's state group (hybrid models only)
         self.states: RunnerStates | None = (
             RunnerStates(model, num_blocks, self.layout)
             if state_group(self.layout) is not None else None)
         self.proposer = proposer
-        bind = getattr(proposer, "bind_target_kv", None)
-        if bind is not None:  # a drafter that reads the target's KV (Gemma 4 assistant)
-            bind(self.kv_cache, self.layout)
+        if proposer is not None:  # a drafter may read the target's KV (Gemma 4 assistant)
+            proposer.bind_target_kv(self.kv_cache, self.layout)
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
         self.requests: dict[str, _RunnerRequest] = {}
@@ -201,7 +200,7 @@ class ModelRunner:
         dst = torch.tensor([copy.dst_block_id for copy in copies], dtype=torch.int64,
                            device=device)
         self.kv_cache.copy_blocks(src, dst)
-        draft_cache = getattr(self.proposer, "kv_cache", None)
+        draft_cache = self.proposer.kv_cache if self.proposer is not None else None
         if draft_cache is not None:
             draft_cache.copy_blocks(src, dst)
 
@@ -358,8 +357,7 @@ class ModelRunner:
             ))
         drafts = self.proposer.propose(inputs)
         if self.spec_policy is not None:
-            # a proposer that does not time itself (a test oracle) counts as free to run
-            timing = getattr(self.proposer, "last_timing", None) or ProposeTiming()
+            timing = self.proposer.last_timing
             proposed = max((len(d) for d in drafts.values()), default=0)  # k actually drafted
             self.spec_policy.observe_step(StepCost(
                 sum(item.num_new_tokens for item in scheduled), target_s, num_decode, proposed,

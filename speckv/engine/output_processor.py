@@ -26,7 +26,7 @@ from typing import Any
 from speckv.engine.messages import EngineCoreOutput, FinishReason
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
 
 
 @dataclass

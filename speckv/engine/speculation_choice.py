@@ -5,6 +5,9 @@ Owns the defaults (the built-in model's shipped head only where its recorded hel
 passes `speculation_default`; a random-init MTP head on the random `hybrid-gdn`, a random-init
 Gemma 4 MTP assistant on `hybrid-swa`), the method a drafter directory implies, and the errors,
 in flag words, for combinations that cannot run. Nothing is loaded.
+
+The CLI word `none` (speculation off, said explicitly) becomes `method=None` here and only
+here; a flag left out (`None` in) means "the default for this model".
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from dataclasses import dataclass
 
 from speckv.engine.config import DRAFTER_METHODS, MAX_NUM_SPEC_TOKENS
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("none", "ngram", *DRAFTER_METHODS)  # the flag's choices
+NO_SPECULATION = "none"  # the --speculative-method word for "off"
 
 
 @dataclass(frozen=True)
 class SpeculationChoice:
-    method: str  # "none", "ngram" or one of DRAFTER_METHODS
+    method: str | None  # "ngram" or one of DRAFTER_METHODS; None: no speculation
     speculative_model: str | None  # a drafter dir, "builtin", "random-mtp"; None: no drafter
     summary: str  # one line saying what runs and why
 
@@ -53,16 +56,18 @@ def choose_speculation(model: str, method: str | None, speculative_model: str | 
         elif builtin and (speculative_model == "builtin" or (default is not None and default.on)):
             method = BUILTIN_DRAFTER_METHOD
         else:
-            method = "none"
-    if method in ("none", "ngram"):
+            method = NO_SPECULATION
+    if method in (NO_SPECULATION, "ngram"):
         if speculative_model is not None:
             raise ValueError(f"--speculative-model needs --speculative-method "
                              f"{'/'.join(DRAFTER_METHODS)}, got {method}")
-        summary = ("speculation off" if method == "none"
-                   else f"speculation: n-gram prompt lookup, {num_spec_tokens} drafts")
-        if method == "none" and default is not None:
+        if method == "ngram":
+            return SpeculationChoice("ngram", None, "speculation: n-gram prompt lookup, "
+                                     f"{num_spec_tokens} drafts")
+        summary = "speculation off"
+        if default is not None:
             summary += f": {default.reason}; --speculative-method eagle3 turns it on"
-        return SpeculationChoice(method, None, summary)
+        return SpeculationChoice(None, None, summary)
     if speculative_model is None or speculative_model == "builtin":
         if not builtin:
             raise ValueError(f"--speculative-method {method} needs --speculative-model DIR (a "

@@ -1,7 +1,7 @@
 """The engine's speculative-decoding setup: which proposer runs, from the config.
 
-Owns turning `EngineConfig.speculative_method` (+ a drafter loaded from
-`EngineConfig.speculative_model`) into a `Proposer`. The proposer carries its drafter's policy
+Owns turning `EngineConfig.speculative` (its method, + a drafter loaded from its `model`)
+into a `Proposer`. The proposer carries its drafter's policy
 (`speckv.speculation.policy`), which then decides lookahead hashes versus the legacy drop. Drafter
 modules live in `speckv.drafters`; the proposer protocol and the n-gram proposer in
 `speckv.speculation`. Also the engine's hash mode from its drafter's policy and its KV connector.
@@ -16,7 +16,7 @@ from speckv.cache.hash_mode import HashMode
 from speckv.connectors.capability import lookahead_blocker
 from speckv.drafters.base import Drafter
 from speckv.engine.config import DRAFTER_METHODS, EngineConfig
-from speckv.models import LlamaForCausalLM
+from speckv.models.base import TargetModel, has_state_group
 from speckv.speculation.adaptive import Clock
 from speckv.speculation.ngram import NgramProposer
 from speckv.speculation.policy import DrafterPolicy, resolve_hash_mode
@@ -24,7 +24,7 @@ from speckv.speculation.proposer import Proposer
 
 
 def speculative_args(drafter: Drafter | None, num_spec_tokens: int) -> dict[str, Any]:
-    """The `EngineConfig` speculative fields for running `drafter` (None: no speculation)."""
+    """The `EngineArgs` speculative fields for running `drafter` (None: no speculation)."""
     if drafter is None:
         return {"speculative_method": None, "num_spec_tokens": 0}
     # the Gemma 4 assistant's policy is gemma4_mtp; users ask for it as "mtp"
@@ -35,14 +35,16 @@ def speculative_args(drafter: Drafter | None, num_spec_tokens: int) -> dict[str,
 def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int,
                   clock: Clock = time.perf_counter) -> Proposer | None:
     """The proposer for the config (None: no speculation), timing itself with `clock`."""
-    method = config.speculative_method
+    spec = config.speculative
+    method = spec.method if spec is not None else None
     build = getattr(drafter, "make_proposer", None)
     if build is not None:  # a drafter with its own proposer (the Gemma 4 assistant)
         if method != drafter.speculative_method:
             raise ValueError(f"the drafter is a Gemma 4 assistant (an MTP drafter) but "
                              f"speculative_method is {method!r}; set speculative_method="
                              f"{drafter.speculative_method!r}")
-        return build(config.num_spec_tokens)
+        assert spec is not None
+        return build(spec.num_speculative_tokens)
     if drafter is not None:
         if method != drafter.policy.name:
             raise ValueError(
@@ -51,11 +53,13 @@ def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
             )
         from speckv.drafters.proposer import DrafterProposer
 
-        return DrafterProposer(drafter, config.num_spec_tokens, num_blocks, config.block_size,
-                               clock)
-    if method == "ngram":
-        return NgramProposer(config.num_spec_tokens, config.prompt_lookup_min,
-                             config.prompt_lookup_max, clock)
+        assert spec is not None
+
+        return DrafterProposer(drafter, spec.num_speculative_tokens, num_blocks,
+                               config.cache.block_size, clock)
+    if spec is not None and spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max, clock)
     if method in DRAFTER_METHODS:
         raise ValueError(
             f"speculative_method {method!r} needs a drafter: set speculative_model (a drafter "
@@ -64,20 +68,21 @@ def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
     return None
 
 
-def load_configured_drafter(config: EngineConfig, model: LlamaForCausalLM) -> Drafter | None:
-    """Load `config.speculative_model` on `model` (None: no drafter)."""
-    if config.speculative_model is None:
+def load_configured_drafter(config: EngineConfig, model: TargetModel) -> Drafter | None:
+    """Load `config.speculative.model` on `model` (None: no drafter)."""
+    spec = config.speculative
+    if spec is None or spec.model is None:
         return None
-    return load_drafter_model(config.speculative_model, model, config.speculative_method)
+    return load_drafter_model(spec.model, model, spec.method)
 
 
-def load_drafter_model(speculative_model: str, model: LlamaForCausalLM,
+def load_drafter_model(speculative_model: str, model: TargetModel,
                        method: str | None = None) -> Drafter:
     """A drafter dir (layout detected), "builtin" (the built-in SmolLM2's shipped EAGLE3
     head; `method`, when given, must be the drafter's) or, on a GDN hybrid, "random-mtp" (a
     seeded random-init Qwen3-Next MTP head) or the checkpoint directory whose own `mtp.*` head
     to load."""
-    if getattr(model, "is_hybrid", False):
+    if has_state_group(model):  # a GDN hybrid: its MTP head
         from speckv.drafters.hybrid_mtp import load_hybrid_drafter
 
         return load_hybrid_drafter(speculative_model, model)
@@ -101,7 +106,7 @@ def load_drafter_model(speculative_model: str, model: LlamaForCausalLM,
     return load_drafter(speculative_model, model)
 
 
-def _load_assistant(speculative_model: str, model: LlamaForCausalLM, method: str | None):
+def _load_assistant(speculative_model: str, model: TargetModel, method: str | None):
     """The Gemma 4 MTP assistant: a `Gemma4AssistantForCausalLM` directory, or
     "random-assistant" (seeded random init) on a Gemma 3 / 4 target."""
     from speckv.drafters.gemma4_assistant import (
@@ -113,7 +118,10 @@ def _load_assistant(speculative_model: str, model: LlamaForCausalLM, method: str
     if method is not None and method != "mtp":
         raise ValueError(f"{speculative_model}: a Gemma 4 assistant is an MTP drafter; use "
                          "--speculative-method mtp")
-    if getattr(model, "gemma", None) is None:
+    from speckv.models.gemma.gemma3 import GemmaForCausalLM
+    from speckv.models.gemma.gemma4 import Gemma4ForCausalLM
+
+    if not isinstance(model, GemmaForCausalLM | Gemma4ForCausalLM):
         raise ValueError(f"{speculative_model}: a Gemma 4 assistant drafts for a Gemma 3 / 4 "
                          "target (it reads the target's KV); this model is not one")
     if speculative_model == RANDOM_ASSISTANT:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
 from speckv.server.contract import tokenizer_digest
 
 BUILTIN_TOKENIZER_MODELS = ("builtin", "hybrid-swa", "hybrid-gdn")
@@ -31,7 +31,7 @@ def _config_eos_ids(directory: Path) -> tuple[int, ...]:
 def load_tokenizer(model: str) -> Tokenizer | None:
     """The tokenizer `speckv serve MODEL` uses; FileNotFoundError when MODEL is not here."""
     if model in BUILTIN_TOKENIZER_MODELS:
-        from speckv.models.builtin import builtin_tokenizer
+        from speckv.models.llama.builtin import builtin_tokenizer
 
         return builtin_tokenizer(progress=False)
     path = Path(model)
@@ -40,7 +40,7 @@ def load_tokenizer(model: str) -> Tokenizer | None:
             return None
         return Tokenizer.from_dir(path, _config_eos_ids(path))
     if path.is_file() and path.suffix == ".gguf":
-        from speckv.models.gguf_file import GGUFFile
+        from speckv.models.llama.gguf_file import GGUFFile
 
         gguf = GGUFFile(path)
         if "tokenizer.ggml.tokens" not in gguf.fields:

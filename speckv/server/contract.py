@@ -61,7 +61,7 @@ def engine_contract(engine: Any, served_model_name: str, model_path: str, epoch:
                     tokenizer_sha: str | None) -> dict[str, Any]:
     """The contract of a built `LLMEngine` (JSON-ready). Pure but for reading PYTHONHASHSEED,
     which the engine read the same way when it built its hashing."""
-    config = engine.config
+    config = engine.config.cache
     manager = engine.manager
     mode = engine.hash_mode
     seed = config.hash_seed if config.hash_seed is not None else os.environ.get("PYTHONHASHSEED")

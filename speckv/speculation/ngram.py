@@ -20,6 +20,7 @@ class NgramProposer:
 
     aux_layers: tuple[int, ...] = ()
     policy: DrafterPolicy = drafter_policy("ngram")
+    kv_cache = None  # no draft KV
 
     def __init__(self, num_spec_tokens: int, min_n: int = 1, max_n: int = 3,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -33,6 +34,9 @@ class NgramProposer:
 
     def free(self, request_id: str) -> None:
         """Keeps nothing per request."""
+
+    def bind_target_kv(self, kv_cache, layout) -> None:
+        """Reads only the request's tokens, never the target's KV."""
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
         start = self.clock()

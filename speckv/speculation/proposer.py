@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from speckv.speculation.policy import DrafterPolicy
+
+if TYPE_CHECKING:
+    from speckv.attention import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,14 @@ class Proposer(Protocol):
     # Target layers whose outputs the drafter reads (EAGLE3); () for none.
     aux_layers: tuple[int, ...]
     last_timing: ProposeTiming  # of the latest `propose` call
+    # the drafter's own paged KV (same block ids as the target's draft group); None: it keeps
+    # none (n-gram, the Gemma 4 assistant, which reads the target's)
+    kv_cache: PagedKVCache | None
+
+    def bind_target_kv(self, kv_cache: Any, layout: Any) -> None:
+        """Once, before the first step: the target's paged KV and its `KVCacheLayout`, for a
+        drafter that reads the target's KV (the Gemma 4 assistant); the others ignore it."""
+        ...
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
         """Write draft KV for the final positions; return drafts (<= max_drafts) per request

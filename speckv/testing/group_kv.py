@@ -45,7 +45,7 @@ def read_group_kv(engine, block_tables: Sequence[Sequence[int]], num_tokens: int
             for i in group.layer_indices]))
         indices_out.append(indices)
     draft = None
-    proposer_cache = getattr(engine.proposer, "kv_cache", None)
+    proposer_cache = engine.proposer.kv_cache if engine.proposer is not None else None
     if proposer_cache is not None and layout.draft_group is not None:
         g = layout.draft_group
         blocks = [list(block_tables[g])[i] for i in indices_out[g]]

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.messages import ScheduledRequest
 from speckv.engine.model_runner import ModelRunner
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.llama import LlamaForCausalLM
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.base import TargetModel
+from speckv.models.common.tokenizer import Tokenizer
 
 # Our aux indices are decoder-layer OUTPUTS; vLLM's EAGLE3 ids (layer inputs) are these + 1:
 # (2, 15, 29) for the 30-layer SmolLM2, all collectable by vLLM's loop.
@@ -59,7 +59,7 @@ class DistillSequence:
 class _RecordingRunner(ModelRunner):
     """The engine's runner, also keeping the features of every position it computes."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+    def __init__(self, model: TargetModel, num_blocks: int, block_size: int,
                  aux_layers: tuple[int, ...]) -> None:
         super().__init__(model, num_blocks, block_size, None)
         self.aux_layers = aux_layers
@@ -91,7 +91,7 @@ def chat_ids(tokenizer: Tokenizer, conversation: Conversation | str) -> list[int
 
 
 def generate_sequences(
-    model: LlamaForCausalLM,
+    model: TargetModel,
     tokenizer: Tokenizer,
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
@@ -107,7 +107,7 @@ def generate_sequences(
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
     longest = max((len(p) + s.max_tokens for p, s in zip(prompts, params)), default=1)
     block_size = 16
-    config = EngineConfig(
+    config = engine_config(
         block_size=block_size,
         num_blocks=max_num_seqs * -(-longest // block_size) + 2,  # never preempts
         max_num_seqs=max_num_seqs,

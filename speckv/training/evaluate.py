@@ -16,7 +16,7 @@ import torch
 
 from speckv.attention import AttentionMetadata
 from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
-from speckv.models.llama import LlamaForCausalLM
+from speckv.models.base import TargetModel
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class SpecResult:
 
 @torch.inference_mode()
 def speculative_generate(
-    target: LlamaForCausalLM,
+    target: TargetModel,
     drafter: Drafter,
     prompt_ids: Sequence[int],
     max_new_tokens: int,

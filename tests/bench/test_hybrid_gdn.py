@@ -11,7 +11,7 @@ import torch
 from speckv.bench.draft_kv_hybrid import measure_hybrid
 from speckv.bench.hybrid_gdn import run_scenario
 from speckv.drafters.hybrid_mtp import random_hybrid_drafter
-from speckv.models.hybrid_loader import tiny_hybrid
+from speckv.models.hybrid.loader import tiny_hybrid
 
 
 @pytest.mark.exactness

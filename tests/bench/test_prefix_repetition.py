@@ -76,8 +76,8 @@ def test_a_tier_brings_the_hit_rate_back_to_the_oracle(model_and_drafter, tier, 
         PrefixRepetitionConfig(prefix_len=14, suffix_len=5, num_prefixes=3, output_len=4,
                                num_prompts=9, seed=2), vocab_size=96)
     options = RunOptions(block_size=4, num_blocks=9, num_spec_tokens=2, max_concurrency=1,
-                         progress=False, kv_connector=tier, kv_offload_gb=0.01,
-                         kv_offload_disk_gb=0.01,
+                         progress=False, kv_connector=tier, kv_offload_gib=0.01,
+                         kv_offload_disk_gib=0.01,
                          kv_offload_dir=str(tmp_path) if tier == "disk" else None)
     no_spec, legacy, lookahead, no_tier = run_benchmark(model, drafter, workload, options)
     assert no_tier.mode == "lookahead, no tier" and no_tier.tier == "-"

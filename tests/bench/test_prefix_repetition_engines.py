@@ -20,7 +20,7 @@ def test_two_engines_share_one_store():
         PrefixRepetitionConfig(prefix_len=14, suffix_len=5, num_prefixes=3, output_len=4,
                                num_prompts=9, seed=2), vocab_size=96)
     options = RunOptions(block_size=4, num_blocks=64, num_spec_tokens=2, max_concurrency=1,
-                         progress=False, kv_connector="store", kv_store_gb=0.05,
+                         progress=False, kv_connector="store", kv_store_gib=0.05,
                          num_engines=2)
     no_spec, legacy, lookahead, no_store = run_benchmark(
         model, drafter, workload, options, model_spec=ModelSpec(factory=TINY_EAGLE))

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from speckv import cli
 from speckv.drafters.gemma4_assistant import save_gemma4_assistant
-from speckv.models.gemma4 import Gemma4ForCausalLM
-from speckv.models.gemma_loader import gemma_config_of, hf_state_items
+from speckv.models.gemma.gemma4 import Gemma4ForCausalLM
+from speckv.models.gemma.loader import gemma_config_of, hf_state_items
 from speckv.testing.assistant import echo_assistant
 
 transformers = pytest.importorskip("transformers")

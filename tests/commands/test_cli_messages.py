@@ -148,7 +148,7 @@ def test_a_prompt_over_max_model_len_is_refused_in_flag_words(capsys):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     """The tiny random Llama as an HF directory (config.json + model.safetensors)."""
-    from speckv.models.loader import save_hf_dir
+    from speckv.models.llama.loader import save_hf_dir
     from speckv.testing.tiny_model import tiny_model
 
     path = tmp_path_factory.mktemp("tiny-hf")

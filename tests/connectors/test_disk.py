@@ -223,9 +223,9 @@ def test_bad_settings_name_the_flag(tmp_path):
     a_file.write_text("")
     with pytest.raises(ValueError, match="--kv-offload-dir"):
         _connector(a_file)
-    with pytest.raises(ValueError, match="--kv-offload-disk-gb"):
+    with pytest.raises(ValueError, match="--kv-offload-disk-gib"):
         _connector(tmp_path, size_gib=0)
-    with pytest.raises(ValueError, match="--kv-offload-disk-gb"):
+    with pytest.raises(ValueError, match="--kv-offload-disk-gib"):
         Driver(_connector(tmp_path, size_gib=1e-9), KVWorld())
 
 

@@ -184,9 +184,9 @@ def test_the_factory_builds_what_the_names_say(tmp_path):
     ("offload,offload", {}, "twice"),
     ("offload,offload-nolookahead", {}, "not both"),
     ("disk", {}, "--kv-offload-dir"),
-    ("offload", {"offload_gib": 0}, "--kv-offload-gb"),
-    ("offload", {"offload_gib": "4"}, "--kv-offload-gb"),
-    ("disk", {"offload_dir": "/tmp/x", "disk_gib": -1}, "--kv-offload-disk-gb"),
+    ("offload", {"offload_gib": 0}, "--kv-offload-gib"),
+    ("offload", {"offload_gib": "4"}, "--kv-offload-gib"),
+    ("disk", {"offload_dir": "/tmp/x", "disk_gib": -1}, "--kv-offload-disk-gib"),
     ("offload", {"max_pending_blocks": 0}, "max_pending_blocks"),
 ])
 def test_bad_configs_name_the_flag(spec, options, message):
@@ -203,8 +203,8 @@ def test_the_config_is_frozen():
 def test_the_cli_flags(tmp_path):
     parser = argparse.ArgumentParser()
     add_connector_arguments(parser)
-    args = parser.parse_args(["--kv-connector", "offload,disk", "--kv-offload-gb", "2",
-                              "--kv-offload-dir", str(tmp_path), "--kv-offload-disk-gb", "8"])
+    args = parser.parse_args(["--kv-connector", "offload,disk", "--kv-offload-gib", "2",
+                              "--kv-offload-dir", str(tmp_path), "--kv-offload-disk-gib", "8"])
     config = connector_config_from_args(args)
     assert config == ConnectorConfig(("offload", "disk"), 2.0, str(tmp_path), 8.0)
     assert connector_config_from_args(parser.parse_args([])) is None

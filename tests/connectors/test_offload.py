@@ -343,5 +343,5 @@ def test_every_built_step_must_be_started():
 
 def test_too_small_a_tier_is_refused_with_the_flag_name():
     world = KVWorld()
-    with pytest.raises(ValueError, match="--kv-offload-gb"):
+    with pytest.raises(ValueError, match="--kv-offload-gib"):
         Driver(OffloadConnector(1e-9), world)

@@ -50,7 +50,7 @@ def test_the_store_flags():
     assert config.names == ("offload", "store")
     assert config.store_url == "redis://:pw@10.0.0.5:6380/2"
     assert config.store_optional and config.store_timeout_s == 0.5
-    embedded = _parse(["--kv-connector", "store", "--kv-store-gb", "2"])
+    embedded = _parse(["--kv-connector", "store", "--kv-store-gib", "2"])
     assert embedded.store_url == "embedded" and embedded.store_gib == 2.0
     cluster = _parse(["--kv-connector", "store", "--kv-store-url", "redis://n1:7000",
                       "--kv-store-cluster"])
@@ -60,7 +60,7 @@ def test_the_store_flags():
 @pytest.mark.parametrize(("argv", "message"), [
     (["--kv-store-url", "redis://h:1"], "--kv-connector store"),
     (["--kv-connector", "offload", "--kv-store-optional"], "store in --kv-connector"),
-    (["--kv-connector", "store", "--kv-store-gb", "0"], "--kv-store-gb"),
+    (["--kv-connector", "store", "--kv-store-gib", "0"], "--kv-store-gib"),
     (["--kv-connector", "store", "--kv-store-timeout", "-1"], "--kv-store-timeout"),
     (["--kv-connector", "store", "--kv-store-cluster"], "--kv-store-cluster"),
     (["--kv-connector", "stor"], "unknown connector 'stor'"),

@@ -8,7 +8,7 @@ import torch
 
 from speckv.attention import PagedKVCache
 from speckv.drafters import CatchUpRequest, Drafter, TargetStates, random_drafter
-from speckv.models.llama import LlamaForCausalLM
+from speckv.models.llama.model import LlamaForCausalLM
 from speckv.testing.tiny_model import tiny_model
 
 # (method, kwargs) of every drafter flavour the tests cover; MTP in both checkpoint layouts.

@@ -14,8 +14,8 @@ from speckv.drafters.builtin import (
     measured_speedup,
 )
 from speckv.drafters.eagle3 import Eagle3Drafter
-from speckv.models import builtin
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
+from speckv.models.llama import builtin
 from speckv.training.evaluate import speculative_generate
 
 pytestmark = [

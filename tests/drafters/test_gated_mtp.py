@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from speckv.drafters.gated_mtp import GatedMTPDrafter, load_gated_mtp, random_gated_mtp
 from speckv.engine.llm import LLM
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.hybrid_loader import load_hybrid_dir
+from speckv.models.hybrid.loader import load_hybrid_dir
 from tests.models.hybrid_test_utils import hf_hybrid
 
 pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from speckv.drafters.gemma4_assistant import (
     save_gemma4_assistant,
 )
 from speckv.drafters.gemma4_assistant_proposer import Gemma4AssistantProposer
-from speckv.models.gemma_loader import build_gemma, gemma_config_of
+from speckv.models.gemma.loader import build_gemma, gemma_config_of
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.gemma4_assistant")  # transformers >= 5.x

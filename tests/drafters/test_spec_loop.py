@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
 from speckv.training.evaluate import speculative_generate
 from tests.drafters.drafter_test_utils import FLAVOUR_IDS, FLAVOURS, make_drafter, tiny_target
 

@@ -29,7 +29,7 @@ def test_the_default_follows_the_held_out_figure(measured, on, words):
         assert word in default.reason
 
 
-@pytest.mark.parametrize(("at_1", "method"), [(1.04, "none"), (1.3, "eagle3")])
+@pytest.mark.parametrize(("at_1", "method"), [(1.04, None), (1.3, "eagle3")])
 def test_generate_and_serve_say_what_was_measured(monkeypatch, at_1, method):
     monkeypatch.setattr(builtin, "measured_speedup", lambda: _measured(at_1))
     choice = choose_speculation("builtin", None, None, 3)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.speculation.policy import drafter_policy
-from speckv.speculation.proposer import ProposerInput
+from speckv.speculation.proposer import ProposerInput, ProposeTiming
 
 
 def run_all(engine: LLMEngine) -> dict[str, RequestOutput]:
@@ -24,6 +24,8 @@ class OracleProposer:
     windows are accepted in part and rejected in part (no draft KV: an n-gram-like proposer)."""
 
     aux_layers: tuple[int, ...] = ()
+    kv_cache = None
+    last_timing = ProposeTiming()
 
     def __init__(self, reference: dict[str, list[int]], num_spec_tokens: int,
                  wrong_every: int = 3, vocab_size: int = 128) -> None:
@@ -35,6 +37,9 @@ class OracleProposer:
         self.calls = 0
 
     def free(self, request_id: str) -> None:
+        pass
+
+    def bind_target_kv(self, kv_cache, layout) -> None:
         pass
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.speculation.adaptive import AdaptiveSpecConfig, AdaptiveSpeculation
@@ -32,8 +32,8 @@ class ScriptedSpeculation(AdaptiveSpeculation):
 
 def _engine(tiny_model, drafter, script=None, adaptive=True):
     method = drafter.policy.name if drafter is not None else "ngram"
-    config = EngineConfig(num_blocks=128, block_size=4, speculative_method=method,
-                          num_spec_tokens=3, adaptive_speculation=adaptive)
+    config = engine_config(num_blocks=128, block_size=4, speculative_method=method,
+                           num_spec_tokens=3, adaptive_speculation=adaptive)
     engine = LLMEngine(tiny_model, config, drafter=drafter)
     if script is not None:
         engine.spec_policy = engine.runner.spec_policy = ScriptedSpeculation(3, script)
@@ -43,7 +43,7 @@ def _engine(tiny_model, drafter, script=None, adaptive=True):
 def test_greedy_output_is_the_same_for_any_draft_lengths(tiny_model):
     drafter = random_drafter("eagle", tiny_model, init_std=0.2, seed=5)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    plain = run_engine(LLMEngine(tiny_model, EngineConfig(num_blocks=128, block_size=4)),
+    plain = run_engine(LLMEngine(tiny_model, engine_config(num_blocks=128, block_size=4)),
                        PROMPTS, params)
     for script in ([0], [3], [1, 0, 3, 2], [2, 2, 0]):
         engine = _engine(tiny_model, drafter, script)
@@ -171,8 +171,8 @@ def test_the_policy_reads_an_injected_clock_and_stops_drafts_that_do_not_pay(
 
         monkeypatch.setattr(tiny_model, "forward", timed_forward)
         monkeypatch.setattr(drafter, "propose", timed_propose)
-        config = EngineConfig(num_blocks=128, block_size=4, speculative_method="eagle",
-                              num_spec_tokens=3)
+        config = engine_config(num_blocks=128, block_size=4, speculative_method="eagle",
+                               num_spec_tokens=3)
         engine = LLMEngine(tiny_model, config, drafter=drafter, spec_clock=clock)
         run_engine(engine, PROMPTS[:1], SamplingParams(max_tokens=60, ignore_eos=True))
         monkeypatch.undo()

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm import LLM
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
 from tests.engine.engine_test_utils import shared_prefix_prompts
 
 
 def test_bad_requests_are_rejected_while_others_finish(tiny_model):
     vocab = tiny_model.config.vocab_size
-    engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, max_model_len=64))
+    engine = LLMEngine(tiny_model, engine_config(block_size=4, num_blocks=64, max_model_len=64))
     good = shared_prefix_prompts(3, vocab, seed=9)
     params = SamplingParams(max_tokens=8)
     for index, prompt in enumerate(good):
@@ -76,7 +76,7 @@ def test_max_model_len_stops_generation(tiny_model):
 )
 def test_bad_engine_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**kwargs)
+        engine_config(**kwargs)
 
 
 def test_streaming_deltas_add_up(tiny_model):
@@ -97,26 +97,25 @@ def test_streaming_deltas_add_up(tiny_model):
 def test_a_drafter_method_needs_a_drafter(tiny_model):
     from speckv.engine import LLMEngine
 
-    config = EngineConfig(num_blocks=32, speculative_method="eagle", num_spec_tokens=2)
+    config = engine_config(num_blocks=32, speculative_method="eagle", num_spec_tokens=2)
     with pytest.raises(ValueError, match="needs a drafter: set speculative_model"):
         LLMEngine(tiny_model, config)
     with pytest.raises(ValueError, match="speculative_model needs speculative_method"):
-        EngineConfig(speculative_model="builtin")
+        engine_config(speculative_model="builtin")
 
 
 def test_draft_model_is_a_deprecated_alias_of_speculative_model():
     with pytest.warns(DeprecationWarning, match="use speculative_model"):
-        config = EngineConfig(speculative_method="eagle", num_spec_tokens=2,
-                              draft_model="builtin")
-    assert config.speculative_model == "builtin"
-    assert config.draft_model is None
+        config = engine_config(speculative_method="eagle", num_spec_tokens=2,
+                               draft_model="builtin")
+    assert config.speculative is not None and config.speculative.model == "builtin"
 
 
 def test_fast_hash_hits_are_verified_by_content(tiny_model):
     from speckv.cache.block_pool import CompareContent
 
-    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=32, block_size=4,
-                                                hash_algo="xxhash"))
+    engine = LLMEngine(tiny_model, engine_config(num_blocks=32, block_size=4,
+                                                 hash_algo="xxhash"))
     assert isinstance(engine.manager.pool.hit_check, CompareContent)
     prompt = [(5 * j) % 90 + 1 for j in range(13)]
     first = LLM(tiny_model, num_blocks=32, block_size=4, hash_algo="xxhash")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 
@@ -20,8 +20,8 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 def _engine(model, drafter, fmt: str, reuse: bool = True) -> LLMEngine:
-    config = EngineConfig(block_size=B, num_blocks=64, speculative_method=fmt,
-                          num_spec_tokens=2, disable_divergent_block_reuse=not reuse)
+    config = engine_config(block_size=B, num_blocks=64, speculative_method=fmt,
+                           num_spec_tokens=2, disable_divergent_block_reuse=not reuse)
     return LLMEngine(model, config, drafter=drafter)
 
 

@@ -17,7 +17,7 @@ pytestmark = [
 def test_builtin_model_prefix_hit_and_batch():
     from speckv.engine.llm import LLM
     from speckv.engine.sampling_params import SamplingParams
-    from speckv.models.generate import greedy_generate
+    from speckv.models.common.generate import greedy_generate
 
     llm = LLM("builtin", progress=False, device="cpu", dtype="float32")
     prompt = llm.chat_prompt("What is the capital of France? Answer in one sentence.")

@@ -4,7 +4,7 @@ forgets the request, and the other requests finish with the same tokens as witho
 from __future__ import annotations
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 
@@ -13,10 +13,10 @@ PROMPTS = [[(7 * j + k) % 90 + 1 for j in range(18)] for k in range(3)]
 
 def _engine(model, speculative: bool) -> LLMEngine:
     if not speculative:
-        return LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
+        return LLMEngine(model, engine_config(num_blocks=64, block_size=4))
     drafter = random_drafter("eagle", model, init_std=0.2, seed=3)
-    config = EngineConfig(num_blocks=64, block_size=4, speculative_method="eagle",
-                          num_spec_tokens=2)
+    config = engine_config(num_blocks=64, block_size=4, speculative_method="eagle",
+                           num_spec_tokens=2)
     return LLMEngine(model, config, drafter=drafter)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
 from tests.engine.engine_test_utils import StillClock, run_engine, shared_prefix_prompts
 
 GREEDY = SamplingParams(max_tokens=12)
@@ -25,7 +25,7 @@ def outputs_in_order(final, n):
 @pytest.mark.exactness
 def test_greedy_equals_reference_loop(tiny_model):
     prompts = shared_prefix_prompts(6, tiny_model.config.vocab_size, seed=1)
-    engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=128))
+    engine = LLMEngine(tiny_model, engine_config(block_size=4, num_blocks=128))
     final = run_engine(engine, prompts, GREEDY)
     assert outputs_in_order(final, len(prompts)) == reference(tiny_model, prompts)
     assert all(final[f"r{i}"].finish_reason == "length" for i in range(len(prompts)))
@@ -36,12 +36,12 @@ def test_prefix_caching_equals_no_caching_under_eviction_pressure(tiny_model):
     vocab = tiny_model.config.vocab_size
     prompts = shared_prefix_prompts(16, vocab, seed=2)
     cold = LLMEngine(
-        tiny_model, EngineConfig(block_size=4, num_blocks=256, enable_prefix_caching=False)
+        tiny_model, engine_config(block_size=4, num_blocks=256, enable_prefix_caching=False)
     )
     expected = outputs_in_order(run_engine(cold, prompts, GREEDY), len(prompts))
     # 24 blocks of 4 tokens for 16 requests of up to 44 tokens: hits, evictions, preemptions
     cached = LLMEngine(
-        tiny_model, EngineConfig(block_size=4, num_blocks=24, max_num_batched_tokens=32)
+        tiny_model, engine_config(block_size=4, num_blocks=24, max_num_batched_tokens=32)
     )
     final = run_engine(cached, prompts, GREEDY, stagger=2)
     assert outputs_in_order(final, len(prompts)) == expected
@@ -52,9 +52,9 @@ def test_prefix_caching_equals_no_caching_under_eviction_pressure(tiny_model):
 @pytest.mark.exactness
 def test_chunked_prefill_equals_one_shot(tiny_model):
     prompts = shared_prefix_prompts(4, tiny_model.config.vocab_size, seed=3, prefix_lens=(40,))
-    one_shot = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=128))
+    one_shot = LLMEngine(tiny_model, engine_config(block_size=4, num_blocks=128))
     chunked = LLMEngine(
-        tiny_model, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=5)
+        tiny_model, engine_config(block_size=4, num_blocks=128, max_num_batched_tokens=5)
     )
     a = outputs_in_order(run_engine(one_shot, prompts, GREEDY), len(prompts))
     b = outputs_in_order(run_engine(chunked, prompts, GREEDY), len(prompts))
@@ -65,7 +65,7 @@ def test_preempted_requests_finish_with_the_same_output(tiny_model):
     prompts = shared_prefix_prompts(6, tiny_model.config.vocab_size, seed=4, prefix_lens=(20,))
     engine = LLMEngine(
         tiny_model,
-        EngineConfig(block_size=4, num_blocks=16, enable_prefix_caching=False),
+        engine_config(block_size=4, num_blocks=16, enable_prefix_caching=False),
     )
     final = run_engine(engine, prompts, SamplingParams(max_tokens=20))
     assert sum(o.num_preemptions for o in final.values()) > 0
@@ -77,10 +77,10 @@ def test_ngram_speculative_greedy_equals_plain_greedy(tiny_model, num_blocks):
     base = shared_prefix_prompts(8, tiny_model.config.vocab_size, seed=5)
     # repetitive prompts so prompt lookup finds matches (and some drafts are accepted)
     prompts = [p + p[:6] + p + p[:6] for p in base]
-    plain = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=256))
+    plain = LLMEngine(tiny_model, engine_config(block_size=4, num_blocks=256))
     spec = LLMEngine(
         tiny_model,
-        EngineConfig(
+        engine_config(
             block_size=4,
             num_blocks=num_blocks,
             max_num_batched_tokens=48,
@@ -109,7 +109,7 @@ def test_stop_token_truncates_accepted_drafts(tiny_model):
     for method in (None, "ngram"):
         engine = LLMEngine(
             tiny_model,
-            EngineConfig(
+            engine_config(
                 block_size=4, num_blocks=64, speculative_method=method,
                 num_spec_tokens=4 if method else 0,
             ),

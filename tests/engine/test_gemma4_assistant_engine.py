@@ -15,10 +15,11 @@ from safetensors.torch import save_file
 
 from speckv.drafters.gemma4_assistant import random_gemma4_assistant, save_gemma4_assistant
 from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.gemma4 import Gemma4ForCausalLM
-from speckv.models.gemma_loader import gemma_config_of, hf_state_items
+from speckv.models.gemma.gemma4 import Gemma4ForCausalLM
+from speckv.models.gemma.loader import gemma_config_of, hf_state_items
 from speckv.testing.assistant import echo_assistant
 from speckv.testing.group_kv import max_abs_diff, read_group_kv
 
@@ -66,9 +67,9 @@ def _run(engine, prompts, max_tokens=16):
 def _speculative(num_blocks: int, max_num_batched_tokens: int = 2048) -> EngineConfig:
     # a fixed draft length: the random heads' few accepted drafts fall at the steps where 3
     # are drafted every step (the adaptive length, even on a still clock, drafts elsewhere)
-    return EngineConfig(num_blocks=num_blocks, block_size=B, speculative_method="mtp",
-                        num_spec_tokens=3, max_num_batched_tokens=max_num_batched_tokens,
-                        adaptive_speculation=False)
+    return engine_config(num_blocks=num_blocks, block_size=B, speculative_method="mtp",
+                         num_spec_tokens=3, max_num_batched_tokens=max_num_batched_tokens,
+                         adaptive_speculation=False)
 
 
 def _assistant(kind: str, target):
@@ -87,7 +88,7 @@ def test_greedy_with_the_assistant_equals_greedy(gemma4, kind, num_blocks,
                                                  max_tokens_per_step):
     assistant = _assistant(kind, gemma4)
     prompts = _prompts()
-    reference, _ = _run(LLMEngine(gemma4, EngineConfig(num_blocks=400, block_size=B)), prompts)
+    reference, _ = _run(LLMEngine(gemma4, engine_config(num_blocks=400, block_size=B)), prompts)
     engine = LLMEngine(gemma4, _speculative(num_blocks, max_tokens_per_step), drafter=assistant)
     finals, preemptions = _run(engine, prompts)
     assert [o.token_ids for o in finals] == [o.token_ids for o in reference]
@@ -104,18 +105,18 @@ def test_greedy_with_the_assistant_equals_greedy(gemma4, kind, num_blocks,
 def test_no_drafter_kv_and_no_drop(gemma4):
     assistant = random_gemma4_assistant(gemma4)
     engine = LLMEngine(gemma4, _speculative(64), drafter=assistant)
-    plain = LLMEngine(gemma4, EngineConfig(num_blocks=64, block_size=B))
+    plain = LLMEngine(gemma4, engine_config(num_blocks=64, block_size=B))
     assert engine.proposer.policy.name == "gemma4_mtp"
     assert engine.hash_mode.lookahead_tokens == 0 and not engine.hash_mode.drops_last_unit
     assert engine.layout == plain.layout  # two groups, nothing collapsed or added
     assert engine.runner.kv_cache.nbytes == plain.runner.kv_cache.nbytes
     per_block = gemma4.kv_cache_bytes_per_block(B)
-    budget = EngineConfig(block_size=B, kv_cache_memory_bytes=100 * per_block,
-                          speculative_method="mtp", num_spec_tokens=2)
+    budget = engine_config(block_size=B, kv_cache_memory_bytes=100 * per_block,
+                           speculative_method="mtp", num_spec_tokens=2)
     assert LLMEngine(gemma4, budget, drafter=assistant).num_blocks == 100
     with pytest.raises(ValueError, match="MTP drafter"):
-        LLMEngine(gemma4, EngineConfig(num_blocks=64, block_size=B,
-                                       speculative_method="eagle", num_spec_tokens=2),
+        LLMEngine(gemma4, engine_config(num_blocks=64, block_size=B,
+                                        speculative_method="eagle", num_spec_tokens=2),
                   drafter=assistant)
 
 

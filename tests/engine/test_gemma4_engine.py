@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.gemma4 import Gemma4ForCausalLM
-from speckv.models.gemma_loader import gemma_config_of
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
+from speckv.models.gemma.gemma4 import Gemma4ForCausalLM
+from speckv.models.gemma.loader import gemma_config_of
 from speckv.testing.group_kv import max_abs_diff, read_group_kv
 from tests.engine.engine_test_utils import run_engine
 
@@ -48,11 +48,11 @@ def test_outputs_match_reference(gemma4, speculative):
     rng = random.Random(2)
     prompts = [[rng.randrange(64) for _ in range(n)] for n in (6, 29, 41)]
     kwargs = {}
-    config = EngineConfig(block_size=B, num_blocks=48, max_num_batched_tokens=16)
+    config = engine_config(block_size=B, num_blocks=48, max_num_batched_tokens=16)
     if speculative:
         kwargs["drafter"] = random_drafter("eagle", gemma4, init_std=0.3, seed=1)
-        config = EngineConfig(block_size=B, num_blocks=48, max_num_batched_tokens=16,
-                              speculative_method="eagle", num_spec_tokens=3)
+        config = engine_config(block_size=B, num_blocks=48, max_num_batched_tokens=16,
+                               speculative_method="eagle", num_spec_tokens=3)
     engine = LLMEngine(gemma4, config, **kwargs)
     outputs = run_engine(engine, prompts, SamplingParams(max_tokens=12, ignore_eos=True),
                          stagger=2)
@@ -64,7 +64,7 @@ def test_outputs_match_reference(gemma4, speculative):
 @pytest.mark.exactness
 def test_hit_reads_cold_run_kv(gemma4):
     prompt = [random.Random(5).randrange(64) for _ in range(45)]
-    config = EngineConfig(block_size=B, num_blocks=128)
+    config = engine_config(block_size=B, num_blocks=128)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     warm = LLMEngine(gemma4, config)
     warm.add_request(prompt, params, "first")
@@ -86,6 +86,6 @@ def test_kv_budget_counts_each_layers_shape(gemma4):
     per_block = gemma4.kv_cache_bytes_per_block(B)
     # 3 sliding owners (2 KV heads x 16) + 1 global owner (1 KV head x 32), K and V, fp32
     assert per_block == 2 * B * 4 * (3 * 2 * 16 + 1 * 32)
-    engine = LLMEngine(gemma4, EngineConfig(block_size=B, kv_cache_memory_bytes=100 * per_block))
+    engine = LLMEngine(gemma4, engine_config(block_size=B, kv_cache_memory_bytes=100 * per_block))
     assert engine.num_blocks == 100
     assert engine.runner.kv_cache.nbytes == 100 * per_block

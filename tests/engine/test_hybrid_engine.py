@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from speckv.drafters.gated_mtp import random_gated_mtp
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.hybrid_loader import tiny_hybrid
+from speckv.models.hybrid.loader import tiny_hybrid
 from tests.engine.engine_test_utils import StillClock
 from tests.engine.hybrid_engine_utils import OracleProposer, run_all
 
@@ -25,8 +25,8 @@ def hybrid():
 
 
 def _engine(model, drafter=None, **kw) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400,
-                                         **kw), drafter=drafter)
+    return LLMEngine(model, engine_config(block_size=B, mamba_block_size=U, num_blocks=400,
+                                          **kw), drafter=drafter)
 
 
 def _state_at(engine: LLMEngine, request_id: str, num_tokens: int):
@@ -40,7 +40,7 @@ def test_layout_groups_and_unit(hybrid):
     assert engine.layout.describe() == "full:4 x1 layers, mamba:8 x2 layers"
     assert engine.manager.alignment_tokens == U
     with pytest.raises(ValueError, match="multiple of block_size"):
-        EngineConfig(block_size=4, mamba_block_size=10)
+        engine_config(block_size=4, mamba_block_size=10)
 
 
 @pytest.mark.exactness
@@ -88,7 +88,7 @@ def test_greedy_speculative_output_equals_greedy(hybrid):
     # oracle drafts with one wrong token every third window: windows accepted in part
     oracle = OracleProposer(reference, 3)
     # the adaptive draft length on a clock that never moves: the same choices everywhere
-    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400),
+    engine = LLMEngine(hybrid, engine_config(block_size=B, mamba_block_size=U, num_blocks=400),
                        proposer=oracle, spec_clock=StillClock())
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"r{i}")
@@ -110,7 +110,7 @@ def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
     full = prompt + run_all(base)["r0"].token_ids
     oracle = OracleProposer({"r0": full, "again": full + [0] * 64}, 3, wrong_every=2)
     # the adaptive draft length on a clock that never moves: the same choices everywhere
-    engine = LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=400),
+    engine = LLMEngine(hybrid, engine_config(block_size=B, mamba_block_size=U, num_blocks=400),
                        proposer=oracle, spec_clock=StillClock())
     engine.add_request(prompt, params, "r0")
     run_all(engine)
@@ -128,8 +128,8 @@ def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
 
 def test_kv_connector_and_foreign_drafters_refused(hybrid):
     with pytest.raises(ValueError, match="KV connectors support single-group"):
-        LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=64,
-                                       kv_connector="offload"))
+        LLMEngine(hybrid, engine_config(block_size=B, mamba_block_size=U, num_blocks=64,
+                                        kv_connector="offload"))
 
 
 def test_llm_serves_hybrid_gdn_by_name_with_mtp():

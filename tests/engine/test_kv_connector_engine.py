@@ -17,7 +17,7 @@ from speckv.cache.events import BlockStored
 from speckv.connectors import ConnectorConfig, TierIdentity, make_connector
 from speckv.connectors.disk import block_path
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm import LLM
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.request import Request
@@ -45,14 +45,14 @@ def _prompt(length: int, seed: int = 0, vocab: int = 96) -> list[int]:
 def _engine(model, drafter, tier: str | None = None, directory: Path | None = None,
             num_blocks: int = 64, connector=None, **overrides) -> LLMEngine:
     tiers = {} if tier is None else {
-        "kv_connector": tier, "kv_offload_gb": 0.01, "kv_offload_disk_gb": 0.01,
+        "kv_connector": tier, "kv_offload_gib": 0.01, "kv_offload_disk_gib": 0.01,
         "kv_offload_dir": str(directory) if "disk" in tier else None,
     }
     # a fixed draft length: these tests count blocks step by step, and the adaptive policy
     # chooses its draft length from wall-clock timings
     overrides.setdefault("adaptive_speculation", False)
-    config = EngineConfig(block_size=B, num_blocks=num_blocks, hash_seed="0",
-                          **speculative_args(drafter, 2), **tiers, **overrides)
+    config = engine_config(block_size=B, num_blocks=num_blocks, hash_seed="0",
+                           **speculative_args(drafter, 2), **tiers, **overrides)
     return LLMEngine(model, config, drafter=drafter, detokenize=False, connector=connector)
 
 
@@ -302,9 +302,9 @@ def test_tier_events_carry_their_medium(tiny_model, drafters, tmp_path):
         def publish(self, events):
             published.extend(events)
 
-    config = EngineConfig(block_size=B, num_blocks=64, hash_seed="0", kv_connector="offload,disk",
-                          kv_offload_gb=0.01, kv_offload_dir=str(tmp_path),
-                          kv_offload_disk_gb=0.01, **speculative_args(drafters["eagle"], 2))
+    config = engine_config(block_size=B, num_blocks=64, hash_seed="0", kv_connector="offload,disk",
+                           kv_offload_gib=0.01, kv_offload_dir=str(tmp_path),
+                           kv_offload_disk_gib=0.01, **speculative_args(drafters["eagle"], 2))
     with LLMEngine(tiny_model, config, drafter=drafters["eagle"], detokenize=False,
                    event_publisher=Sink()) as engine:
         _run(engine, [_prompt(21)])
@@ -335,7 +335,7 @@ def test_reset_prefix_cache_can_clear_the_tiers_too(tiny_model, drafters, tmp_pa
 def test_the_llm_api_with_a_tier(tiny_model):
     prompt = _prompt(25, seed=13)
     with LLM(tiny_model, block_size=B, num_blocks=64, hash_seed="0", kv_connector="offload",
-             kv_offload_gb=0.01) as llm:
+             kv_offload_gib=0.01) as llm:
         (cold,) = llm.generate([prompt], GREEDY)
         assert llm.engine.flush_kv_connector(timeout_s=30)
         assert llm.reset_prefix_cache()
@@ -350,21 +350,21 @@ def test_the_llm_api_with_a_tier(tiny_model):
     ({"kv_connector": "tape"}, "unknown connector 'tape'"),
     ({"kv_connector": "disk"}, "needs --kv-offload-dir"),
     ({"kv_offload_dir": "/tmp/x"}, "kv_offload_dir needs kv_connector"),
-    ({"kv_connector": "offload", "kv_offload_gb": 0}, "--kv-offload-gb must be"),
+    ({"kv_connector": "offload", "kv_offload_gib": 0}, "--kv-offload-gib must be"),
     ({"kv_connector": "offload", "enable_prefix_caching": False}, "enable_prefix_caching"),
     ({"kv_connector": "offload,offload"}, "twice"),
 ])
 def test_bad_connector_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**kwargs)
+        engine_config(**kwargs)
 
 
 def test_a_disk_tier_refuses_a_random_hash_seed(monkeypatch, tmp_path):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     with pytest.raises(ValueError, match="PYTHONHASHSEED"):
-        EngineConfig(kv_connector="disk", kv_offload_dir=str(tmp_path))
-    EngineConfig(kv_connector="disk", kv_offload_dir=str(tmp_path), hash_seed="0")
-    EngineConfig(kv_connector="offload")  # a CPU tier lives and dies with the process
+        engine_config(kv_connector="disk", kv_offload_dir=str(tmp_path))
+    engine_config(kv_connector="disk", kv_offload_dir=str(tmp_path), hash_seed="0")
+    engine_config(kv_connector="offload")  # a CPU tier lives and dies with the process
 
 
 # ---- the shared store tier (Valkey), through the engine ----------------------------------------
@@ -372,7 +372,7 @@ def test_a_disk_tier_refuses_a_random_hash_seed(monkeypatch, tmp_path):
 def test_a_store_hit_reads_the_kv_of_a_cold_run(tiny_model, drafters, name):
     drafter = drafters[name]
     prompt = _prompt(31, seed=4)
-    with _engine(tiny_model, drafter, "store", kv_store_gb=0.05) as engine:
+    with _engine(tiny_model, drafter, "store", kv_store_gib=0.05) as engine:
         _store_and_forget(engine, prompt)
         warm = first_step_kv(engine, prompt)
     lookahead = drafter.policy.draft_kv_lookahead_tokens

@@ -8,11 +8,11 @@ import random
 import pytest
 
 from speckv.cache import FullAttentionSpec, SlidingWindowSpec
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.generate import greedy_generate
-from speckv.models.kv_layout import KVCacheGroup, KVCacheLayout, attention_layout
+from speckv.models.common.generate import greedy_generate
+from speckv.models.common.kv_layout import KVCacheGroup, KVCacheLayout, attention_layout
 from speckv.testing.tiny_model import tiny_model
 from tests.engine.engine_test_utils import run_engine
 
@@ -40,13 +40,13 @@ def test_attention_layout_groups_layers_by_window():
 
 
 def test_full_attention_model_keeps_one_group(tiny_model):
-    engine = LLMEngine(tiny_model, EngineConfig(block_size=B, num_blocks=32))
+    engine = LLMEngine(tiny_model, engine_config(block_size=B, num_blocks=32))
     assert engine.layout.num_groups == 1
     assert len(engine.manager.managers) == 1
 
 
 def test_sliding_model_runs_two_groups_and_matches_reference(swa_llama):
-    engine = LLMEngine(swa_llama, EngineConfig(block_size=B, num_blocks=64))
+    engine = LLMEngine(swa_llama, engine_config(block_size=B, num_blocks=64))
     assert engine.manager.managers[1].spec == SlidingWindowSpec(B, WINDOW)
     rng = random.Random(3)
     prompts = [[rng.randrange(96) for _ in range(n)] for n in (5, 23, 31)]
@@ -58,7 +58,7 @@ def test_sliding_model_runs_two_groups_and_matches_reference(swa_llama):
 
 
 def test_sliding_group_frees_blocks_behind_the_window_and_hits(swa_llama):
-    engine = LLMEngine(swa_llama, EngineConfig(block_size=B, num_blocks=64))
+    engine = LLMEngine(swa_llama, engine_config(block_size=B, num_blocks=64))
     prompt = [random.Random(9).randrange(96) for _ in range(30)]
     params = SamplingParams(max_tokens=4)
     engine.add_request(prompt, params, "a")
@@ -86,8 +86,8 @@ def test_sliding_group_frees_blocks_behind_the_window_and_hits(swa_llama):
 def test_freed_window_blocks_reused_by_others_do_not_change_outputs(swa_llama):
     # few blocks: blocks freed behind one request's window are taken (and overwritten) by
     # the others while it still runs
-    engine = LLMEngine(swa_llama, EngineConfig(block_size=B, num_blocks=40,
-                                               max_num_batched_tokens=16))
+    engine = LLMEngine(swa_llama, engine_config(block_size=B, num_blocks=40,
+                                                max_num_batched_tokens=16))
     rng = random.Random(11)
     prompts = [[rng.randrange(96) for _ in range(n)] for n in (40, 33, 27, 45)]
     outputs = run_engine(engine, prompts, SamplingParams(max_tokens=12), stagger=3)
@@ -97,7 +97,7 @@ def test_freed_window_blocks_reused_by_others_do_not_change_outputs(swa_llama):
 
 
 def test_multi_group_model_refuses_a_kv_connector(swa_llama):
-    config = EngineConfig(block_size=B, num_blocks=64, kv_connector="offload")
+    config = engine_config(block_size=B, num_blocks=64, kv_connector="offload")
     with pytest.raises(ValueError, match="single-group"):
         LLMEngine(swa_llama, config)
 
@@ -109,8 +109,8 @@ def test_all_sliding_model_with_a_drafter_runs_one_full_group():
                        sliding_window=WINDOW)
     assert model.kv_cache_layout(B).draft_group is None
     drafter = random_drafter("eagle", model, init_std=0.2, seed=1)
-    engine = LLMEngine(model, EngineConfig(block_size=B, num_blocks=64,
-                                           speculative_method="eagle", num_spec_tokens=2),
+    engine = LLMEngine(model, engine_config(block_size=B, num_blocks=64,
+                                            speculative_method="eagle", num_spec_tokens=2),
                        drafter=drafter)
     assert engine.layout.specs == [FullAttentionSpec(B)]
     prompt = [random.Random(4).randrange(96) for _ in range(27)]

@@ -12,7 +12,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from speckv.engine.messages import EngineCoreOutput, FinishReason
 from speckv.engine.output_processor import OutputProcessor
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
 from tests.server.server_test_utils import TOKENIZER as BYTE_LEVEL
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ def test_hit_length_and_hit_kv_equal_cold_run(tiny_model):
         prompt = [rng.randrange(tiny_model.config.vocab_size) for _ in range(n)]
         expected_hit = (n - 1) // B * B
         params = SamplingParams(max_tokens=3)
-        warm = LLMEngine(tiny_model, EngineConfig(block_size=B, num_blocks=64))
+        warm = LLMEngine(tiny_model, engine_config(block_size=B, num_blocks=64))
         warm.add_request(prompt, params, "first")
         while warm.has_unfinished_requests():
             warm.step()
@@ -37,7 +37,7 @@ def test_hit_length_and_hit_kv_equal_cold_run(tiny_model):
         assert out.num_cached_tokens == expected_hit
         hit_kv = kv_at(warm, "second", expected_hit // B)
 
-        cold = LLMEngine(tiny_model, EngineConfig(block_size=B, num_blocks=64))
+        cold = LLMEngine(tiny_model, engine_config(block_size=B, num_blocks=64))
         cold.add_request(prompt, params, "cold")
         (cold_out,) = cold.step()
         assert cold_out.num_cached_tokens == 0
@@ -46,7 +46,7 @@ def test_hit_length_and_hit_kv_equal_cold_run(tiny_model):
         assert out.token_ids == cold_out.token_ids
         if expected_hit:
             # negative control: a different first token changes every block's K/V
-            other = LLMEngine(tiny_model, EngineConfig(block_size=B, num_blocks=64))
+            other = LLMEngine(tiny_model, engine_config(block_size=B, num_blocks=64))
             other.add_request([(prompt[0] + 1) % 96, *prompt[1:]], params, "other")
             other.step()
             assert (kv_at(other, "other", expected_hit // B) - cold_kv).abs().max() > 1e-3

@@ -15,7 +15,7 @@ import torch
 
 from speckv.bench.draft_kv import kv_at, target_kv
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.request import RequestStatus
 from speckv.engine.sampling_params import SamplingParams
@@ -33,8 +33,8 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 def _engine(model, drafter, connector=None, **overrides) -> LLMEngine:
     overrides.setdefault("adaptive_speculation", False)  # a fixed draft length, no clock
-    config = EngineConfig(block_size=B, num_blocks=overrides.pop("num_blocks", 64),
-                          hash_seed="0", **speculative_args(drafter, 2), **overrides)
+    config = engine_config(block_size=B, num_blocks=overrides.pop("num_blocks", 64),
+                           hash_seed="0", **speculative_args(drafter, 2), **overrides)
     return LLMEngine(model, config, drafter=drafter, detokenize=False, connector=connector)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampler import position_seed, target_probs, verify_random
 from speckv.engine.sampling_params import SamplingParams
@@ -79,7 +79,7 @@ def test_same_seed_same_output_and_engine_seed_default(tiny_model):
     def run(params, method=None):
         engine = LLMEngine(
             tiny_model,
-            EngineConfig(
+            engine_config(
                 block_size=4, num_blocks=128, speculative_method=method,
                 num_spec_tokens=2 if method else 0,
             ),

@@ -7,7 +7,7 @@ import pytest
 
 from speckv.bench.draft_kv import measure
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from tests.engine.engine_test_utils import StillClock
@@ -37,13 +37,13 @@ def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs
     drafter = random_drafter(fmt, tiny_model, init_std=0.2, seed=5, **kwargs)
     prompts = [[(3 * i + j * 7) % 90 + 1 for j in range(10 + 3 * i)] for i in range(5)]
     prompts += [prompts[0][:8] + [5, 6, 7], list(prompts[1])]
-    reference, _, _ = _run(LLMEngine(tiny_model, EngineConfig(num_blocks=200, block_size=4)),
+    reference, _, _ = _run(LLMEngine(tiny_model, engine_config(num_blocks=200, block_size=4)),
                            prompts)
     method = fmt
     # preemption here comes from the 3 lookahead slots every step; the adaptive draft length
     # reads a clock that never moves (its choices the same on every machine)
-    tight = EngineConfig(num_blocks=14, block_size=4, speculative_method=method,
-                         num_spec_tokens=3, max_num_batched_tokens=16)
+    tight = engine_config(num_blocks=14, block_size=4, speculative_method=method,
+                          num_spec_tokens=3, max_num_batched_tokens=16)
     outputs, preemptions, finals = _run(
         LLMEngine(tiny_model, tight, drafter=drafter, spec_clock=StillClock()), prompts)
     assert outputs == reference
@@ -69,9 +69,9 @@ def test_hit_reads_the_draft_kv_of_a_cold_run(tiny_model, fmt, kwargs):
 @pytest.mark.parametrize("reuse", [False, True])
 def test_a_changed_successor_token_is_a_miss_in_lookahead_mode(tiny_model, reuse):
     drafter = random_drafter("eagle", tiny_model, seed=1)
-    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=4,
-                                                speculative_method="eagle", num_spec_tokens=2,
-                                                disable_divergent_block_reuse=not reuse),
+    engine = LLMEngine(tiny_model, engine_config(num_blocks=64, block_size=4,
+                                                 speculative_method="eagle", num_spec_tokens=2,
+                                                 disable_divergent_block_reuse=not reuse),
                        drafter=drafter)
     shared = [(3 * j) % 90 + 1 for j in range(8)]
     _run(engine, [shared + [40, 41, 42, 43]], max_tokens=3)
@@ -84,10 +84,10 @@ def test_a_changed_successor_token_is_a_miss_in_lookahead_mode(tiny_model, reuse
 
 def test_kv_memory_budget_counts_the_draft_layers(tiny_model):
     drafter = random_drafter("mtp", tiny_model, seed=1, num_modules=2)
-    budget = EngineConfig(kv_cache_memory_bytes=4 * 1024**2)
+    budget = engine_config(kv_cache_memory_bytes=4 * 1024**2)
     plain = LLMEngine(tiny_model, budget)
-    speculative = LLMEngine(tiny_model, EngineConfig(kv_cache_memory_bytes=4 * 1024**2,
-                                                     speculative_method="mtp",
-                                                     num_spec_tokens=2), drafter=drafter)
+    speculative = LLMEngine(tiny_model, engine_config(kv_cache_memory_bytes=4 * 1024**2,
+                                                      speculative_method="mtp",
+                                                      num_spec_tokens=2), drafter=drafter)
     # 2 target layers + 2 MTP modules: half the blocks for the same memory
     assert abs(speculative.num_blocks - plain.num_blocks // 2) <= 1

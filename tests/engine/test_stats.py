@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.stats import SchedulerStats, StatsCollector
@@ -28,7 +28,7 @@ def _drive(engine, prompts, max_tokens=6):
 
 
 def test_prefix_counters_equal_the_requests_cached_tokens(tiny_model):
-    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=128, block_size=4, max_num_seqs=3))
+    engine = LLMEngine(tiny_model, engine_config(num_blocks=128, block_size=4, max_num_seqs=3))
     prompts = shared_prefix_prompts(9, 90, seed=3)
     finals, steps = _drive(engine, prompts)
     prefix = [s.prefix_cache for s in steps]
@@ -47,8 +47,8 @@ def test_prefix_counters_equal_the_requests_cached_tokens(tiny_model):
 
 def test_preemptions_are_counted_and_requeries_kept_apart(tiny_model):
     prompts = [[(3 * i + j * 7) % 90 + 1 for j in range(10 + 3 * i)] for i in range(5)]
-    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=14, block_size=4,
-                                                max_num_batched_tokens=16))
+    engine = LLMEngine(tiny_model, engine_config(num_blocks=14, block_size=4,
+                                                 max_num_batched_tokens=16))
     finals, steps = _drive(engine, prompts, max_tokens=10)
     preemptions = sum(s.num_preemptions for s in steps)
     assert preemptions == sum(o.num_preemptions for o in finals.values()) > 0
@@ -61,8 +61,8 @@ def test_preemptions_are_counted_and_requeries_kept_apart(tiny_model):
 
 def test_spec_decoding_counters_equal_the_requests_drafts(tiny_model):
     drafter = random_drafter("eagle", tiny_model, init_std=0.2, seed=5)
-    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=128, block_size=4,
-                                                speculative_method="eagle", num_spec_tokens=3),
+    engine = LLMEngine(tiny_model, engine_config(num_blocks=128, block_size=4,
+                                                 speculative_method="eagle", num_spec_tokens=3),
                        drafter=drafter)
     # repetitive prompts: the random drafter gets some drafts right
     prompts = [[5, 6, 7, 8] * 4, [9, 10] * 7, [11] * 12]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.messages import FinishReason
 from speckv.engine.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ from tests.server.server_test_utils import TOKENIZER
 
 def _engine(model, spec: bool) -> LLMEngine:
     kwargs = dict(speculative_method="ngram", num_spec_tokens=3) if spec else {}
-    return LLMEngine(model, EngineConfig(block_size=4, num_blocks=256, **kwargs),
+    return LLMEngine(model, engine_config(block_size=4, num_blocks=256, **kwargs),
                      tokenizer=TOKENIZER, spec_clock=StillClock())
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from speckv.cache import FullAttentionSpec, SlidingWindowSpec
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm import LLM
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.gemma import GemmaForCausalLM, tiny_gemma_config
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
+from speckv.models.gemma.gemma3 import GemmaForCausalLM, tiny_gemma_config
 from speckv.testing.group_kv import max_abs_diff, read_group_kv
 from tests.engine.engine_test_utils import run_engine
 
@@ -47,8 +47,8 @@ def first_step(engine: LLMEngine, prompt: list[int], request_id: str, max_tokens
 
 
 def test_engine_outputs_match_reference_decode(gemma):
-    engine = LLMEngine(gemma, EngineConfig(block_size=B, num_blocks=128,
-                                           max_num_batched_tokens=24))
+    engine = LLMEngine(gemma, engine_config(block_size=B, num_blocks=128,
+                                            max_num_batched_tokens=24))
     assert engine.manager.managers[0].spec == FullAttentionSpec(B)
     assert engine.manager.managers[1].spec == SlidingWindowSpec(B, WINDOW)
     rng = random.Random(1)
@@ -64,7 +64,7 @@ def test_engine_outputs_match_reference_decode(gemma):
 @pytest.mark.parametrize("prompt_len", [9, 45, 101])
 def test_second_request_hit_reads_cold_run_kv(gemma, prompt_len):
     prompt = [random.Random(prompt_len).randrange(256) for _ in range(prompt_len)]
-    config = EngineConfig(block_size=B, num_blocks=256)
+    config = engine_config(block_size=B, num_blocks=256)
     warm = LLMEngine(gemma, config)
     first_step(warm, prompt, "first")
     warm.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), "second")
@@ -117,7 +117,7 @@ def test_llm_runs_hybrid_swa_by_name():
 
 
 def test_llm_loads_a_gemma_checkpoint_directory(gemma, tmp_path):
-    from speckv.models.gemma_loader import save_gemma_dir
+    from speckv.models.gemma.loader import save_gemma_dir
 
     save_gemma_dir(tmp_path, gemma)
     llm = LLM(str(tmp_path), progress=False, block_size=B, num_blocks=64)

@@ -11,10 +11,10 @@ import torch
 
 from speckv.bench.draft_kv import measure
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.models.gemma import GemmaForCausalLM, tiny_gemma_config
+from speckv.models.gemma.gemma3 import GemmaForCausalLM, tiny_gemma_config
 from tests.engine.engine_test_utils import StillClock
 
 B = 4
@@ -48,12 +48,12 @@ def test_speculative_greedy_equals_greedy_with_preemption(gemma, fmt, kwargs, se
     drafter = random_drafter(fmt, gemma, init_std=0.3, seed=seed, **kwargs)
     rng = random.Random(4)
     prompts = [[rng.randrange(24) for _ in range(n)] for n in (12, 25, 33, 18, 40)]
-    reference, _ = _run(LLMEngine(gemma, EngineConfig(num_blocks=400, block_size=B)), prompts)
+    reference, _ = _run(LLMEngine(gemma, engine_config(num_blocks=400, block_size=B)), prompts)
     # the adaptive draft length on a clock that never moves (the same choices everywhere:
     # this test needs the seeds' drafts, some accepted) and the cache pressure of 3
     # lookahead slots
-    tight = EngineConfig(num_blocks=40, block_size=B, speculative_method=fmt,
-                         num_spec_tokens=3, max_num_batched_tokens=20)
+    tight = engine_config(num_blocks=40, block_size=B, speculative_method=fmt,
+                          num_spec_tokens=3, max_num_batched_tokens=20)
     finals, preemptions = _run(LLMEngine(gemma, tight, drafter=drafter,
                                          spec_clock=StillClock()), prompts)
     assert [o.token_ids for o in finals] == [o.token_ids for o in reference]

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.events.endpoints import loopback_endpoint, port_is_free
@@ -29,8 +29,8 @@ def model() -> LlamaForCausalLM:
 
 def test_engine_publishes_on_the_configured_endpoints(model):
     pub_ep, replay_ep = loopback_endpoint(), loopback_endpoint()
-    config = EngineConfig(block_size=4, num_blocks=64, hash_seed="0",
-                          kv_events_endpoint=pub_ep, kv_events_replay_endpoint=replay_ep)
+    config = engine_config(block_size=4, num_blocks=64, hash_seed="0",
+                           kv_events_endpoint=pub_ep, kv_events_replay_endpoint=replay_ep)
     engine = LLMEngine(model, config)
     try:
         engine.add_request(list(range(1, 19)), SamplingParams(max_tokens=3, ignore_eos=True))
@@ -56,15 +56,15 @@ def test_engine_publishes_on_the_configured_endpoints(model):
 
 def test_bad_or_busy_endpoints_are_user_errors(model):
     with pytest.raises(ValueError, match="kv_events_endpoint"):
-        EngineConfig(kv_events_endpoint="localhost:5557")
+        engine_config(kv_events_endpoint="localhost:5557")
     with pytest.raises(ValueError, match="needs kv_events_endpoint"):
-        EngineConfig(kv_events_replay_endpoint="tcp://127.0.0.1:5558")
+        engine_config(kv_events_replay_endpoint="tcp://127.0.0.1:5558")
     endpoint = loopback_endpoint()
-    first = LLMEngine(model, EngineConfig(block_size=4, num_blocks=16,
-                                          kv_events_endpoint=endpoint))
+    first = LLMEngine(model, engine_config(block_size=4, num_blocks=16,
+                                           kv_events_endpoint=endpoint))
     try:
         with pytest.raises(ValueError, match="cannot bind the KV-event endpoint"):
-            LLMEngine(model, EngineConfig(block_size=4, num_blocks=16,
-                                          kv_events_endpoint=endpoint))
+            LLMEngine(model, engine_config(block_size=4, num_blocks=16,
+                                           kv_events_endpoint=endpoint))
     finally:
         first.close()

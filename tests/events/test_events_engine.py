@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
@@ -21,9 +21,9 @@ def test_engine_events_reproduce_hashes_and_route(endpoints, make_publisher, leg
     drafter = random_drafter("eagle", model, seed=1)
     pub_ep, replay_ep = endpoints
     publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep)
-    config = EngineConfig(block_size=4, num_blocks=64, speculative_method="eagle",
-                          num_spec_tokens=2, hash_seed="0",
-                          disable_lookahead_block_hashes=legacy)
+    config = engine_config(block_size=4, num_blocks=64, speculative_method="eagle",
+                           num_spec_tokens=2, hash_seed="0",
+                           disable_lookahead_block_hashes=legacy)
     engine = LLMEngine(model, config, drafter=drafter, event_publisher=publisher)
     lookahead = engine.hash_mode.lookahead_tokens
     assert lookahead == (0 if legacy else 1)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.models.hybrid import HybridForCausalLM, plan_for
+from speckv.models.hybrid.model import HybridForCausalLM, plan_for
 
 TINY_HF: dict[str, Any] = dict(
     vocab_size=97,

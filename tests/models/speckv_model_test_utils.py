@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.models.common.decoder import ModelOutput
+from speckv.models.llama.model import LlamaForCausalLM
 from speckv.testing.tiny_model import tiny_model_config
 
 # The shared tiny shape (speckv.testing.tiny_model) with a larger vocabulary and 3 layers, as

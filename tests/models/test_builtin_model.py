@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from speckv.models import builtin
-from speckv.models.generate import greedy_generate
+from speckv.models.common.generate import greedy_generate
+from speckv.models.llama import builtin
 
 HAVE_WEIGHTS = importlib.util.find_spec(builtin.BUILTIN_PACKAGE) is not None
 needs_weights = pytest.mark.skipif(

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.models.config import ModelConfig
-from speckv.models.llama import LlamaForCausalLM, ModelOutput
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.decoder import ModelOutput
+from speckv.models.llama.model import LlamaForCausalLM
 from tests.models.speckv_model_test_utils import TINY, widen_init
 
 BLOCK_SIZE = 4

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.models.gemma4 import Gemma4Config
-from speckv.models.gemma_loader import build_gemma, gemma_config_of
+from speckv.models.gemma.gemma4 import Gemma4Config
+from speckv.models.gemma.loader import build_gemma, gemma_config_of
 
 transformers = pytest.importorskip("transformers")
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig  # noqa: E402

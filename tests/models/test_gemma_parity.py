@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.models.gemma import GemmaConfig, GemmaForCausalLM, tiny_gemma_config
-from speckv.models.gemma_loader import build_gemma, load_gemma_dir, save_gemma_dir
+from speckv.models.gemma.gemma3 import GemmaConfig, GemmaForCausalLM, tiny_gemma_config
+from speckv.models.gemma.loader import build_gemma, load_gemma_dir, save_gemma_dir
 
 transformers = pytest.importorskip("transformers")
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402

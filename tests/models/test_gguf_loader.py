@@ -14,9 +14,10 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from speckv.models.llama import LlamaForCausalLM, ModelOutput
-from speckv.models.loader import load_gguf
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.decoder import ModelOutput
+from speckv.models.common.tokenizer import Tokenizer
+from speckv.models.llama.loader import load_gguf
+from speckv.models.llama.model import LlamaForCausalLM
 from speckv.testing.tiny_model import tiny_model_config
 from tests.models.speckv_model_test_utils import widen_init
 
@@ -213,7 +214,7 @@ def test_gguf_tokenizer_matches_source(tmp_path: Path, trained_tokenizer: HFToke
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:
-    from speckv.models.gguf_file import llama_cpp_permute, llama_cpp_unpermute
+    from speckv.models.llama.gguf_file import llama_cpp_permute, llama_cpp_unpermute
 
     w = np.arange(8 * 4 * 3, dtype=np.float32).reshape(8 * 4, 3)
     permuted = torch.from_numpy(_permute(w, 8, 4))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speckv.models.hybrid_loader import tiny_hybrid
+from speckv.models.hybrid.loader import tiny_hybrid
 from tests.models.hybrid_test_utils import OneRequest
 
 # fp32 rounding of one forward over a different number of rows: CPU GEMM kernels block a
@@ -60,7 +60,7 @@ def test_batched_single_token_decodes_equal_one_by_one():
     """Several requests decoding one token each run as one batch in the GDN layers; each gets
     what it gets decoding alone (outputs and the state written to its block)."""
     from speckv.attention import AttentionMetadata
-    from speckv.models.hybrid import plan_for
+    from speckv.models.hybrid.model import plan_for
 
     model = tiny_hybrid()
     gen = torch.Generator().manual_seed(9)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from speckv.models.hybrid_config import HybridConfig
-from speckv.models.hybrid_loader import tiny_hybrid_config
+from speckv.models.hybrid.config import HybridConfig
+from speckv.models.hybrid.loader import tiny_hybrid_config
 from tests.models.hybrid_test_utils import TINY_HF
 
 

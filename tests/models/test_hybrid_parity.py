@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speckv.models.hybrid_loader import load_hybrid_dir
+from speckv.models.hybrid.loader import load_hybrid_dir
 from tests.models.hybrid_test_utils import OneRequest, hf_hybrid
 
 pytest.importorskip("transformers")

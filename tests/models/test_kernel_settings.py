@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from speckv.models.hybrid_loader import tiny_hybrid
+from speckv.models.hybrid.loader import tiny_hybrid
 from tests.models.hybrid_test_utils import OneRequest
 
 pytestmark = [

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from speckv.models.llama import ModelOutput
-from speckv.models.loader import load_hf_dir
+from speckv.models.common.decoder import ModelOutput
+from speckv.models.llama.loader import load_hf_dir
 from tests.models.speckv_model_test_utils import TINY, widen_init
 
 transformers = pytest.importorskip("transformers")

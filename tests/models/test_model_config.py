@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from speckv.models.config import ModelConfig
+from speckv.models.common.config import ModelConfig
 
 SMOLLM2_135M: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

@@ -8,7 +8,7 @@ import copy
 import httpx
 import pytest
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.events.endpoints import loopback_endpoint
 from speckv.router.contract import ContractError, HitRule, connect_endpoint, parse_contract
 from speckv.server.contract import tokenizer_digest
@@ -38,8 +38,8 @@ def contract_body(**overrides):
 
 def test_the_server_publishes_a_contract_the_router_reads(start_server):
     pub, replay = loopback_endpoint(), loopback_endpoint()
-    thread = start_server(EngineConfig(block_size=4, num_blocks=64, hash_seed="7",
-                                       kv_events_endpoint=pub, kv_events_replay_endpoint=replay),
+    thread = start_server(engine_config(block_size=4, num_blocks=64, hash_seed="7",
+                                        kv_events_endpoint=pub, kv_events_replay_endpoint=replay),
                           api_key="k")
     assert httpx.get(f"{thread.url}/kv_cache_contract").status_code == 401
     body = httpx.get(f"{thread.url}/kv_cache_contract",

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.router.app import fetch_contracts
 from speckv.router.contract import ContractError
 from speckv.router.fleet import EngineSpec
@@ -264,12 +264,12 @@ def test_an_engine_killed_and_restarted(pair):
 
 
 def test_contracts_the_router_cannot_reproduce_are_refused(start_server, monkeypatch):
-    no_events = start_server(EngineConfig(block_size=4, num_blocks=32, hash_seed="0"))
+    no_events = start_server(engine_config(block_size=4, num_blocks=32, hash_seed="0"))
     result = RouterProcess({"x": no_events}).run()
     assert result.returncode == 2
     assert "engine 'x': cache contract field 'kv_events'" in result.stderr
     assert "Traceback" not in result.stderr
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    random_seed = start_server(EngineConfig(block_size=4, num_blocks=32))
+    random_seed = start_server(engine_config(block_size=4, num_blocks=32))
     with pytest.raises(ContractError, match="'hash_seed': the engine hashes with a random"):
         fetch_contracts([EngineSpec("y", random_seed.url)])  # what the CLI calls

@@ -13,9 +13,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config as make_engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.models import LlamaForCausalLM
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
 from speckv.testing.tiny_model import tiny_model_config
@@ -51,8 +52,8 @@ TINY_CONFIG = tiny_model_config(vocab_size=TOKENIZER.vocab_size, max_position_em
 def make_server(model: LlamaForCausalLM, engine_config: EngineConfig | None = None,
                 connector=None, **server_config) -> ServerThread:
     """A server over a fresh engine (`connector`: a KV connector instance for it)."""
-    engine = LLMEngine(model, engine_config or EngineConfig(block_size=4, num_blocks=512,
-                                                            max_num_seqs=16, hash_seed="0"),
+    engine = LLMEngine(model, engine_config or make_engine_config(
+        block_size=4, num_blocks=512, max_num_seqs=16, hash_seed="0"),
                        TOKENIZER, connector=connector)
     config = ServerConfig(served_model_name=MODEL_NAME, **server_config)
     return ServerThread(OpenAIServer(engine, config, model_path="tiny-random")).start()

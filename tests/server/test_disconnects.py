@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from tests.server.server_test_utils import (
     MODEL_NAME,
     engine_call,
@@ -21,8 +21,8 @@ from tests.server.server_test_utils import (
 
 
 def test_100_requests_with_20_disconnecting_mid_stream_free_every_block(start_server):
-    server = start_server(EngineConfig(block_size=4, num_blocks=400, max_num_seqs=16,
-                                       hash_seed="0"))
+    server = start_server(engine_config(block_size=4, num_blocks=400, max_num_seqs=16,
+                                        hash_seed="0"))
     before = scrape(server.url)
     prompts = [f"Request {i}: " + "shared prefix text " * (1 + i % 4) for i in range(100)]
 

@@ -10,11 +10,11 @@ import random
 import httpx
 import openai
 
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.testing import FakeRemoteConnector, RemoteBlocks
 from tests.server.server_test_utils import MODEL_NAME, make_server
 
-CONFIG = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, hash_seed="0")
+CONFIG = engine_config(block_size=4, num_blocks=64, max_num_seqs=4, hash_seed="0")
 
 
 def test_kv_transfer_params_travel_both_ways(tiny_chat_model):

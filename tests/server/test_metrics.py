@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
@@ -30,9 +30,9 @@ def eagle_server(tiny_chat_model):
 
     def start(legacy: bool) -> ServerThread:
         drafter = random_drafter("eagle", tiny_chat_model, init_std=0.2, seed=5)
-        config = EngineConfig(block_size=4, num_blocks=512, speculative_method="eagle",
-                              num_spec_tokens=3, hash_seed="0",
-                              disable_lookahead_block_hashes=legacy)
+        config = engine_config(block_size=4, num_blocks=512, speculative_method="eagle",
+                               num_spec_tokens=3, hash_seed="0",
+                               disable_lookahead_block_hashes=legacy)
         engine = LLMEngine(tiny_chat_model, config, TOKENIZER, drafter=drafter)
         thread = ServerThread(OpenAIServer(engine, ServerConfig(MODEL_NAME))).start()
         started.append(thread)

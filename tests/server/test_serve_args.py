@@ -8,13 +8,13 @@ import argparse
 
 import pytest
 
-from speckv.server.cli import (
-    add_arguments,
+from speckv.engine.cli_args import (
+    engine_args_from_cli,
     engine_flags,
-    engine_kwargs,
     parse_size,
     speculative_kwargs,
 )
+from speckv.server.cli import add_arguments
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -64,22 +64,26 @@ def test_engine_flags_round_trip():
                   "--kv-events-endpoint", "tcp://*:5557", "--threads", "1",
                   "--disable-lookahead-block-hashes")
     again = _parse(*engine_flags(args))
-    assert engine_kwargs(again) == engine_kwargs(args)
-    kwargs = engine_kwargs(args)
-    assert kwargs["kv_cache_memory_bytes"] == 1024**3
-    assert kwargs["enable_prefix_caching"] is False and kwargs["hash_algo"] == "xxhash"
-    assert kwargs["kv_events_endpoint"] == "tcp://*:5557"
+    assert engine_args_from_cli(again) == engine_args_from_cli(args)
+    engine_args = engine_args_from_cli(args)
+    assert engine_args.kv_cache_memory_bytes == 1024**3
+    assert engine_args.enable_prefix_caching is False and engine_args.hash_algo == "xxhash"
+    assert engine_args.kv_events_endpoint == "tcp://*:5557"
     assert again.threads == 1 and again.model == "/models/m"
 
 
 def test_kv_connector_flags_reach_the_engine_and_round_trip(tmp_path):
     args = _parse("--kv-connector", "offload,disk", "--kv-offload-dir", str(tmp_path),
-                  "--kv-offload-gb", "0.5", "--hash-seed", "0")
-    kwargs = engine_kwargs(args)
-    assert kwargs["kv_connector"] == "offload,disk" and kwargs["kv_offload_gb"] == 0.5
-    assert kwargs["kv_offload_dir"] == str(tmp_path) and kwargs["hash_seed"] == "0"
-    assert engine_kwargs(_parse(*engine_flags(args))) == kwargs
+                  "--kv-offload-gib", "0.5", "--hash-seed", "0")
+    engine_args = engine_args_from_cli(args)
+    connector = engine_args.kv_transfer_config
+    assert connector is not None and connector.names == ("offload", "disk")
+    assert connector.offload_gib == 0.5 and connector.offload_dir == str(tmp_path)
+    assert engine_args.hash_seed == "0"
+    assert engine_args_from_cli(_parse(*engine_flags(args))) == engine_args
+    config = engine_args.create_engine_config()
+    assert config.kv_transfer == connector
     with pytest.raises(ValueError, match="--kv-connector"):
-        engine_kwargs(_parse("--kv-connector", "tape"))
+        engine_args_from_cli(_parse("--kv-connector", "tape"))
     with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-connector disk"):
-        engine_kwargs(_parse("--kv-offload-dir", str(tmp_path)))
+        engine_args_from_cli(_parse("--kv-offload-dir", str(tmp_path)))

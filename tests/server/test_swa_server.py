@@ -8,9 +8,9 @@ import openai
 import torch
 
 from speckv.drafters.loaders import random_drafter
-from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
-from speckv.models.gemma import GemmaForCausalLM, tiny_gemma_config
+from speckv.models.gemma.gemma3 import GemmaForCausalLM, tiny_gemma_config
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
 from tests.server.server_test_utils import TOKENIZER
@@ -21,8 +21,8 @@ def test_repeated_chat_on_a_sliding_window_model_hits():
     model = GemmaForCausalLM.from_config(
         tiny_gemma_config(vocab_size=TOKENIZER.vocab_size, sliding_window=24), init_std=0.1)
     drafter = random_drafter("eagle", model, seed=0)
-    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=512, hash_seed="0",
-                                           speculative_method="eagle", num_spec_tokens=2),
+    engine = LLMEngine(model, engine_config(block_size=4, num_blocks=512, hash_seed="0",
+                                            speculative_method="eagle", num_spec_tokens=2),
                        TOKENIZER, drafter=drafter)
     thread = ServerThread(OpenAIServer(engine, ServerConfig(served_model_name="swa"))).start()
     try:

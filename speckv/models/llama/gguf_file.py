@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from speckv.models.config import ModelConfig
-from speckv.models.model_files import reading
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.model_files import reading
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -41,11 +41,12 @@ from speckv.attention import (
     get_attention_backend,
     metadata_for_layer,
 )
-from speckv.models.config import ModelConfig
-from speckv.models.kv_layout import KVCacheLayout, attention_layout
-from speckv.models.llama import ModelOutput
-from speckv.models.random_init import EmbeddingPlacement, random_init
-from speckv.models.rope import RotaryEmbedding, apply_rope
+from speckv.models.common import hf_config
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.decoder import CausalLMBase, ModelOutput
+from speckv.models.common.kv_layout import KVCacheLayout, attention_layout
+from speckv.models.common.random_init import random_init
+from speckv.models.common.rope import RotaryEmbedding, apply_rope
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -124,8 +125,6 @@ class GemmaConfig:
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                            for i in range(num_layers)]
         global_rope, local_theta = _rope_params(cfg)
-        eos = cfg.get("eos_token_id", 1)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         head_dim = int(cfg.get("head_dim", 256))
         base = ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
@@ -148,8 +147,8 @@ class GemmaConfig:
             else None,
             layer_types=tuple(layer_types),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            eos_token_ids=hf_config.eos_token_ids(cfg, default=1),
+            torch_dtype=hf_config.torch_dtype(cfg),
         )
         return cls(
             base=base,
@@ -325,7 +324,7 @@ class GemmaDecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class GemmaForCausalLM(EmbeddingPlacement, nn.Module):
+class GemmaForCausalLM(CausalLMBase, nn.Module):
     """Gemma 3 text decoder, same calling convention as `LlamaForCausalLM` (the engine, the
     runner and the drafters use either)."""
 
@@ -357,17 +356,17 @@ class GemmaForCausalLM(EmbeddingPlacement, nn.Module):
         norms = (lambda p: p.normal_(0.0, norm_std)) if norm_std else (lambda p: p.zero_())
         return random_init(cls(gemma), init_std, dtype, device, [("norm.weight", norms)])
 
-    def kv_cache_layout(self, block_size: int) -> KVCacheLayout:
-        """Global layers: one full-attention group; local layers: one sliding-window group."""
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        return self.gemma.final_logit_softcapping
+
+    def kv_cache_layout(self, block_size: int, state_block_size: int | None = None
+                        ) -> KVCacheLayout:
+        """Global layers: one full-attention group; local layers: one sliding-window group
+        (no state group: `state_block_size` does not apply)."""
         base = self.config
         return attention_layout(
             [base.layer_sliding_window(i) for i in range(base.num_hidden_layers)], block_size)
-
-    def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        assert self.config.head_dim is not None
-        return PagedKVCache(self.config.num_hidden_layers, num_blocks, block_size,
-                            self.config.num_key_value_heads, self.config.head_dim,
-                            self.dtype, self.device)
 
     def forward(
         self,
@@ -378,32 +377,11 @@ class GemmaForCausalLM(EmbeddingPlacement, nn.Module):
         aux_layers: Sequence[int] = (),
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden] overrides input_ids
     ) -> ModelOutput:
-        for i in aux_layers:
-            if not 0 <= i < self.config.num_hidden_layers:
-                raise ValueError(f"aux_layers entry {i} out of range")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         global_cs = self.rotary_global.cos_sin(positions, h.dtype)  # [n, 1, head_dim] each
         local_cs = self.rotary_local.cos_sin(positions, h.dtype)
-        aux: dict[int, torch.Tensor] = {}
-        wanted = set(aux_layers)
-        for i, layer in enumerate(self.layers):
-            cos_sin = local_cs if layer.is_sliding else global_cs
-            h = layer(h, cos_sin, kv_cache, metadata)  # [num_tokens, hidden]
-            if i in wanted:
-                aux[i] = h
-        return ModelOutput(
-            hidden_states=self.norm(h),
-            prenorm_hidden=h,
-            aux_hidden_states=tuple(aux[i] for i in aux_layers),
-        )
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] fp32 logits (soft-capped when the config says so)."""
-        logits = self.lm_head(hidden_states).float()
-        cap = self.gemma.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.decode(h, aux_layers, lambda _i, layer, x: layer(
+            x, local_cs if layer.is_sliding else global_cs, kv_cache, metadata))
 
 
 def tiny_gemma_config(**overrides: Any) -> GemmaConfig:

@@ -40,12 +40,13 @@ from speckv.attention import (
     get_attention_backend,
     metadata_for_layer,
 )
-from speckv.models.config import ModelConfig
-from speckv.models.gemma import GemmaMLP, GemmaScaledEmbedding
-from speckv.models.kv_layout import KVCacheLayout, attention_layout
-from speckv.models.llama import ModelOutput
-from speckv.models.random_init import EmbeddingPlacement, random_init
-from speckv.models.rope import RotaryEmbedding, apply_rope
+from speckv.models.common import hf_config
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.decoder import CausalLMBase, ModelOutput
+from speckv.models.common.kv_layout import KVCacheLayout, attention_layout
+from speckv.models.common.random_init import random_init
+from speckv.models.common.rope import RotaryEmbedding, apply_rope
+from speckv.models.gemma.gemma3 import GemmaMLP, GemmaScaledEmbedding
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 GEMMA4_MODEL_TYPES = ("gemma4_text",)
@@ -176,8 +177,6 @@ class Gemma4Config:
         if full_type not in ("default", "proportional"):
             raise ValueError(f"rope_parameters.full_attention: rope_type {full_type!r} is not "
                              "supported (default, proportional)")
-        eos = cfg.get("eos_token_id", 1)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         base = ModelConfig(
             vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=n,
@@ -190,8 +189,9 @@ class Gemma4Config:
             attention_bias=bool(cfg.get("attention_bias", False)),
             attention_output_bias=bool(cfg.get("attention_bias", False)), qk_norm=True,
             sliding_window=int(cfg.get("sliding_window", 512)), layer_types=tuple(types),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=hf_config.eos_token_ids(cfg, default=1),
+            torch_dtype=hf_config.torch_dtype(cfg),
         )
         return cls(
             base=base, global_head_dim=global_head_dim,
@@ -311,7 +311,7 @@ class Gemma4DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class Gemma4ForCausalLM(EmbeddingPlacement, nn.Module):
+class Gemma4ForCausalLM(CausalLMBase, nn.Module):
     """Gemma 4 text decoder; the calling convention of `LlamaForCausalLM`."""
 
     def __init__(self, gemma: Gemma4Config, backend: AttentionBackend | None = None) -> None:
@@ -352,15 +352,21 @@ class Gemma4ForCausalLM(EmbeddingPlacement, nn.Module):
         """Random init (normal weights, unit norms, zero biases); seed torch first."""
         return random_init(cls(gemma), init_std, dtype, device)
 
-    def kv_cache_layout(self, block_size: int) -> KVCacheLayout:
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        return self.gemma.final_logit_softcapping
+
+    def kv_cache_layout(self, block_size: int, state_block_size: int | None = None
+                        ) -> KVCacheLayout:
         """KV-owning global layers: the full-attention group; KV-owning sliding layers: the
-        sliding-window group (KV-shared layers read their owner's blocks)."""
+        sliding-window group (KV-shared layers read their owner's blocks; no state group:
+        `state_block_size` does not apply)."""
         base = self.config
         windows = [base.layer_sliding_window(i) for i in range(base.num_hidden_layers)]
         owners = [i for i in range(base.num_hidden_layers) if self.gemma.kv_source(i) == i]
         layout = attention_layout([windows[i] for i in owners], block_size)
         # attention_layout numbers layers 0..len(owners)-1: map back to model layers
-        from speckv.models.kv_layout import KVCacheGroup
+        from speckv.models.common.kv_layout import KVCacheGroup
 
         return KVCacheLayout(tuple(
             KVCacheGroup(group.spec, tuple(owners[j] for j in group.layer_indices))
@@ -413,18 +419,6 @@ class Gemma4ForCausalLM(EmbeddingPlacement, nn.Module):
                      if self.gemma.hidden_size_per_layer_input else None)
         local_cs = self.rotary_local.cos_sin(positions, h.dtype)
         global_cs = self.rotary_global.cos_sin(positions, h.dtype)
-        aux: dict[int, torch.Tensor] = {}
-        wanted = set(aux_layers)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, per_layer[:, i] if per_layer is not None else None,
-                      local_cs if layer.is_sliding else global_cs, kv_cache, metadata)
-            if i in wanted:
-                aux[i] = h
-        return ModelOutput(self.norm(h), h, tuple(aux[i] for i in aux_layers))
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states).float()
-        cap = self.gemma.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.decode(h, aux_layers, lambda i, layer, x: layer(
+            x, per_layer[:, i] if per_layer is not None else None,
+            local_cs if layer.is_sliding else global_cs, kv_cache, metadata))

@@ -65,6 +65,11 @@ class KVCacheLayout:
         return {layer: g for g, group in enumerate(self.groups) for layer in group.layer_indices}
 
     @property
+    def has_state_group(self) -> bool:
+        """Whether a group keeps Mamba / GDN state (a hybrid model) rather than KV."""
+        return any(isinstance(spec, MambaSpec) for spec in self.specs)
+
+    @property
     def draft_group(self) -> int | None:
         """The group whose block table addresses a drafter's KV: the first full-attention
         group (None: the model has none, so no EAGLE/MTP drafter can run on it)."""
@@ -77,7 +82,7 @@ class KVCacheLayout:
         """Every layer in one full-attention group: what a drafter needs on a model without
         full-attention layers (e.g. Mistral-style all-sliding). Sliding layers keep their
         window in the attention mask; only no block is freed behind it."""
-        if any(isinstance(spec, MambaSpec) for spec in self.specs):
+        if self.has_state_group:
             raise ValueError("a model with Mamba state groups has no full-attention form")
         layers = tuple(sorted(self.layer_to_group))
         return KVCacheLayout((KVCacheGroup(FullAttentionSpec(self.specs[0].block_size),
@@ -110,26 +115,3 @@ def attention_layout(layer_windows: Sequence[int | None], block_size: int) -> KV
         groups.append(KVCacheGroup(SlidingWindowSpec(block_size, window), layers))
     return KVCacheLayout(tuple(groups))
 
-
-def make_layout_kv_cache(model, layout: KVCacheLayout, num_blocks: int):
-    """The paged KV of `model` for `layout`: the model's own `make_kv_cache` when every group
-    has one block size (one tensor for all layers), else a `GroupedKVCache` with one
-    `PagedKVCache` per group (its block size, its layers). A model with state groups (Mamba)
-    provides `make_layout_kv_cache(layout, num_blocks)` itself."""
-    if hasattr(model, "make_layout_kv_cache"):
-        return model.make_layout_kv_cache(layout, num_blocks)
-    sizes = {spec.block_size for spec in layout.specs}
-    if len(sizes) == 1:
-        return model.make_kv_cache(num_blocks, sizes.pop())
-    from speckv.attention import GroupedKVCache, PagedKVCache
-
-    config = model.config
-    caches, slots = [], {}
-    for g, group in enumerate(layout.groups):
-        if isinstance(group.spec, MambaSpec):
-            raise ValueError("Mamba state groups need the model's make_layout_kv_cache")
-        caches.append(PagedKVCache(len(group.layer_indices), num_blocks, group.spec.block_size,
-                                   config.num_key_value_heads, config.head_dim, model.dtype,
-                                   model.device))
-        slots.update({layer: (g, local) for local, layer in enumerate(group.layer_indices)})
-    return GroupedKVCache(caches, slots)

@@ -9,7 +9,6 @@ backend. Parameter names equal Hugging Face's minus the leading "model." (see lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,23 +20,14 @@ from speckv.attention import (
     get_attention_backend,
     metadata_for_layer,
 )
-from speckv.models.config import ModelConfig
-from speckv.models.kv_layout import KVCacheLayout, attention_layout
-from speckv.models.layers import Linear, RMSNorm, SwiGLUMLP
-from speckv.models.random_init import EmbeddingPlacement, random_init
-from speckv.models.rope import RotaryEmbedding, apply_rope
+from speckv.models.common.config import ModelConfig
+from speckv.models.common.decoder import CausalLMBase, ModelOutput
+from speckv.models.common.kv_layout import KVCacheLayout, attention_layout
+from speckv.models.common.layers import Linear, RMSNorm, SwiGLUMLP
+from speckv.models.common.random_init import random_init
+from speckv.models.common.rope import RotaryEmbedding, apply_rope
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ModelOutput:
-    hidden_states: torch.Tensor  # [num_tokens, hidden] after the final norm (LM-head input)
-    prenorm_hidden: torch.Tensor  # [num_tokens, hidden] last layer output before the final norm
-    # One [num_tokens, hidden] per requested aux layer: OUTPUT of decoder layer i (pre-norm),
-    # i.e. HF `output_hidden_states[i + 1]`. vLLM's EAGLE3 `aux_hidden_state_layers` index i
-    # means the INPUT of layer i, which is our aux layer i - 1.
-    aux_hidden_states: tuple[torch.Tensor, ...] = ()
 
 
 class LlamaAttention(nn.Module):
@@ -153,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaForCausalLM(EmbeddingPlacement, nn.Module):
+class LlamaForCausalLM(CausalLMBase, nn.Module):
     """The target model. Build with `from_config` (random init) or a loader (loader.py)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
@@ -185,25 +175,14 @@ class LlamaForCausalLM(EmbeddingPlacement, nn.Module):
         """Random init (HF-style normal(0, init_std), biases 0, norms 1); seed torch first."""
         return random_init(cls(config), init_std, dtype, device)
 
-    def kv_cache_layout(self, block_size: int) -> KVCacheLayout:
+    def kv_cache_layout(self, block_size: int, state_block_size: int | None = None
+                        ) -> KVCacheLayout:
         """The KV cache groups of this model: one full-attention group, plus one
-        sliding-window group per window size when the config has sliding layers."""
+        sliding-window group per window size when the config has sliding layers (no state
+        group: `state_block_size` does not apply)."""
         config = self.config
         return attention_layout(
             [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)], block_size)
-
-    def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """A PagedKVCache shaped for this model, in its dtype and on its device."""
-        assert self.config.head_dim is not None
-        return PagedKVCache(
-            num_layers=self.config.num_hidden_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=self.config.num_key_value_heads,
-            head_dim=self.config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
 
     def forward(
         self,
@@ -214,23 +193,7 @@ class LlamaForCausalLM(EmbeddingPlacement, nn.Module):
         aux_layers: Sequence[int] = (),
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden] overrides input_ids
     ) -> ModelOutput:
-        for i in aux_layers:
-            if not 0 <= i < self.config.num_hidden_layers:
-                raise ValueError(f"aux_layers entry {i} out of range")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos_sin = self.rotary.cos_sin(positions, h.dtype)  # each [num_tokens, 1, head_dim]
-        aux: dict[int, torch.Tensor] = {}
-        wanted = set(aux_layers)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, positions, kv_cache, metadata, cos_sin)  # [num_tokens, hidden]
-            if i in wanted:
-                aux[i] = h
-        return ModelOutput(
-            hidden_states=self.norm(h),
-            prenorm_hidden=h,
-            aux_hidden_states=tuple(aux[i] for i in aux_layers),
-        )
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] fp32 logits."""
-        return self.lm_head(hidden_states).float()
+        return self.decode(h, aux_layers,
+                           lambda _i, layer, x: layer(x, positions, kv_cache, metadata, cos_sin))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.models.llama import LlamaForCausalLM
+from speckv.models.llama.model import LlamaForCausalLM
 
 
 @torch.inference_mode()

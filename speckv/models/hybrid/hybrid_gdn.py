@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from speckv.models.builtin import builtin_tokenizer
-from speckv.models.hybrid import HybridForCausalLM
-from speckv.models.hybrid_loader import tiny_hybrid_config
-from speckv.models.tokenizer import Tokenizer
+from speckv.models.common.tokenizer import Tokenizer
+from speckv.models.hybrid.loader import tiny_hybrid_config
+from speckv.models.hybrid.model import HybridForCausalLM
+from speckv.models.llama.builtin import builtin_tokenizer
 
 HYBRID_GDN_NAME = "hybrid-gdn"
 RANDOM_INIT_NOTE = ("hybrid-gdn: small Qwen3-Next-style Gated DeltaNet hybrid with RANDOM-INIT "

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from speckv.models.config import ModelConfig
+from speckv.models.common import hf_config
+from speckv.models.common.config import ModelConfig
 
 HYBRID_ARCHITECTURES: tuple[str, ...] = ("qwen3_next", "qwen3_5")
 HYBRID_LAYER_TYPES: tuple[str, ...] = ("linear_attention", "full_attention")
@@ -194,14 +195,11 @@ class HybridConfig:
             cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get(
                 "tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", False))}
         moe_family = key.startswith("qwen3_5_moe")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     *(() if moe_family else ("intermediate_size",))):
-            if name not in cfg:
-                raise ValueError(f"{name} is missing from the HF config")
+        hf_config.require_keys(cfg, ("vocab_size", "hidden_size", "num_hidden_layers",
+                                     "num_attention_heads",
+                                     *(() if moe_family else ("intermediate_size",))))
         num_layers = int(cfg["num_hidden_layers"])
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act must be silu, got {act!r}")
+        hf_config.check_silu(cfg)
         layer_types = cfg.get("layer_types")
         if layer_types is None:
             interval = int(cfg.get("full_attention_interval", 4))
@@ -227,8 +225,6 @@ class HybridConfig:
                            cfg.get("shared_expert_intermediate_size", 512)),
                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) or moe_family)
         theta, partial = _parse_rope(cfg)
-        eos = cfg.get("eos_token_id")
-        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -254,8 +250,8 @@ class HybridConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            eos_token_ids=hf_config.eos_token_ids(cfg),
+            torch_dtype=hf_config.torch_dtype(cfg),
             **moe,
         )
 
@@ -286,8 +282,7 @@ class HybridConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) != 1
-                             else self.eos_token_ids[0]),
+            "eos_token_id": hf_config.eos_field(self.eos_token_ids),
             "torch_dtype": self.torch_dtype,
         }
         moe = dict(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,

@@ -26,7 +26,7 @@ from speckv.attention.gated_delta import (
     recurrent_gated_delta_rule,
 )
 from speckv.attention.state_cache import StatePlan, StateSegment
-from speckv.models.hybrid_config import HybridConfig
+from speckv.models.hybrid.config import HybridConfig
 
 
 class GatedRMSNorm(nn.Module):

@@ -16,10 +16,14 @@ import torch
 from safetensors.torch import save_file
 
 from speckv.attention import AttentionBackend, resolve_dtype
-from speckv.models.gemma import GemmaConfig, GemmaForCausalLM
-from speckv.models.gemma4 import Gemma4Config, Gemma4ForCausalLM
-from speckv.models.loader import _iter_safetensors, _safetensors_files, assign_weights
-from speckv.models.model_files import read_json_file
+from speckv.models.common.weights import (
+    assign_weights,
+    iter_safetensors,
+    read_hf_config,
+    safetensors_files,
+)
+from speckv.models.gemma.gemma3 import GemmaConfig, GemmaForCausalLM
+from speckv.models.gemma.gemma4 import Gemma4Config, Gemma4ForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embed_scale")
 
@@ -72,11 +76,8 @@ def load_gemma_dir(
 ):
     """Load a local Gemma 3 / 4 text checkpoint (config.json + *.safetensors)."""
     d = Path(path)
-    cfg_path = d / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"no config.json in {d}")
-    config = gemma_config_of(read_json_file(cfg_path))
-    return build_gemma(config, _iter_safetensors(_safetensors_files(d)), dtype, device, backend)
+    config = gemma_config_of(read_hf_config(d))
+    return build_gemma(config, iter_safetensors(safetensors_files(d)), dtype, device, backend)
 
 
 def hf_state_items(model: GemmaForCausalLM) -> list[tuple[str, torch.Tensor]]:

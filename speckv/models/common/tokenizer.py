@@ -15,8 +15,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from speckv.models.gguf_file import GGUFTokenizerData
-from speckv.models.model_files import read_json_file, reading
+from speckv.models.common.model_files import read_json_file, reading
+from speckv.models.llama.gguf_file import GGUFTokenizerData
 
 # llama.cpp pre-tokenizer names -> split regex (GPT-2's own regex is ByteLevel's default).
 _LLAMA3_RE = (

@@ -18,10 +18,14 @@ from typing import Any
 import torch
 
 from speckv.attention import AttentionBackend
-from speckv.models.hybrid import HybridForCausalLM
-from speckv.models.hybrid_config import HybridConfig
-from speckv.models.loader import _iter_safetensors, _safetensors_files, assign_weights
-from speckv.models.model_files import read_json_file
+from speckv.models.common.weights import (
+    assign_weights,
+    iter_safetensors,
+    read_hf_config,
+    safetensors_files,
+)
+from speckv.models.hybrid.config import HybridConfig
+from speckv.models.hybrid.model import HybridForCausalLM
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -75,11 +79,8 @@ def load_hybrid_dir(path: str | Path, dtype: torch.dtype | str = torch.float32,
                     ) -> tuple[HybridForCausalLM, HybridConfig]:
     """config.json + *.safetensors (single or sharded) of a Qwen3-Next / Qwen3.5 directory."""
     d = Path(path)
-    cfg_path = d / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"no config.json in {d}")
-    config = HybridConfig.from_hf_config(read_json_file(cfg_path))
-    model = build_hybrid(config, _iter_safetensors(_safetensors_files(d)), dtype, device,
+    config = HybridConfig.from_hf_config(read_hf_config(d))
+    model = build_hybrid(config, iter_safetensors(safetensors_files(d)), dtype, device,
                          backend)
     return model, config
 

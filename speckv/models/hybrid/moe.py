@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speckv.models.layers import SwiGLUMLP
+from speckv.models.common.layers import SwiGLUMLP
 
 
 class TopKRouter(nn.Module):

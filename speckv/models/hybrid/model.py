@@ -6,7 +6,7 @@ partial RoPE on the first `rotary_dim` dims of each head, an output gate from `q
 `PagedKVCache` holding only the attention layers), each followed by a dense SwiGLU MLP. Norms are
 zero-centred (`x * (1 + w)`), as in transformers. Same calling convention as
 `LlamaForCausalLM` plus a `StatePlan` (`state=`) for the linear layers; parameter names equal
-transformers' minus the leading "model." (see `hybrid_loader.py`).
+transformers' minus the leading "model." (see `loader.py`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from speckv.attention import (
 )
 from speckv.attention.state_cache import PagedStateCache, StatePlan, StateSegment
 from speckv.cache.specs import FullAttentionSpec, MambaSpec
-from speckv.models.gated_deltanet import GatedDeltaNet
-from speckv.models.hybrid_config import HybridConfig
-from speckv.models.kv_layout import KVCacheGroup, KVCacheLayout
-from speckv.models.layers import SwiGLUMLP
-from speckv.models.llama import ModelOutput
-from speckv.models.moe import SparseMoeBlock
-from speckv.models.random_init import EmbeddingPlacement, random_init
-from speckv.models.rope import RotaryEmbedding, apply_rope
+from speckv.models.common.decoder import CausalLMBase, ModelOutput
+from speckv.models.common.kv_layout import KVCacheGroup, KVCacheLayout
+from speckv.models.common.layers import SwiGLUMLP
+from speckv.models.common.random_init import random_init
+from speckv.models.common.rope import RotaryEmbedding, apply_rope
+from speckv.models.hybrid.config import HybridConfig
+from speckv.models.hybrid.gated_deltanet import GatedDeltaNet
+from speckv.models.hybrid.moe import SparseMoeBlock
 
 DEFAULT_STATE_UNIT_TOKENS = 544
 
@@ -139,10 +139,9 @@ class HybridDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class HybridForCausalLM(EmbeddingPlacement, nn.Module):
-    """The GDN hybrid target. Build with `from_config` (random init) or `hybrid_loader`."""
-
-    is_hybrid = True
+class HybridForCausalLM(CausalLMBase, nn.Module):
+    """The GDN hybrid target. Build with `from_config` (random init) or `hybrid.loader`; its
+    layout has a state group (`KVCacheLayout.has_state_group`)."""
 
     def __init__(self, config: HybridConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
@@ -235,22 +234,10 @@ class HybridForCausalLM(EmbeddingPlacement, nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
         state: StatePlan | None = None,
     ) -> ModelOutput:
-        for i in aux_layers:
-            if not 0 <= i < self.config.num_hidden_layers:
-                raise ValueError(f"aux_layers entry {i} out of range")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos_sin = self.rotary.cos_sin(positions, h.dtype)  # each [n, 1, rotary_dim]
-        aux: dict[int, torch.Tensor] = {}
-        wanted = set(aux_layers)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, kv_cache, metadata, state)
-            if i in wanted:
-                aux[i] = h
-        return ModelOutput(self.norm(h), h, tuple(aux[i] for i in aux_layers))
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] fp32 logits."""
-        return self.lm_head(hidden_states).float()
+        return self.decode(h, aux_layers,
+                           lambda _i, layer, x: layer(x, cos_sin, kv_cache, metadata, state))
 
 
 def plan_for(cache: PagedStateCache, query_lens: Sequence[int], seq_lens: Sequence[int],

@@ -1,0 +1,2 @@
+"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): config, GDN layers, MoE, the decoder, its
+loader, and the random-init `hybrid-gdn` model."""
