@@ -71,7 +71,7 @@ def test_an_async_load_decodes_and_holds_what_a_tier_hit_does(tiny_model):
         assert prefill.scheduler.num_held_requests == 0
     assert sent.kv_transfer_params["num_blocks"] == len(remote.blocks) > 0
     num_hit = 28  # whole blocks before the last token, with lookahead L = 1
-    with _engine(tiny_model, drafter, kv_connector="offload", kv_offload_gb=0.01) as tier:
+    with _engine(tiny_model, drafter, kv_connector="offload", kv_offload_gib=0.01) as tier:
         _run(tier, [prompt])
         assert tier.flush_kv_connector(timeout_s=30) and tier.reset_prefix_cache()
         (expected,), (tier_target, tier_draft) = _run(tier, [prompt], watch=_hit_kv(num_hit))
