@@ -158,7 +158,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         optional.update({"--kv-offload-gb": args.kv_offload_gb,
                          "--kv-offload-disk-gb": args.kv_offload_disk_gb,
                          "--kv-store-gb": args.kv_store_gb,
-                         "--kv-store-timeout": args.kv_store_timeout})
+                         "--kv-store-timeout": args.kv_store_timeout,
+                         "--kv-load-failure-policy": getattr(
+                             args, "kv_load_failure_policy", None)})
         flags += ["--kv-store-cluster"] * args.kv_store_cluster
         flags += ["--kv-store-optional"] * args.kv_store_optional
     for flag, value in optional.items():
