@@ -16,6 +16,8 @@ Owns the user-facing names:
     --kv-store-cluster              the URL names a Redis Cluster node
     --kv-store-optional             start without the store if it is unreachable
     --kv-store-timeout 1.0          seconds per store call before it counts as a miss
+    --kv-load-failure-policy recompute   a failed load: recompute from the first failed
+                                    token, or "fail" the request with an error
 
 and `make_connector`, which builds one connector (a `MultiConnector` for several names). The
 disk and store tiers also need the engine's identity (`TierIdentity`: model fingerprint, hash
@@ -219,6 +221,10 @@ def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-store-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        metavar="SECONDS",
                        help="per store call; a slower call is a miss (default %(default)s)")
+    group.add_argument("--kv-load-failure-policy", choices=LOAD_FAILURE_POLICIES,
+                       default=DEFAULT_LOAD_FAILURE_POLICY,
+                       help="a KV load that fails: recompute the request from the first failed "
+                            "token, or fail it with an error (default %(default)s)")
 
 
 def connector_config_from_args(args: argparse.Namespace) -> ConnectorConfig | None:
@@ -243,6 +249,8 @@ def connector_config_from_args(args: argparse.Namespace) -> ConnectorConfig | No
         store_cluster=store_cluster,
         store_optional=store_optional,
         store_timeout_s=getattr(args, "kv_store_timeout", DEFAULT_TIMEOUT_S),
+        load_failure_policy=getattr(args, "kv_load_failure_policy",
+                                    DEFAULT_LOAD_FAILURE_POLICY),
     )
     if "store" not in config.names and (store_url is not None or store_cluster
                                         or store_optional):

@@ -160,7 +160,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         optional.update({"--kv-offload-gib": args.kv_offload_gib,
                          "--kv-offload-disk-gib": args.kv_offload_disk_gib,
                          "--kv-store-gib": args.kv_store_gib,
-                         "--kv-store-timeout": args.kv_store_timeout})
+                         "--kv-store-timeout": args.kv_store_timeout,
+                         "--kv-load-failure-policy": args.kv_load_failure_policy})
         flags += ["--kv-store-cluster"] * args.kv_store_cluster
         flags += ["--kv-store-optional"] * args.kv_store_optional
     for flag, value in optional.items():

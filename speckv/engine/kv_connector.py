@@ -1,29 +1,45 @@
 """The engine's side of a KV connector: building it, and the calls the scheduler and runner make.
 
 Owns the glue between the engine's parts and `speckv.connectors` (the connector's own
-docstring, `speckv/connectors/base.py`, lists the call sites):
+docstring, `speckv/connectors/base.py`, lists the call sites in step order):
 
     start-up      `build_connector` (config → connector; the disk tier's identity from the
                   target's and drafter's weights), `initialize_connector` (the target's and
                   drafter's paged caches + the engine's hash mode)
-    scheduler     `SchedulerConnector`: the external hit after the local one, the state after
-                  allocation, the step's metadata (carried to the runner in SchedulerOutput),
-                  preemption and exit before blocks are freed, load failures applied
+    scheduler     `SchedulerConnector`: the external hit after the local one (`external_hit`:
+                  tokens, and whether the load is asynchronous), the state after allocation,
+                  the step's metadata (carried to the runner in SchedulerOutput), preemption
+                  and exit before blocks are freed (`finished` returns the connector's
+                  `FinishDecision`: `delay_free`, `kv_transfer_params`), the load failure
+                  policy (`roll_back_load`, `load_failure_error`)
     runner        `RunnerConnector`: start the step's loads (and the snapshot of its saves)
-                  before the forward, name the requests whose load failed (they are cut from
-                  the batch), and report the connector's output after the forward
+                  before the forward, name the requests of the batch whose load failed (they
+                  are cut from it), and report the connector's output after the forward
+    states        `RemoteLoad` (a request in WAITING_FOR_REMOTE_KVS), `HeldBlocks` (a
+                  finished request whose blocks a transfer still holds)
+
+The life of a request with an asynchronous load (the scheduler's side):
+
+    waiting ──ext.load_async──► WAITING_FOR_REMOTE_KVS (blocks allocated, not scheduled)
+        ──finished_recving──► waiting, computed up to the loaded end (or the first failed
+        token), those blocks cached now ──schedule──► running ...
+    abort while loading ──► held until finished_recving, then freed
+    finish with delay_free ──► held until finished_sending, then freed
 
 A load that fails leaves its device blocks allocated but holding garbage. Those blocks were
 never cached (`KVCacheManager.allocate_slots` caches nothing past the local hit in the step
-that loads), the runner computes nothing for the request in that step, and the scheduler sets
-its `num_computed_tokens` back to the failure's first failed token, so the request recomputes
-from there and no hash ever names the garbage.
+that loads, and an asynchronous load's blocks are cached only when it is reported done), the
+runner computes nothing for the request in that step, and the scheduler sets its
+`num_computed_tokens` back to the failure's first failed token, so the request recomputes
+from there and no hash ever names the garbage (`--kv-load-failure-policy fail`: the request
+ends with an error instead).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from speckv.connectors import (
@@ -86,6 +102,34 @@ def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,
 
 
 # ---- scheduler side ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteLoad:
+    """A request in WAITING_FOR_REMOTE_KVS: its blocks hold the local hit, then the range the
+    connector loads asynchronously, `[num_hit_tokens, num_hit_tokens + num_external_tokens)`."""
+
+    num_hit_tokens: int
+    num_external_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.num_hit_tokens + self.num_external_tokens
+
+
+@dataclass
+class HeldBlocks:
+    """A finished request whose blocks stay allocated (not freed, not reusable) until no
+    transfer touches them: its asynchronous load still in flight (an abort while waiting), or
+    the connector still sending them (`FinishDecision.delay_free`)."""
+
+    request: Request
+    waits_for_load: bool
+    waits_for_send: bool
+
+    @property
+    def released(self) -> bool:
+        return not self.waits_for_load and not self.waits_for_send
+
+
 class SchedulerConnector:
     """The scheduler's calls into the connector. Reads the cache manager for block ids; never
     touches device memory. `load_failure_policy` (`--kv-load-failure-policy`): what a failed

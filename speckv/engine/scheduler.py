@@ -19,7 +19,12 @@ limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas
 
 With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
 SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
-a load failure the runner reports rolls its request back to the first failed token.
+a load failure the runner reports rolls its request back to the first failed token (or ends
+it, under `kv_load_failure_policy` "fail"). An asynchronous hit parks its request, blocks
+allocated, in WAITING_FOR_REMOTE_KVS until the connector reports the load done; the loaded
+blocks are cached then and the request is scheduled from the front of the queue. Blocks a
+transfer still touches after their request finished (an abort while loading, `delay_free`)
+stay held until the connector reports it done (`finished_recving`, `finished_sending`).
 
 `update_from_output()` applies what the runner sampled: rejected drafts' positions are rolled
 back, real tokens appended (new block hashes follow), the next drafts kept, and finished
@@ -34,7 +39,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -42,6 +46,8 @@ from speckv.cache.kv_cache_manager import KVCacheManager
 from speckv.cache.results import BlockCopy
 from speckv.connectors import ConnectorOutput, LoadFailure
 from speckv.engine.kv_connector import (
+    HeldBlocks,
+    RemoteLoad,
     SchedulerConnector,
     apply_load_failure,
     load_failure_error,
@@ -59,30 +65,6 @@ from speckv.engine.request import Request, RequestStatus
 from speckv.engine.stats import SchedulerStats, StatsCollector
 
 EMPTY_CUTS: Mapping[str, int] = MappingProxyType({})
-
-
-@dataclass(frozen=True)
-class _RemoteLoad:
-    """A request in WAITING_FOR_REMOTE_KVS: its blocks hold the local hit, then the range the
-    connector loads asynchronously, `[num_hit_tokens, num_hit_tokens + num_external_tokens)`."""
-
-    num_hit_tokens: int
-    num_external_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.num_hit_tokens + self.num_external_tokens
-
-
-@dataclass
-class _Held:
-    """A finished request whose blocks stay allocated (not freed, not reusable) until no
-    transfer touches them: its asynchronous load still in flight (an abort while waiting), or
-    the connector still sending them (`FinishDecision.delay_free`)."""
-
-    request: Request
-    waits_for_load: bool
-    waits_for_send: bool
 
 
 class Scheduler:
@@ -109,9 +91,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule (runner forgets)
         self._seen_ids: set[str] = set()  # unfinished requests the runner has been sent
         self._outputs: list[EngineCoreOutput] = []  # finished outside a step (no-fit errors)
-        self._remote: dict[str, _RemoteLoad] = {}  # WAITING_FOR_REMOTE_KVS, by id
+        self._remote: dict[str, RemoteLoad] = {}  # WAITING_FOR_REMOTE_KVS, by id
         self._loaded: set[str] = set()  # waiting with their blocks (an async load finished)
-        self._held: dict[str, _Held] = {}  # finished, blocks kept for a transfer
+        self._held: dict[str, HeldBlocks] = {}  # finished, blocks kept for a transfer
         self.stats = StatsCollector(num_spec_tokens)  # filled during a step, see `take_stats`
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -287,7 +269,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit + num_external
             request.num_external_cached_tokens = num_external
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._remote[request.request_id] = _RemoteLoad(num_hit, num_external)
+        self._remote[request.request_id] = RemoteLoad(num_hit, num_external)
         return True
 
     def _schedule_loaded(self, request: Request, budget: int) -> ScheduledRequest | None:
@@ -467,8 +449,8 @@ class Scheduler:
         self._loaded.add(request_id)
         self.waiting.appendleft(request)
 
-    def _free_if_released(self, held: _Held) -> None:
-        if not held.waits_for_load and not held.waits_for_send:
+    def _free_if_released(self, held: HeldBlocks) -> None:
+        if held.released:
             del self._held[held.request.request_id]
             self.manager.free(held.request)
 
@@ -498,7 +480,7 @@ class Scheduler:
         if loading or delay_free:
             # a transfer still writes (a load) or reads (a send) these blocks: kept until the
             # connector reports it done, then freed (`_free_if_released`)
-            self._held[request_id] = _Held(request, loading, delay_free)
+            self._held[request_id] = HeldBlocks(request, loading, delay_free)
         else:
             self.manager.free(request)
         request.status = RequestStatus.finished(reason)

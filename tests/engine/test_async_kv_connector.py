@@ -247,3 +247,18 @@ def test_kv_transfer_params_reach_the_connector():
     decode.add("c", _prompt(9, seed=13), params={"remote_engine": "prefill-0"})
     decode.step()
     assert decode.connector.seen_params["c"] == {"remote_engine": "prefill-0"}
+
+
+def test_the_load_failure_policy_is_a_validated_flag():
+    import argparse
+
+    from speckv.connectors.config import add_connector_arguments, connector_config_from_args
+    from speckv.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_connector_arguments(parser)
+    args = parser.parse_args(["--kv-connector", "offload", "--kv-load-failure-policy", "fail"])
+    assert connector_config_from_args(args).load_failure_policy == "fail"
+    assert EngineConfig(kv_load_failure_policy="fail").kv_load_failure_policy == "fail"
+    with pytest.raises(ValueError, match="--kv-load-failure-policy"):
+        EngineConfig(kv_load_failure_policy="drop")
