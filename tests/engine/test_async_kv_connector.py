@@ -253,12 +253,14 @@ def test_the_load_failure_policy_is_a_validated_flag():
     import argparse
 
     from speckv.connectors.config import add_connector_arguments, connector_config_from_args
-    from speckv.engine.config import EngineConfig
+    from speckv.engine.engine_args import engine_config
 
     parser = argparse.ArgumentParser()
     add_connector_arguments(parser)
     args = parser.parse_args(["--kv-connector", "offload", "--kv-load-failure-policy", "fail"])
     assert connector_config_from_args(args).load_failure_policy == "fail"
-    assert EngineConfig(kv_load_failure_policy="fail").kv_load_failure_policy == "fail"
+    config = engine_config(kv_connector="offload", kv_load_failure_policy="fail")
+    assert config.kv_load_failure_policy == "fail"
+    assert engine_config().kv_load_failure_policy == "recompute"  # no connector: the default
     with pytest.raises(ValueError, match="--kv-load-failure-policy"):
-        EngineConfig(kv_load_failure_policy="drop")
+        engine_config(kv_connector="offload", kv_load_failure_policy="drop")
