@@ -33,6 +33,8 @@ from speckv.connectors.base import (
     RequestBlocks,
 )
 from speckv.connectors.capability import (
+    KVGroupSupport,
+    kv_group_blocker,
     lookahead_blocker,
     supports_lookahead,
 )
@@ -77,6 +79,7 @@ __all__ = [
     "ExternalHit",
     "FinishDecision",
     "KVConnector",
+    "KVGroupSupport",
     "LoadFailure",
     "MultiConnector",
     "MultiConnectorMetadata",
@@ -89,6 +92,7 @@ __all__ = [
     "add_connector_arguments",
     "connector_config_from_args",
     "fingerprint_tensors",
+    "kv_group_blocker",
     "lookahead_blocker",
     "make_connector",
     "persistent_hash_seed",

@@ -38,7 +38,7 @@ from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.retention import TailWidening
-from speckv.connectors import ConnectorStats, KVConnector
+from speckv.connectors import ConnectorStats, KVConnector, kv_group_blocker
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
 from speckv.engine.kv_connector import (
@@ -164,16 +164,18 @@ class LLMEngine:
                 and layout.draft_group is None:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
                              f"has none ({layout.describe()}): pass the drafter as `drafter`")
-        if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None):
-            raise ValueError(
-                "KV connectors support single-group (full-attention) models only; this model "
-                f"has {layout.num_groups} KV cache groups ({layout.describe()}): drop "
-                "--kv-connector")
         if connector is not None and not config.enable_prefix_caching:
             raise ValueError("a KV connector needs enable_prefix_caching: tiers are keyed by "
                              "the prefix cache's block hashes")
         self.connector: KVConnector | None = (
             connector if connector is not None else build_connector(config, model, drafter))
+        blocker = kv_group_blocker(self.connector, [spec.kind for spec in layout.specs])
+        if blocker is not None:
+            if connector is None:  # built here: nothing else will stop its threads
+                self.connector.shutdown()
+            raise ValueError(f"--kv-connector {config.kv_connector or self.connector.name}: "
+                             f"{blocker} [{layout.describe()}]: a tier hit must be one every "
+                             "group can serve; drop --kv-connector")
         self._closed = False
         self.hash_mode = self._resolve_hash_mode(proposer.policy if proposer else NO_DRAFTER)
         self._owned_publisher: Any = None  # made from the config; close() ends it

@@ -126,7 +126,7 @@ def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
 
 
 def test_kv_connector_and_foreign_drafters_refused(hybrid):
-    with pytest.raises(ValueError, match="KV connectors support single-group"):
+    with pytest.raises(ValueError, match="carries one KV cache group; this model has 2"):
         LLMEngine(hybrid, EngineConfig(block_size=B, mamba_block_size=U, num_blocks=64,
                                        kv_connector="offload"))
 
