@@ -28,6 +28,7 @@ serving the others.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -38,9 +39,11 @@ from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.retention import TailWidening
+from speckv.cache.specs import SlidingWindowSpec
 from speckv.connectors import ConnectorStats, KVConnector, kv_group_blocker
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
+from speckv.engine.kv_budget import KVBudget, per_group_budget, shared_budget
 from speckv.engine.kv_connector import (
     RunnerConnector,
     SchedulerConnector,
@@ -142,11 +145,6 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_memory_bytes ({config.kv_cache_memory_bytes:,} "
                                  f"bytes) fits {self.num_blocks} KV blocks of {per_block:,} "
                                  "bytes; at least 2 are needed (block 0 is the null block)")
-        clock = spec_clock or default_clock(model.device.type)
-        if proposer is None:
-            proposer = make_proposer(config, drafter, self.num_blocks, clock)
-        self.proposer = proposer
-        self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         layout = layout or (
             model.kv_cache_layout(block_size, config.mamba_block_size)
             if getattr(model, "is_hybrid", False) else model.kv_cache_layout(block_size))
@@ -154,6 +152,19 @@ class LLMEngine:
             # the drafter's KV is full attention: no block of it may be freed
             layout = layout.as_one_full_group()
         self.layout = layout
+        self.kv_budget = self._kv_budget(model, layout, num_draft_layers, retention_interval,
+                                         tail_widening, speculates=drafter is not None
+                                         or config.speculative_method is not None)
+        # rows of each group's tensors: one shared count, or one per group (per-group pools)
+        self.group_num_blocks = tuple(group.num_blocks for group in self.kv_budget.groups)
+        if self.kv_budget.per_group_pools:  # the full-attention group's: what holds context
+            self.num_blocks = self.group_num_blocks[layout.draft_group or 0]
+        draft_num_blocks = self.group_num_blocks[layout.draft_group or 0]
+        clock = spec_clock or default_clock(model.device.type)
+        if proposer is None:
+            proposer = make_proposer(config, drafter, draft_num_blocks, clock)
+        self.proposer = proposer
+        self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         draft_group = layout.draft_group
         if num_draft_layers and draft_group is not None \
                 and layout.specs[draft_group].block_size != block_size:
@@ -188,7 +199,7 @@ class LLMEngine:
         algo = get_hash_algo(config.hash_algo)
         self.manager = KVCacheManager(
             layout.specs,
-            self.num_blocks,
+            self.kv_budget.num_blocks,
             self.hash_mode,
             enable_caching=config.enable_prefix_caching,
             hit_check=hit_check_for(algo),
@@ -206,7 +217,7 @@ class LLMEngine:
         self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
             self.num_spec_tokens, adaptive=config.adaptive_speculation), clock)
         self.runner = ModelRunner(
-            model, self.num_blocks, block_size, proposer,
+            model, self.kv_budget.num_blocks, block_size, proposer,
             RunnerConnector(connector, block_size) if connector is not None else None,
             layout,
             spec_policy=self.spec_policy,
@@ -220,6 +231,42 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model_config.eos_token_ids)
         self._counter = itertools.count()
         self.last_stats: SchedulerStats | None = None  # the last step's, set by every step()
+
+    def _kv_budget(self, model: Any, layout: KVCacheLayout, num_draft_layers: int,
+                   retention_interval: int | None, tail_widening: TailWidening,
+                   speculates: bool) -> KVBudget:
+        """Blocks per group. A configured `num_blocks`, a model that sizes its own blocks
+        (Gemma 4) or a layout of full attention only: one shared pool (`self.num_blocks`).
+        A budget over a hybrid layout (sliding window, GDN state) whose model says what a
+        block costs per group: a pool per group (`speckv.engine.kv_budget`)."""
+        config = self.config
+        model_config = model.config
+        draft_bytes = bytes_per_block(num_draft_layers, config.block_size,
+                                      model_config.num_key_value_heads, model_config.head_dim,
+                                      model.dtype) if num_draft_layers else 0
+        if hasattr(model, "kv_cache_group_bytes"):
+            group_bytes = list(model.kv_cache_group_bytes(layout))
+        elif hasattr(model, "kv_cache_bytes_per_block") or hasattr(model, "make_layout_kv_cache"):
+            group_bytes = None  # the model's own layout of block bytes: not split per group
+        else:
+            group_bytes = [bytes_per_block(len(group.layer_indices), group.spec.block_size,
+                                           model_config.num_key_value_heads,
+                                           model_config.head_dim, model.dtype)
+                           for group in layout.groups]
+        if group_bytes is not None and layout.draft_group is not None:
+            group_bytes[layout.draft_group] += draft_bytes
+        specs = layout.specs
+        if config.num_blocks is None and group_bytes is not None:
+            unit = math.lcm(*(spec.block_size for spec in specs))
+            extra = max((tail_widening.extra_blocks(unit, spec.block_size) for spec in specs
+                         if isinstance(spec, SlidingWindowSpec)), default=0)
+            budget = per_group_budget(specs, group_bytes, config.kv_cache_memory_bytes, unit,
+                                      config.max_num_seqs, config.max_num_batched_tokens,
+                                      retention_interval, extra if speculates else 0)
+            if budget is not None:
+                return budget
+        bytes_each = group_bytes or [0] * len(specs)
+        return shared_budget(specs, bytes_each, self.num_blocks)
 
     def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
         """Lookahead hashes or the legacy drop for this engine, from the drafter's policy and
@@ -278,8 +325,9 @@ class LLMEngine:
             sampling_params=params,
             sampling_seed=seed,
         )
-        # every KV cache group holds its own blocks of a prefill chunk
-        capacity = (self.num_blocks - 1) // self.layout.num_groups * self.config.block_size
+        # every KV cache group holds its own blocks of a prefill chunk (one shared pool), or
+        # the full-attention group's own pool holds the context (per-group pools)
+        capacity = self.kv_budget.context_tokens
         if request.num_prompt_tokens + 1 + self.num_spec_tokens > capacity:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds "

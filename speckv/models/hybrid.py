@@ -203,6 +203,18 @@ class HybridForCausalLM(EmbeddingPlacement, nn.Module):
             + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
         return kv + state
 
+    def kv_cache_group_bytes(self, layout: KVCacheLayout) -> list[int]:
+        """What one block id costs in each group of `layout`, its own layers only: the K/V of
+        a block of the attention layers, one conv + recurrent state of the linear layers."""
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        state = len(c.linear_layers) * (
+            c.conv_dim * (c.linear_conv_kernel_dim - 1) * elem
+            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
+        return [state if isinstance(group.spec, MambaSpec) else
+                2 * len(c.attention_layers) * group.spec.block_size * c.num_key_value_heads
+                * c.head_dim * elem for group in layout.groups]
+
     def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int) -> PagedKVCache:
         """The engine's paged KV for `layout`: the full-attention group's blocks (the state
         group's blocks live in `make_state_cache`)."""

@@ -111,16 +111,22 @@ def attention_layout(layer_windows: Sequence[int | None], block_size: int) -> KV
     return KVCacheLayout(tuple(groups))
 
 
-def make_layout_kv_cache(model, layout: KVCacheLayout, num_blocks: int):
+def make_layout_kv_cache(model, layout: KVCacheLayout, num_blocks: int | Sequence[int]):
     """The paged KV of `model` for `layout`: the model's own `make_kv_cache` when every group
-    has one block size (one tensor for all layers), else a `GroupedKVCache` with one
-    `PagedKVCache` per group (its block size, its layers). A model with state groups (Mamba)
-    provides `make_layout_kv_cache(layout, num_blocks)` itself."""
+    has one block size and one block count (one tensor for all layers), else a
+    `GroupedKVCache` with one `PagedKVCache` per group (its block size, its block count, its
+    layers). A model with state groups (Mamba) provides `make_layout_kv_cache(layout,
+    num_blocks)` itself (the attention group's count; its states are sized apart).
+    `num_blocks`: one count for a shared pool, or one per group (per-group pools)."""
+    counts = ([num_blocks] * layout.num_groups if isinstance(num_blocks, int)
+              else list(num_blocks))
     if hasattr(model, "make_layout_kv_cache"):
-        return model.make_layout_kv_cache(layout, num_blocks)
+        attention = [n for n, spec in zip(counts, layout.specs)
+                     if not isinstance(spec, MambaSpec)]
+        return model.make_layout_kv_cache(layout, attention[0] if attention else counts[0])
     sizes = {spec.block_size for spec in layout.specs}
-    if len(sizes) == 1:
-        return model.make_kv_cache(num_blocks, sizes.pop())
+    if len(sizes) == 1 and len(set(counts)) == 1:
+        return model.make_kv_cache(counts[0], sizes.pop())
     from speckv.attention import GroupedKVCache, PagedKVCache
 
     config = model.config
@@ -128,7 +134,7 @@ def make_layout_kv_cache(model, layout: KVCacheLayout, num_blocks: int):
     for g, group in enumerate(layout.groups):
         if isinstance(group.spec, MambaSpec):
             raise ValueError("Mamba state groups need the model's make_layout_kv_cache")
-        caches.append(PagedKVCache(len(group.layer_indices), num_blocks, group.spec.block_size,
+        caches.append(PagedKVCache(len(group.layer_indices), counts[g], group.spec.block_size,
                                    config.num_key_value_heads, config.head_dim, model.dtype,
                                    model.device))
         slots.update({layer: (g, local) for local, layer in enumerate(group.layer_indices)})

@@ -319,16 +319,16 @@ def toy_core(
 
 def symbolic_groups(manager: KVCacheManager, kv: SymbolicKV) -> SymbolicGroups:
     """Every group's symbolic store over `manager`'s layout: `kv` for group 0, a fresh one
-    per block id of the pool for each other group (Mamba groups: `SymbolicState`)."""
+    per block id of its pool for each other group (Mamba groups: `SymbolicState`)."""
     specs = [m.spec for m in manager.managers]
     if specs[0].block_size != kv.block_size or isinstance(specs[0], MambaSpec):
         raise ValueError(f"the symbolic KV has blocks of {kv.block_size} tokens; group 0 is "
                          f"{specs[0]}")
-    num_blocks = manager.pool.num_blocks
     draft_group = next((g for g, spec in enumerate(specs)
                         if isinstance(spec, FullAttentionSpec)), None)
     stores: list[object] = [kv]
     for g, spec in enumerate(specs[1:], 1):
+        num_blocks = manager.pools[g].num_blocks  # a group's own pool, or the shared one
         if isinstance(spec, MambaSpec):
             stores.append(SymbolicState(num_blocks, spec.block_size))
         else:
