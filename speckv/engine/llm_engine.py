@@ -12,8 +12,10 @@ Owns turning user input into scheduler requests (tokenization, validation agains
 The KV cache groups come from the model (`model.kv_cache_layout(block_size)`: full attention,
 sliding window, ...): the cache manager gets one group per entry (the alignment unit follows
 from their block sizes, the hash mode from the drafter), the runner one block table per group.
-Every layer keeps a `[num_blocks, ...]` tensor, so a block id costs the bytes of all layers
-whichever group holds it (simple, over-provisioned for multi-group models).
+With a configured `num_blocks` every layer keeps a `[num_blocks, ...]` tensor (one pool that
+every group draws from: a block id costs the bytes of all layers whichever group holds it);
+from a memory budget a hybrid layout gets one pool per group instead (`kv_budget.py`: each
+group's tensors have the rows its pool has), reported as `kv_budget`.
 
 With `EngineConfig.kv_connector`, the engine builds the connector (`kv_connector.py`), resolves
 its hash mode from the drafter AND the connector's lookahead capability (`hash_mode.reason`
