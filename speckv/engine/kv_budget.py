@@ -85,12 +85,14 @@ def _full_group(specs: Sequence[KVCacheSpec]) -> int | None:
 
 
 def shared_budget(specs: Sequence[KVCacheSpec], group_bytes: Sequence[int],
-                  num_blocks: int) -> KVBudget:
-    """Today's layout: every group has a row per block id of one pool of `num_blocks`. The
-    context is what the engine admits: the pool split evenly over the groups."""
+                  num_blocks: int, block_size: int | None = None) -> KVBudget:
+    """One pool of `num_blocks` every group draws from: every group has a row per block id.
+    The context is what the engine admits: the pool split evenly over the groups, in blocks
+    of `block_size` tokens (default: the smallest group block)."""
     groups = tuple(GroupBudget(spec.kind, spec.block_size, b, num_blocks)
                    for spec, b in zip(specs, group_bytes))
-    context = (num_blocks - 1) // len(specs) * min(spec.block_size for spec in specs)
+    size = block_size or min(spec.block_size for spec in specs)
+    context = (num_blocks - 1) // len(specs) * size
     return KVBudget(groups, False, context)
 
 

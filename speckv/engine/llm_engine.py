@@ -268,7 +268,7 @@ class LLMEngine:
             if budget is not None:
                 return budget
         bytes_each = group_bytes or [0] * len(specs)
-        return shared_budget(specs, bytes_each, self.num_blocks)
+        return shared_budget(specs, bytes_each, self.num_blocks, config.block_size)
 
     def _resolve_hash_mode(self, policy: DrafterPolicy) -> HashMode:
         """Lookahead hashes or the legacy drop for this engine, from the drafter's policy and
