@@ -68,6 +68,8 @@ class SoakConfig:
     legacy: bool = False  # legacy hashes + the drop instead of lookahead hashes
     num_spec_tokens: int = 3
     num_blocks: int = 40  # per group; small on purpose: the run evicts and preempts
+    # one pool per group of these sizes ("40,40,12"); None: one pool of num_blocks per group
+    group_blocks: str | None = None
     max_num_batched_tokens: int = 24
     max_num_seqs: int = 8
     max_waiting: int = 16
@@ -95,7 +97,22 @@ class SoakConfig:
         if self.num_blocks < 8:
             raise ValueError(f"--num-blocks must be >= 8, got {self.num_blocks}")
         drafter_policy(self.drafter, self.num_modules)
-        parse_group_specs(self.groups)
+        specs = parse_group_specs(self.groups)
+        if self.group_blocks is not None:
+            counts = self.pool_sizes
+            if len(counts) != len(specs) or min(counts) < 4:
+                raise ValueError(f"--group-blocks needs one count >= 4 per group of "
+                                 f"{self.groups!r}, got {self.group_blocks!r}")
+            if self.kv_connector is not None:
+                raise ValueError("--group-blocks does not combine with --kv-connector")
+
+    @property
+    def pool_sizes(self) -> list[int]:
+        try:
+            return [int(part) for part in (self.group_blocks or "").split(",")]
+        except ValueError:
+            raise ValueError(f"--group-blocks must be counts like 40,40,12, got "
+                             f"{self.group_blocks!r}") from None
 
 
 @dataclass
@@ -164,7 +181,11 @@ def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResul
         stores = instrument_tiers(
             connector, depth, fault_rate=config.fault_rate, seed=config.seed,
             copy_seed=config.seed if config.copy_mode == "replayable" else None)
-    manager = KVCacheManager(specs, num_blocks, mode)
+    pools: int | list[int] = num_blocks
+    if config.group_blocks is not None:  # a pool per group: every group's own block ids
+        pools = config.pool_sizes
+        kv = SymbolicKV(pools[0], specs[0].block_size, depth)
+    manager = KVCacheManager(specs, pools, mode)
     hashing = manager.block_hashing("sha256", "0")
     num_spec = config.num_spec_tokens if policy.draft_kv_lookahead_tokens else 0
     block_size = min(spec.block_size for spec in specs)
@@ -256,6 +277,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("lookahead", "legacy"), default="lookahead")
     parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks,
                         help="KV blocks per group (default: %(default)s)")
+    parser.add_argument("--group-blocks", default=None, metavar="N,N,...",
+                        help="a KV pool per group of these sizes (e.g. 40,40,12) instead of "
+                        "one pool of --num-blocks per group")
     parser.add_argument("--kv-connector", default=None, metavar="NAMES",
                         help="drive real KV tiers too: offload, disk or offload,disk")
     parser.add_argument("--tier-blocks", type=int, default=defaults.tier_blocks,
@@ -273,13 +297,15 @@ def run(args: argparse.Namespace) -> int:
     config = SoakConfig(num_ops=args.ops, seed=args.seed, groups=args.groups,
                         drafter=args.drafter, num_modules=args.mtp_num_modules,
                         legacy=args.mode == "legacy", num_blocks=args.num_blocks,
+                        group_blocks=args.group_blocks,
                         kv_connector=args.kv_connector, tier_blocks=args.tier_blocks,
                         fault_rate=args.fault_rate, copy_mode=args.copy_mode)
     result = run_soak(config, progress=not args.json)
     if args.json:
         print(json.dumps({**asdict(result), "ops_per_s": round(result.ops_per_s, 1)}))
     else:
-        table = Table(title=f"soak: {config.groups}, {config.drafter}"
+        pools = f" (pools {config.group_blocks})" if config.group_blocks else ""
+        table = Table(title=f"soak: {config.groups}{pools}, {config.drafter}"
                             f"{'' if config.num_modules == 1 else f' x{config.num_modules}'}, "
                             f"{args.mode}, seed {config.seed}"
                             + (f", {config.kv_connector} ({config.copy_mode} copies)"

@@ -411,10 +411,11 @@ class BlockPool:
                 self._successors[group_id] = {
                     parent: entry for parent, entry in index.items() if entry[0] in cached}
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, record: bool = True) -> bool:
         """Forget every cached hash, if no request holds a block. Mutates.
 
-        Returns False (and changes nothing) while blocks are in use.
+        Returns False (and changes nothing) while blocks are in use. `record`: emit the
+        AllBlocksCleared event (a cache of several pools emits it once).
         """
         num_used = self.num_blocks - 1 - self.get_num_free_blocks()
         if num_used > 0:
@@ -429,7 +430,7 @@ class BlockPool:
         self._pending_runs.clear()
         self._runs.clear()
         self._num_run_blocks = 0
-        if self.event_sink is not None:
+        if self.event_sink is not None and record:
             self.event_sink.record(AllBlocksCleared())
         return True
 

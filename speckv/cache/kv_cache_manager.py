@@ -29,6 +29,13 @@ Hybrid models: every group must accept the hit, and each may only shorten it. Th
 iterates to a fixed point over U-aligned lengths; under the legacy drop it drops one unit once
 and iterates again (never a second drop, so it cannot spiral).
 
+KV pools: `num_blocks` an int gives one pool that every group draws from (a block id then has
+a row in every group's tensors); one count per group gives each group a pool of its own
+(`pools[g]`, block ids 0..n_g - 1 in each, block 0 each pool's null block), so a group's
+memory follows what it holds (`speckv.engine.kv_budget` sizes them). Either way each pool is
+the sole owner of its blocks' reference counts, free queue and hash map; a request's
+allocation is all or nothing across the pools.
+
 Hashes are computed at the hash unit H = gcd of the groups' block sizes; a group with block
 size m * H is named by every m-th hash of the chain (a chained hash covers all before it).
 Attention groups use the mode's lookahead hashes; Mamba groups keep legacy hashes.
@@ -107,7 +114,7 @@ class KVCacheManager:
     def __init__(
         self,
         specs: Sequence[KVCacheSpec],
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         hash_mode: HashMode,
         enable_caching: bool = True,
         hit_check: HitCheck | None = None,
@@ -139,7 +146,19 @@ class KVCacheManager:
         self.hash_mode = hash_mode
         self.enable_caching = enable_caching
         self.event_sink = event_sink
-        self.pool = BlockPool(num_blocks, enable_caching, hit_check, event_sink)
+        if isinstance(num_blocks, int):
+            shared = BlockPool(num_blocks, enable_caching, hit_check, event_sink)
+            self.pools: tuple[BlockPool, ...] = (shared,) * len(specs)
+        else:
+            if len(num_blocks) != len(specs):
+                raise ValueError(f"{len(num_blocks)} block counts for {len(specs)} KV cache "
+                                 "groups")
+            self.pools = tuple(BlockPool(n, enable_caching, hit_check, event_sink)
+                               for n in num_blocks)
+        self.pool = self.pools[0]  # group 0's pool (the only one when shared)
+        # each distinct pool once, in group order
+        self._distinct_pools = list({id(pool): pool for pool in self.pools}.values())
+        self.per_group_pools = len(self._distinct_pools) > 1
         # A sibling diverging right after a kept boundary c hits c - U: under the drop always,
         # with lookahead hashes because the block ending at c has another successor there.
         widen_tails = hash_mode.drops_last_unit or hash_mode.lookahead_tokens > 0
@@ -163,7 +182,7 @@ class KVCacheManager:
             group = GroupInfo(group_id, spec.block_size, lookahead, spec.kind,
                               getattr(spec, "sliding_window", None))
             self.managers.append(
-                manager_for(spec, self.pool, group, self.retention, extra_tail_blocks,
+                manager_for(spec, self.pools[group_id], group, self.retention, extra_tail_blocks,
                             self.reuses_divergent_blocks)
             )
         # allocations without a hit (every running request's) take no hit blocks
@@ -266,7 +285,16 @@ class KVCacheManager:
         return tuple([block.block_id for block in m.blocks_of(request_id)] for m in self.managers)
 
     def get_num_free_blocks(self) -> int:
-        return self.pool.get_num_free_blocks()
+        """Free blocks of all pools together."""
+        return sum(pool.get_num_free_blocks() for pool in self._distinct_pools)
+
+    def get_num_blocks(self) -> int:
+        """Blocks of all pools together, null blocks excluded."""
+        return sum(pool.num_blocks - 1 for pool in self._distinct_pools)
+
+    def group_num_blocks(self) -> tuple[int, ...]:
+        """Blocks (null block included) of each group's pool (shared: the same count)."""
+        return tuple(pool.num_blocks for pool in self.pools)
 
     # ---- mutations ---------------------------------------------------------------------------
     def allocate_slots(
@@ -309,15 +337,20 @@ class KVCacheManager:
         num_cacheable = request.num_computed_tokens + num_hit_tokens
         num_computed = num_cacheable + num_external_tokens
         num_total = num_computed + num_new_tokens + num_draft_slots
-        num_needed = 0
+        needed: dict[int, int] = {}  # id(pool) -> free blocks it must give
         for manager, blocks in zip(managers, hit_blocks):
-            num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, blocks)
-        if sources:
-            num_needed += self.pool.num_free_among(sources)  # touching takes them off
-        if num_needed > self.pool.get_num_free_blocks():
+            key = id(manager.pool)
+            needed[key] = needed.get(key, 0) + manager.get_num_blocks_to_allocate(
+                request_id, num_total, blocks)
+        for manager, source in zip(managers, sources):
+            key = id(manager.pool)  # touching a free source takes it off the queue
+            needed[key] = needed.get(key, 0) + manager.pool.num_free_among((source,))
+        if any(needed.get(id(pool), 0) > pool.get_num_free_blocks()
+               for pool in self._distinct_pools):
             return None
         if sources:  # held before anything is allocated, which could evict them
-            self.pool.touch(sources)
+            for manager, source in zip(managers, sources):
+                manager.pool.touch((source,))
             self._copy_sources[request_id] = sources
         new_block_ids = []
         copies: list[BlockCopy] = []
@@ -375,10 +408,11 @@ class KVCacheManager:
         calls it at the end of every step. Mutates."""
         if self._copy_sources:
             for sources in self._copy_sources.values():
-                self.pool.free_blocks(sources)
+                self._free_sources(sources)
             self._copy_sources.clear()
         if self.reuses_divergent_blocks:
-            self.pool.commit_successors()
+            for pool in self._distinct_pools:
+                pool.commit_successors()
 
     def cache_computed_blocks(self, request: ManagedRequest) -> None:
         """Cache every computed block whose hash exists, e.g. the block whose lookahead the
@@ -391,7 +425,11 @@ class KVCacheManager:
             manager.free(request.request_id)
         sources = self._copy_sources.pop(request.request_id, None)
         if sources:
-            self.pool.free_blocks(sources)
+            self._free_sources(sources)
+
+    def _free_sources(self, sources: Sequence[KVCacheBlock]) -> None:
+        for manager, source in zip(self.managers, sources):
+            manager.pool.free_blocks((source,))
 
     def finish(self, request: ManagedRequest) -> None:
         """Cache what the last token completed, then free. Mutates."""
@@ -400,7 +438,12 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes if no request holds blocks. Mutates."""
-        return self.pool.reset_prefix_cache()
+        pools = self._distinct_pools
+        if any(pool.get_num_free_blocks() < pool.num_blocks - 1 for pool in pools):
+            return False  # all or nothing: a block is in use somewhere
+        # one AllBlocksCleared for the whole cache
+        return all([pool.reset_prefix_cache(record=index == 0)
+                    for index, pool in enumerate(pools)])
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.event_sink.take() if self.event_sink is not None else []
@@ -415,13 +458,16 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Pool invariants plus: every reference count equals the number of (request, group)
         lists holding the block. Pure; raises AssertionError."""
-        holders: dict[int, int] = {}
+        holders: dict[int, dict[int, int]] = {id(pool): {} for pool in self._distinct_pools}
         for manager in self.managers:
+            counts = holders[id(manager.pool)]
             for blocks in manager.req_to_blocks.values():
                 for block in blocks:
                     if not block.is_null:
-                        holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                        counts[block.block_id] = counts.get(block.block_id, 0) + 1
         for sources in self._copy_sources.values():
-            for block in sources:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        self.pool.check_integrity(holders)
+            for manager, block in zip(self.managers, sources):
+                counts = holders[id(manager.pool)]
+                counts[block.block_id] = counts.get(block.block_id, 0) + 1
+        for pool in self._distinct_pools:
+            pool.check_integrity(holders[id(pool)])

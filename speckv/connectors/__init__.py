@@ -36,6 +36,8 @@ from speckv.connectors.base import (
     RequestBlocks,
 )
 from speckv.connectors.capability import (
+    KVGroupSupport,
+    kv_group_blocker,
     lookahead_blocker,
     supports_lookahead,
 )
@@ -83,6 +85,7 @@ __all__ = [
     "ExternalHit",
     "FinishDecision",
     "KVConnector",
+    "KVGroupSupport",
     "LoadFailure",
     "MultiConnector",
     "MultiConnectorMetadata",
@@ -95,6 +98,7 @@ __all__ = [
     "add_connector_arguments",
     "connector_config_from_args",
     "fingerprint_tensors",
+    "kv_group_blocker",
     "lookahead_blocker",
     "make_connector",
     "persistent_hash_seed",

@@ -92,6 +92,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speckv.cache.events import KVCacheEvent
+from speckv.connectors.capability import SINGLE_FULL_ATTENTION, KVGroupSupport
 from speckv.connectors.layout import DeviceKV
 from speckv.connectors.metadata import ConnectorOutput, ConnectorStats, StepMetadata
 from speckv.connectors.rules import ConnectorMode, ConnectorRequest
@@ -160,6 +161,13 @@ class KVConnector(ABC):
         legacy hashes with the last-block drop.
         """
         return False
+
+    @property
+    def kv_group_support(self) -> KVGroupSupport:
+        """The KV cache groups this connector stores and loads (`capability.py`): by default
+        one full-attention group. The engine refuses a connector that cannot carry every
+        group of its model."""
+        return SINGLE_FULL_ATTENTION
 
     @abstractmethod
     def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:

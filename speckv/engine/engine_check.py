@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from speckv.connectors import kv_group_blocker
 from speckv.engine.config import EngineConfig
 from speckv.models.base import TargetModel
 
@@ -48,11 +49,19 @@ def check_engine(layout: KVCacheLayout, config: EngineConfig, *, num_draft_layer
     if proposer is not None and proposer.kv_cache is not None and draft_group is None:
         raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
                          f"has none ({layout.describe()}): pass the drafter as `drafter`")
-    if layout.num_groups > 1 and (connector is not None or config.kv_transfer is not None):
-        raise ValueError(
-            "KV connectors support single-group (full-attention) models only; this model "
-            f"has {layout.num_groups} KV cache groups ({layout.describe()}): drop "
-            "--kv-connector")
     if connector is not None and not config.cache.enable_prefix_caching:
         raise ValueError("a KV connector needs enable_prefix_caching: tiers are keyed by "
                          "the prefix cache's block hashes")
+
+
+def check_connector_groups(connector: KVConnector | None, layout: KVCacheLayout,
+                           config: EngineConfig) -> None:
+    """A KV connector must carry every KV cache group of the layout (a tier hit must be one
+    every group can serve); ValueError naming the connector and the group it cannot carry."""
+    blocker = kv_group_blocker(connector, [spec.kind for spec in layout.specs])
+    if blocker is None:
+        return
+    name = ",".join(config.kv_transfer.names) if config.kv_transfer is not None else (
+        connector.name if connector is not None else "?")
+    raise ValueError(f"--kv-connector {name}: {blocker} [{layout.describe()}]: a tier hit must "
+                     "be one every group can serve; drop --kv-connector")

@@ -13,8 +13,10 @@ Owns turning user input into scheduler requests (tokenization, validation agains
 The KV cache groups come from the model (`model.kv_cache_layout(block_size)`: full attention,
 sliding window, ...): the cache manager gets one group per entry (the alignment unit follows
 from their block sizes, the hash mode from the drafter), the runner one block table per group.
-Every layer keeps a `[num_blocks, ...]` tensor, so a block id costs the bytes of all layers
-whichever group holds it (simple, over-provisioned for multi-group models).
+With a configured `num_blocks` every layer keeps a `[num_blocks, ...]` tensor (one pool that
+every group draws from: a block id costs the bytes of all layers whichever group holds it);
+from a memory budget a hybrid layout gets one pool per group instead (`kv_budget.py`: each
+group's tensors have the rows its pool has), reported as `kv_budget`.
 
 With `EngineConfig.kv_transfer`, the engine builds the connector (`kv_connector.py`), resolves
 its hash mode from the drafter AND the connector's lookahead capability (`hash_mode.reason`
@@ -38,10 +40,11 @@ from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.retention import TailWidening
-from speckv.connectors import ConnectorStats, KVConnector
+from speckv.connectors import ConnectorStats, KVConnector, kv_group_blocker
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
-from speckv.engine.engine_check import check_engine, check_model_fits
+from speckv.engine.engine_check import check_connector_groups, check_engine, check_model_fits
+from speckv.engine.kv_budget import plan_kv_budget
 from speckv.engine.kv_connector import (
     RunnerConnector,
     SchedulerConnector,
@@ -118,7 +121,16 @@ class LLMEngine:
             model, block_size=cache.block_size, num_blocks=cache.num_blocks,
             budget_bytes=cache.kv_cache_memory_bytes, state_block_size=cache.mamba_block_size,
             num_draft_layers=num_draft_layers, layout=layout)
-        self.num_blocks, self.layout = plan.num_blocks, plan.layout
+        self.layout = plan.layout
+        self.kv_budget = plan_kv_budget(
+            model, plan.layout, plan.num_blocks, cache, config.scheduler,
+            num_draft_layers=num_draft_layers, retention_interval=retention_interval,
+            tail_widening=tail_widening,
+            speculates=drafter is not None or config.speculative is not None)
+        # rows of each group's tensors: one shared count, or one per group (per-group pools);
+        # `num_blocks` is the full-attention (drafter's) group's: what holds the context
+        self.group_num_blocks = tuple(group.num_blocks for group in self.kv_budget.groups)
+        self.num_blocks = self.group_num_blocks[plan.layout.draft_group or 0]
         clock = spec_clock or default_clock(model.device.type)
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks, clock)
@@ -128,6 +140,19 @@ class LLMEngine:
                      connector=connector)
         self.connector: KVConnector | None = (
             connector if connector is not None else build_connector(config, model, drafter))
+        try:
+            check_connector_groups(self.connector, plan.layout, config)
+        except ValueError:
+            if connector is None and self.connector is not None:
+                self.connector.shutdown()  # built here: nothing else would stop its threads
+            raise
+        blocker = kv_group_blocker(self.connector, [spec.kind for spec in layout.specs])
+        if blocker is not None:
+            if connector is None:  # built here: nothing else will stop its threads
+                self.connector.shutdown()
+            raise ValueError(f"--kv-connector {config.kv_connector or self.connector.name}: "
+                             f"{blocker} [{layout.describe()}]: a tier hit must be one every "
+                             "group can serve; drop --kv-connector")
         self._closed = False
         # lookahead hashes or the legacy drop, from the drafter's policy and the connector
         self.hash_mode = hash_mode or resolve_connector_hash_mode(
@@ -167,7 +192,7 @@ class LLMEngine:
         algo = get_hash_algo(cache.hash_algo)
         self.manager = KVCacheManager(
             self.layout.specs,
-            self.num_blocks,
+            self.kv_budget.num_blocks,
             self.hash_mode,
             enable_caching=cache.enable_prefix_caching,
             hit_check=hit_check_for(algo),
@@ -188,7 +213,7 @@ class LLMEngine:
         self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
             self.num_spec_tokens, adaptive=adaptive), clock)
         self.runner = ModelRunner(
-            model, self.num_blocks, cache.block_size, proposer,
+            model, self.kv_budget.num_blocks, cache.block_size, proposer,
             RunnerConnector(connector, cache.block_size) if connector is not None else None,
             self.layout,
             spec_policy=self.spec_policy,
@@ -239,8 +264,9 @@ class LLMEngine:
             sampling_params=params,
             sampling_seed=seed,
         )
-        # every KV cache group holds its own blocks of a prefill chunk
-        capacity = self.kv_plan.token_capacity(self.config.cache.block_size)
+        # every KV cache group holds its own blocks of a prefill chunk (one shared pool), or
+        # the full-attention group's own pool holds the context (per-group pools)
+        capacity = self.kv_budget.context_tokens
         if request.num_prompt_tokens + 1 + self.num_spec_tokens > capacity:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds "

@@ -24,6 +24,7 @@ connector's report goes back in the ModelRunnerOutput.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,14 +81,16 @@ class ModelRunner:
     def __init__(
         self,
         model: TargetModel,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         proposer: Proposer | None = None,
         connector: RunnerConnector | None = None,
         layout: KVCacheLayout | None = None,
         spec_policy: AdaptiveSpeculation | None = None,
     ) -> None:
-        """`layout`: the model's KV cache groups (default `model.kv_cache_layout`)."""
+        """`layout`: the model's KV cache groups (default `model.kv_cache_layout`).
+        `num_blocks`: rows of every group's tensors (one shared pool), or one count per group
+        (per-group pools: each group's block ids index its own rows)."""
         self.model = model
         self.connector = connector
         self.block_size = block_size
@@ -104,7 +107,8 @@ class ModelRunner:
         self.device = model.device
         # GDN / Mamba state per block id of the model's state group (hybrid models only)
         self.states: RunnerStates | None = (
-            RunnerStates(model, num_blocks, self.layout)
+            RunnerStates(model, num_blocks if isinstance(num_blocks, int)
+                         else num_blocks[state_group(self.layout)], self.layout)
             if state_group(self.layout) is not None else None)
         self.proposer = proposer
         if proposer is not None:  # a drafter may read the target's KV (Gemma 4 assistant)

@@ -456,9 +456,8 @@ class Scheduler:
 
     def take_stats(self) -> SchedulerStats:
         """The statistics of the steps since the last call (occupancy as of now)."""
-        pool = self.manager.pool
         return self.stats.take(len(self.running), len(self.waiting),
-                               self.manager.get_num_free_blocks(), pool.num_blocks - 1)
+                               self.manager.get_num_free_blocks(), self.manager.get_num_blocks())
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Every way out of the scheduler ends here: out of the queues, blocks released

@@ -52,7 +52,16 @@ class TargetModel(Protocol):
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int: ...
 
-    def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int) -> Any: ...
+    def kv_cache_group_bytes(self, layout: KVCacheLayout) -> list[int] | None:
+        """Bytes one block id costs in each group of `layout` (None: the model's bytes do not
+        split per group, and it keeps one shared pool)."""
+        ...
+
+    def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int | Sequence[int]
+                             ) -> Any:
+        """The paged KV for `layout`: `num_blocks` rows in every group (one shared pool), or
+        one count per group (per-group pools)."""
+        ...
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any,
                  metadata: Any, aux_layers: Sequence[int] = (), *args: Any, **kwargs: Any

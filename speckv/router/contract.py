@@ -12,11 +12,13 @@ engine binds (`tcp://*:5557`) to the address the router connects to.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from speckv.hashing.functions import HASH_ALGOS
+from speckv.router.groups import KINDS, GroupRule, hybrid_hit
 from speckv.router.index import EngineHashConfig
 
 SUPPORTED_VERSION = 1
@@ -43,6 +45,27 @@ class HitRule:
     # the engine copies a block cached under another successor at a divergence point (a hit
     # of j * U + U - L); the fleet checks its successor index for such a block
     reuses_divergent_blocks: bool = False
+    # hybrid engines: one rule per KV cache group and the alignment unit U (hits are whole
+    # multiples of it); () for one full-attention group of blocks of U
+    groups: tuple[GroupRule, ...] = ()
+    alignment_tokens: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def lookahead_values(self) -> tuple[int, ...]:
+        """The lookahead values whose prompt chains a hybrid hit reads."""
+        return tuple(sorted({g.lookahead_tokens for g in self.groups}))
+
+    def hybrid_cached_tokens(self, chains: Mapping[int, Sequence[bytes]],
+                             holds: Callable[[int, bytes], bool], num_prompt_tokens: int) -> int:
+        """A hybrid engine's hit: the longest U-aligned prefix every group serves. Pure."""
+        if not self.prefix_caching:
+            return 0
+        return hybrid_hit(self.groups, self.block_size, self.alignment_tokens, chains, holds,
+                          num_prompt_tokens, self.drops_last_unit)
 
     def cached_tokens(self, num_matched_blocks: int, num_prompt_tokens: int) -> int:
         """Tokens the engine serves from cache: whole blocks, at most N - 1, and one unit less
@@ -108,6 +131,38 @@ def connect_endpoint(bound: str, engine_url: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def _group_rules(engine: str, groups: list[Any], block_size: int, alignment: int,
+                 lookahead: int) -> tuple[GroupRule, ...]:
+    """One `GroupRule` per `kv_groups` entry, or a `ContractError` naming `kv_groups` (or
+    `alignment_tokens`) for a group whose hits the router could not predict."""
+    if not groups:
+        raise ContractError(engine, "kv_groups", "no KV cache groups")
+    rules = []
+    for index, group in enumerate(groups):
+        kind = group.get("kind") if isinstance(group, dict) else None
+        if kind not in KINDS:
+            raise ContractError(engine, "kv_groups", f"group {index}: kind {kind!r}; the "
+                                f"router predicts {', '.join(KINDS)} groups")
+        size, window = group.get("block_size"), group.get("sliding_window")
+        group_lookahead = group.get("lookahead_tokens")
+        if not isinstance(size, int) or size <= 0 or size % block_size:
+            raise ContractError(engine, "kv_groups", f"group {index}: block_size {size!r} is "
+                                f"not a multiple of the hash unit {block_size}")
+        if alignment <= 0 or alignment % size:
+            raise ContractError(engine, "alignment_tokens", f"{alignment} is not a multiple "
+                                f"of group {index}'s block size {size}")
+        expected = 0 if kind == "mamba" else lookahead
+        if group_lookahead != expected:
+            raise ContractError(engine, "kv_groups", f"group {index} ({kind}) lookahead "
+                                f"{group_lookahead!r} != {expected} (hash_mode L {lookahead})")
+        if kind == "sliding_window" and (not isinstance(window, int) or window <= 0):
+            raise ContractError(engine, "kv_groups", f"group {index}: sliding_window "
+                                f"{window!r}")
+        rules.append(GroupRule(index, kind, size, expected,
+                               window if kind == "sliding_window" else None))
+    return tuple(rules)
+
+
 def parse_contract(engine: str, engine_url: str, body: Any) -> EngineContract:
     """The contract, or a `ContractError` naming the first field the router cannot use."""
     if not isinstance(body, dict):
@@ -128,14 +183,6 @@ def parse_contract(engine: str, engine_url: str, body: Any) -> EngineContract:
     block_size = _field(engine, body, "block_size", int)
     alignment = _field(engine, body, "alignment_tokens", int)
     groups = _field(engine, body, "kv_groups", list)
-    if len(groups) != 1 or not isinstance(groups[0], dict) \
-            or groups[0].get("kind") != "full_attention":
-        kinds = [g.get("kind") if isinstance(g, dict) else g for g in groups]
-        raise ContractError(engine, "kv_groups", f"{kinds}: the router predicts hits of "
-                            "engines with one full-attention KV cache group only")
-    if groups[0].get("block_size") != block_size or alignment != block_size:
-        raise ContractError(engine, "alignment_tokens", f"{alignment} with blocks of "
-                            f"{block_size}: the router needs hits in whole blocks")
     mode = _field(engine, body, "hash_mode", dict)
     lookahead = mode.get("lookahead_tokens")
     drops = mode.get("drops_last_unit")
@@ -143,9 +190,11 @@ def parse_contract(engine: str, engine_url: str, body: Any) -> EngineContract:
             or not isinstance(drops, bool) or (lookahead and drops):
         raise ContractError(engine, "hash_mode", f"{mode!r} is neither lookahead L nor "
                             "legacy with or without the drop")
-    if groups[0].get("lookahead_tokens") != lookahead:
-        raise ContractError(engine, "kv_groups", f"group lookahead "
-                            f"{groups[0].get('lookahead_tokens')} != hash_mode L {lookahead}")
+    rules = _group_rules(engine, groups, block_size, alignment, lookahead)
+    single_full = len(rules) == 1 and rules[0].kind == "full_attention"
+    if single_full and (rules[0].block_size != block_size or alignment != block_size):
+        raise ContractError(engine, "alignment_tokens", f"{alignment} with blocks of "
+                            f"{block_size}: the router needs hits in whole blocks")
     events = _field(engine, body, "kv_events", dict, allow_none=True)
     if events is None or not events.get("endpoint"):
         raise ContractError(engine, "kv_events", "the engine publishes no KV events: start it "
@@ -171,7 +220,8 @@ def parse_contract(engine: str, engine_url: str, body: Any) -> EngineContract:
         hashing=hashing,
         hit_rule=HitRule(block_size, lookahead, drops,
                          bool(_field(engine, body, "prefix_caching", bool)),
-                         bool(body.get("divergent_block_reuse", False))),
+                         bool(body.get("divergent_block_reuse", False)),
+                         *(((), 0) if single_full else (rules, alignment))),
         hash_mode_label=str(mode.get("label", "")),
         events_endpoint=connect_endpoint(events["endpoint"], engine_url),
         replay_endpoint=connect_endpoint(replay, engine_url) if replay else None,

@@ -260,12 +260,15 @@ class Fleet:
             for name in engines:
                 link = self.links[name]
                 hashing = link.contract.hashing
+                rule = link.contract.hit_rule
+                if rule.is_hybrid:
+                    plans[name] = self._hybrid_plan(name, rule, token_ids, by_config, now)
+                    continue
                 key = (hashing.algo, hashing.seed, hashing.block_size, hashing.lookahead_tokens)
                 hashes = by_config.get(key)
                 if hashes is None:
                     hashes = by_config[key] = self.index.prompt_hashes(name, token_ids,
                                                                        NO_HASH_INPUTS)
-                rule = link.contract.hit_rule
                 confirmed = rule.cached_tokens(self.index.matched_blocks(name, hashes),
                                                num_tokens)
                 with_pending = rule.cached_tokens(
@@ -276,6 +279,32 @@ class Fleet:
                         for hit in (confirmed, with_pending))
                 plans[name] = EnginePlan(hashes, confirmed, with_pending, num_tokens)
         return plans
+
+    def _hybrid_plan(self, name: str, rule: Any, token_ids: Sequence[int],
+                     by_config: dict[Any, list[bytes]], now: float) -> EnginePlan:
+        """A hybrid engine's plan: the prompt's chain per lookahead value its groups hash
+        with, and the hit every group serves (`HitRule.hybrid_cached_tokens`)."""
+        hashing = self.links[name].contract.hashing
+        chains: dict[int, list[bytes]] = {}
+        for lookahead in rule.lookahead_values:
+            key = (hashing.algo, hashing.seed, hashing.block_size, lookahead)
+            chain = by_config.get(key)
+            if chain is None:
+                chain = by_config[key] = self.index.prompt_hashes(
+                    name, token_ids, NO_HASH_INPUTS, lookahead_tokens=lookahead)
+            chains[lookahead] = chain
+        hashes = [h for lookahead in rule.lookahead_values for h in chains[lookahead]]
+
+        def holds(group: int, block_hash: bytes) -> bool:
+            return self.index.holds(name, group, block_hash)
+
+        def holds_or_pending(group: int, block_hash: bytes) -> bool:
+            return self.index.holds(name, group, block_hash, pending_at_s=now)
+
+        num_tokens = len(token_ids)
+        return EnginePlan(hashes, rule.hybrid_cached_tokens(chains, holds, num_tokens),
+                          rule.hybrid_cached_tokens(chains, holds_or_pending, num_tokens),
+                          num_tokens)
 
     def _with_reuse(self, name: str, rule: Any, hashes: Sequence[bytes],
                     token_ids: Sequence[int], hit: int) -> int:

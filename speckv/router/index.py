@@ -148,6 +148,41 @@ def _chain_is_contiguous(
     return True
 
 
+def _at_hash_unit(event: BlockStored, unit: int) -> BlockStored:
+    """A hybrid group's event whose blocks are m hash units each (a Mamba checkpoint every
+    544 tokens over a 16-token hash unit), as the m-times-longer run of hash-unit blocks its
+    hashes chain over: each unit's lookahead is the L tokens after it (inside the block, or
+    the block's own lookahead for its last unit). Raises `VerifyError` when that cannot be
+    rebuilt from the event (extra keys are per group block, not per unit). Pure."""
+    size = event.block_size
+    if size == unit:
+        return event
+    if size <= 0 or unit <= 0 or size % unit:
+        raise VerifyError(f"blocks of {size} tokens over a hash unit of {unit}")
+    if event.extra_keys is not None:
+        raise VerifyError("extra keys of a group block cannot be split into hash units")
+    stride = size // unit
+    num_blocks = len(event.block_hashes)
+    tokens = event.token_ids
+    if len(tokens) != size * num_blocks:
+        raise VerifyError(f"{len(tokens)} token ids for {num_blocks} blocks of {size}")
+    lookahead = event.lookahead_token_ids
+    unit_lookahead: list[list[int]] | None = None
+    if lookahead is not None:
+        if len(lookahead) != num_blocks:
+            raise VerifyError(f"{len(lookahead)} lookahead lists for {num_blocks} blocks")
+        unit_lookahead = []
+        for index, after in enumerate(lookahead):
+            extended = [*tokens[index * size:(index + 1) * size], *after]
+            num = len(after)
+            unit_lookahead.extend(extended[(j + 1) * unit:(j + 1) * unit + num]
+                                  for j in range(stride))
+    return BlockStored(
+        block_hashes=[b""] * (num_blocks * stride), parent_block_hash=event.parent_block_hash,
+        token_ids=tokens, block_size=unit, lora_id=None, medium=event.medium,
+        lora_name=event.lora_name, lookahead_token_ids=unit_lookahead)
+
+
 _ROOT = -1  # the successor index's key for the first block
 
 
@@ -307,8 +342,12 @@ class RouterIndex:
             return
         try:
             expected = recompute_block_hashes(
-                event, self._algos[engine], parent, config.lora_paths
+                _at_hash_unit(event, config.block_size), self._algos[engine], parent,
+                config.lora_paths,
             )
+            stride = event.block_size // config.block_size
+            if stride > 1:  # the group's block is named by the last hash-unit hash in it
+                expected = expected[stride - 1::stride]
         except VerifyError:
             state.unverifiable_blocks += len(keys)
             return
@@ -331,13 +370,27 @@ class RouterIndex:
 
     # ---- routing -----------------------------------------------------------------------------
     def prompt_hashes(
-        self, engine: str, token_ids: Sequence[int], inputs: HashInputs
+        self, engine: str, token_ids: Sequence[int], inputs: HashInputs,
+        lookahead_tokens: int | None = None,
     ) -> list[bytes]:
+        """The prompt's chain at the engine's hash unit, with its L (or `lookahead_tokens`:
+        a hybrid engine's Mamba groups hash with L = 0)."""
         config = self.configs[engine]
+        lookahead = config.lookahead_tokens if lookahead_tokens is None else lookahead_tokens
         return hash_prompt(
             self._algos[engine], self._none_hashes[engine], config.block_size,
-            format_for(config.lookahead_tokens), token_ids, inputs,
+            format_for(lookahead), token_ids, inputs,
         )
+
+    def holds(self, engine: str, group: int, block_hash: bytes,
+              pending_at_s: float | None = None) -> bool:
+        """Whether the engine's events say it holds `block_hash` in `group`; with
+        `pending_at_s`, a block routed to it and still pending then counts too. Pure."""
+        state = self.state[engine]
+        key = low64(block_hash)
+        if (group, key) in state.blocks:
+            return True
+        return pending_at_s is not None and _is_pending(state.pending.get(key), pending_at_s)
 
     def matched_blocks(self, engine: str, hashes: Sequence[bytes],
                        pending_at_s: float | None = None) -> int:

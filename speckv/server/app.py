@@ -110,7 +110,8 @@ class OpenAIServer:
                                   engine.vocab_size)
         self.metrics = ServerMetrics(config.served_model_name, engine.hash_mode,
                                      engine.num_spec_tokens,
-                                     spec_stats=engine.spec_decode_stats)
+                                     spec_stats=engine.spec_decode_stats,
+                                     kv_budget=getattr(engine, "kv_budget", None))
         self.client = AsyncEngineClient(engine, self.metrics, config.max_waiting_requests,
                                         config.retry_after_s)
         self.app = build_app(self)

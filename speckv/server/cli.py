@@ -82,5 +82,6 @@ def run(args: argparse.Namespace) -> int:
           f", {engine.hash_mode.label} block hashes"
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
           + ")", flush=True)
+    print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)
     return 0

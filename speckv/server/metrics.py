@@ -19,6 +19,11 @@ Owns one `CollectorRegistry` per server (tests run several servers in one proces
         speckv:spec_decode_steps_by_num_spec_tokens {num_spec_tokens}: decode steps that
         drafted k tokens; speckv:spec_decode_num_spec_tokens: the current choice;
         speckv:spec_decode_predicted_speedup: its predicted tokens/s over no drafts
+    the KV budget (`LLMEngine.kv_budget`, set at start)
+        speckv:kv_cache_group_blocks / speckv:kv_cache_group_bytes {group, kind}: each KV cache
+        group's rows (null block included) and bytes; speckv:kv_cache_per_group_pools (1: a
+        pool per group, 0: one shared); speckv:kv_cache_context_tokens: the longest context
+        one request can hold
 
 Labels `model_name` and `engine` as vLLM sets them; buckets are vLLM's. Counters are exposed
 with prometheus_client's `_total` suffix, as vLLM's are. Times run from the HTTP arrival.
@@ -40,6 +45,7 @@ from prometheus_client import (
 )
 
 from speckv.cache.hash_mode import HashMode
+from speckv.engine.kv_budget import KVBudget
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.stats import SchedulerStats
 from speckv.server.engine_loop import EngineRequest
@@ -124,8 +130,10 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, hash_mode: HashMode, num_spec_tokens: int,
                  engine_index: int = 0,
-                 spec_stats: Callable[[], SpecDecodeStats | None] | None = None) -> None:
-        """`spec_stats`: the engine's `spec_decode_stats` (None: no draft-length gauges)."""
+                 spec_stats: Callable[[], SpecDecodeStats | None] | None = None,
+                 kv_budget: KVBudget | None = None) -> None:
+        """`spec_stats`: the engine's `spec_decode_stats` (None: no draft-length gauges);
+        `kv_budget`: the engine's blocks and bytes per KV cache group (None: no gauges)."""
         disable_created_metrics()  # vLLM exposes no *_created series either
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
@@ -147,6 +155,8 @@ class ServerMetrics:
         info.labels(*values, hash_mode.label, hash_mode.reason).set(1)
         self.lookahead_tokens.set(hash_mode.lookahead_tokens)
         self.legacy_block_drop.set(int(hash_mode.drops_last_unit))
+        if kv_budget is not None:
+            self._set_kv_budget(kv_budget, labels, values)
         self._timings: dict[str, _Timing] = {}
         self._spec_stats = spec_stats if num_spec_tokens else None
         if self._spec_stats is not None:
@@ -161,6 +171,23 @@ class ServerMetrics:
                 "speckv:spec_decode_predicted_speedup", "Predicted tokens/s of the current "
                 "draft length over no drafts (0 until predicted).", labels,
                 registry=r).labels(*values)
+
+    def _set_kv_budget(self, budget: KVBudget, labels: list[str], values: tuple[str, ...]
+                       ) -> None:
+        r = self.registry
+        blocks = Gauge("speckv:kv_cache_group_blocks", "KV blocks (rows) of each KV cache "
+                       "group, the null block included.", [*labels, "group", "kind"], registry=r)
+        nbytes = Gauge("speckv:kv_cache_group_bytes", "Bytes of each KV cache group's "
+                       "tensors.", [*labels, "group", "kind"], registry=r)
+        for index, group in enumerate(budget.groups):
+            blocks.labels(*values, str(index), group.kind).set(group.num_blocks)
+            nbytes.labels(*values, str(index), group.kind).set(group.nbytes)
+        Gauge("speckv:kv_cache_per_group_pools", "1: each KV cache group has a pool of its "
+              "own; 0: one pool shared by every group.", labels,
+              registry=r).labels(*values).set(int(budget.per_group_pools))
+        Gauge("speckv:kv_cache_context_tokens", "The longest context (prompt + output) one "
+              "request can hold in the KV budget.", labels,
+              registry=r).labels(*values).set(budget.context_tokens)
 
     def render(self) -> bytes:
         if self._spec_stats is not None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from speckv.cache.kv_cache_manager import KVCacheManager
+from speckv.cache.specs import FullAttentionSpec, MambaSpec
 from speckv.connectors import KVConnector
 from speckv.engine.core import EngineCore
 from speckv.engine.kv_connector import (
@@ -42,6 +43,7 @@ from speckv.engine.messages import (
 from speckv.engine.request import Request
 from speckv.engine.scheduler import Scheduler
 from speckv.engine.stopping import first_stop
+from speckv.testing.symbolic_groups import SymbolicGroups, SymbolicState
 
 
 def next_token(context: Sequence[int], vocab_size: int) -> int:
@@ -121,15 +123,27 @@ class SymbolicKV:
 class _ToyRequest:
     data: NewRequestData
     token_ids: list[int]  # real tokens: prompt + sampled
-    block_ids: list[int]  # group 0 block table
+    tables: list[list[int]]  # one block table per KV cache group
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table."""
+        return self.tables[0]
 
 
 class ToyRunner:
     def __init__(self, num_spec_tokens: int, vocab_size: int = 32000,
                  kv: SymbolicKV | None = None, check_draft_kv: bool = True,
                  connector: RunnerConnector | None = None,
-                 check_computed_kv: bool = False) -> None:
+                 check_computed_kv: bool = False,
+                 groups: SymbolicGroups | None = None) -> None:
+        """`groups`: every KV cache group's symbolic state (hybrid layouts); without it a
+        `kv` alone stands for one full-attention group."""
         self.num_spec_tokens = num_spec_tokens
+        if groups is None and kv is not None:
+            groups = SymbolicGroups([FullAttentionSpec(kv.block_size)], [kv], kv.draft_depth)
+        self.groups = groups
+        self.num_groups = len(groups.specs) if groups is not None else 1
         self.connector = connector
         # every step, every scheduled request's positions before its start must hold what a
         # cold run writes (needs a PagedSymbolicKV): catches a rolled-back load, a resumed
@@ -147,25 +161,27 @@ class ToyRunner:
         self.num_block_copies = 0  # divergent block reuse carried out
         self.requests: dict[str, _ToyRequest] = {}
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self.requests[request_id].block_ids
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        return self.requests[request_id].tables[group]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
         for data in scheduler_output.new_requests:
-            self.requests[data.request_id] = _ToyRequest(data, list(data.prompt_token_ids), [])
+            self.requests[data.request_id] = _ToyRequest(
+                data, list(data.prompt_token_ids), [[] for _ in range(self.num_groups)])
         for item in scheduler_output.scheduled:
             state = self.requests[item.request_id]
-            if item.replaces_block_table:
-                state.block_ids = list(item.new_block_ids[0])
-            else:
-                state.block_ids.extend(item.new_block_ids[0])
+            for table, new_ids in zip(state.tables, item.new_block_ids):
+                if item.replaces_block_table:
+                    table[:] = new_ids
+                else:
+                    table.extend(new_ids)
         if scheduler_output.block_copies:
             self.num_block_copies += len(scheduler_output.block_copies)
-            if self.kv is not None:
-                self.kv.copy_blocks([(copy.src_block_id, copy.dst_block_id)
-                                     for copy in scheduler_output.block_copies])
+            if self.groups is not None:
+                self.groups.copy_blocks([(copy.group_id, copy.src_block_id, copy.dst_block_id)
+                                         for copy in scheduler_output.block_copies])
         scheduled = scheduler_output.scheduled
         if self.connector is not None:
             cut = self.connector.start_step(
@@ -176,12 +192,13 @@ class ToyRunner:
         elif scheduler_output.is_empty:
             return EMPTY_RUNNER_OUTPUT
         items = [(item, self.requests[item.request_id]) for item in scheduled]
-        if self.kv is not None:
+        groups = self.groups
+        if groups is not None:
             # target pass over real tokens + drafts; the drafter's pass writes draft KV from
             # whatever follows (drafts included: garbage where they get rejected)
             for item, state in items:
                 sequence = [*state.token_ids, *item.draft_token_ids]
-                self.kv.write(state.block_ids, sequence, item.start, item.end, item.start)
+                groups.forward(state.tables, sequence, item.start, item.end, item.num_drafts > 0)
             for item, state in items:
                 if item.replaces_block_table and item.start:
                     # the local hit and what the connector loaded after it
@@ -208,12 +225,9 @@ class ToyRunner:
             state.token_ids.extend(sampled)
             sampled_by_id[item.request_id] = sampled
             num_computed = item.end - (item.num_drafts - (len(sampled) - 1))
-            if self.kv is not None:
-                # the drafter rewrites its KV for the accepted positions from the real
-                # tokens; module j of a k-module MTP reaches back j positions
-                rewrite_from = max(0, item.start - self.kv.draft_depth)
-                self.kv.write(state.block_ids, state.token_ids, num_computed, num_computed,
-                              rewrite_from)
+            if groups is not None:
+                groups.commit(state.tables, state.token_ids, item.start, num_computed,
+                              item.num_drafts > 0)
             if reason is None:
                 num_output = len(state.token_ids) - len(state.data.prompt_token_ids)
                 room = min(self.num_spec_tokens, limits.max_tokens - num_output - 1,
@@ -249,25 +263,22 @@ class ToyRunner:
         return drafts
 
     def _check_computed(self, state: _ToyRequest, num_computed: int) -> None:
-        assert self.kv is not None
-        depth = self.kv.draft_depth
+        assert self.groups is not None
+        depth = self.groups.draft_depth
         num_draft = max(0, num_computed - depth) if self.check_draft_kv else 0
-        problem = self.kv.mismatch(state.block_ids, state.token_ids, num_computed, num_draft)
+        problem = self.groups.mismatch(state.tables, state.token_ids, num_computed, num_draft)
         if problem is not None:
             raise HitMismatch(f"request {state.data.request_id}, computed KV: {problem}")
         self.num_positions_checked += num_computed
 
     def _check_hit(self, state: _ToyRequest, num_hit_tokens: int) -> None:
-        assert self.kv is not None
-        for position in range(num_hit_tokens):
-            target, draft = self.kv.read(state.block_ids, position)
-            expected_target, expected_draft = self.kv.expected_at(state.token_ids, position)
-            if target != expected_target:
-                raise HitMismatch(f"request {state.data.request_id}: hit slot {position} "
-                                  f"holds target KV of {target}, a cold run {expected_target}")
-            if self.check_draft_kv and draft != expected_draft:
-                raise HitMismatch(f"request {state.data.request_id}: hit slot {position} "
-                                  f"holds draft KV of {draft}, a cold run {expected_draft}")
+        assert self.groups is not None
+        num_draft = num_hit_tokens if self.check_draft_kv else 0
+        problem = self.groups.mismatch(state.tables, state.token_ids, num_hit_tokens,
+                                       num_draft)
+        if problem is not None:
+            raise HitMismatch(f"request {state.data.request_id}: hit of {num_hit_tokens} "
+                              f"tokens: {problem}")
         self.num_hits_checked += num_hit_tokens
 
 
@@ -286,9 +297,14 @@ def toy_core(
 ) -> EngineCore:
     """The real scheduler over `manager`, run by a `ToyRunner` (`core.runner`).
 
+    `kv` is group 0's store; on a hybrid layout every other group gets a store of its own
+    (`SymbolicGroups`: sliding-window KV, Mamba / GDN states per block id), so every hit and
+    every resumed request is checked in every group.
+
     `connector` (not yet initialized) needs `kv` to be a `PagedSymbolicKV` (its tensors are
     what the connector copies) and a single full-attention group; it is initialized here with
     the manager's hash mode."""
+    groups = symbolic_groups(manager, kv) if kv is not None else None
     scheduler_connector = runner_connector = None
     if connector is not None:
         target_cache = getattr(kv, "target_cache", None)
@@ -304,8 +320,28 @@ def toy_core(
     scheduler = Scheduler(manager, max_num_batched_tokens, max_num_seqs, num_spec_tokens,
                           scheduler_connector)
     runner = ToyRunner(num_spec_tokens, vocab_size, kv, check_draft_kv, runner_connector,
-                       check_computed_kv)
+                       check_computed_kv, groups)
     return EngineCore(scheduler, runner)
+
+
+def symbolic_groups(manager: KVCacheManager, kv: SymbolicKV) -> SymbolicGroups:
+    """Every group's symbolic store over `manager`'s layout: `kv` for group 0, a fresh one
+    per block id of its pool for each other group (Mamba groups: `SymbolicState`)."""
+    specs = [m.spec for m in manager.managers]
+    if specs[0].block_size != kv.block_size or isinstance(specs[0], MambaSpec):
+        raise ValueError(f"the symbolic KV has blocks of {kv.block_size} tokens; group 0 is "
+                         f"{specs[0]}")
+    draft_group = next((g for g, spec in enumerate(specs)
+                        if isinstance(spec, FullAttentionSpec)), None)
+    stores: list[object] = [kv]
+    for g, spec in enumerate(specs[1:], 1):
+        num_blocks = manager.pools[g].num_blocks  # a group's own pool, or the shared one
+        if isinstance(spec, MambaSpec):
+            stores.append(SymbolicState(num_blocks, spec.block_size))
+        else:
+            depth = kv.draft_depth if g == draft_group else 0
+            stores.append(SymbolicKV(num_blocks, spec.block_size, depth))
+    return SymbolicGroups(specs, stores, kv.draft_depth)
 
 
 def run_to_completion(core: EngineCore, requests: Sequence[Request]) -> None:

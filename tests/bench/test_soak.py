@@ -30,6 +30,16 @@ def test_short_soaks_are_clean(groups, drafter, modules, legacy):
     assert result.num_hit_tokens_checked > 0
 
 
+def test_a_hybrid_soak_over_per_group_pools_is_clean_and_preempts():
+    # the state group's own pool is the tight one: preemptions come from it
+    result = soak.run_soak(soak.SoakConfig(num_ops=3000, seed=3, groups="full:4,swa:9:4,mamba:16",
+                                           group_blocks="48,30,8"), progress=False)
+    assert result.violation is None and result.num_hit_tokens_checked > 0
+    assert result.num_preemptions > 0
+    with pytest.raises(ValueError, match="one count >= 4 per group"):
+        soak.SoakConfig(groups="full:4,mamba:16", group_blocks="40")
+
+
 def test_preemption_happens_under_pressure():
     result = soak.run_soak(soak.SoakConfig(num_ops=5000, seed=2, num_blocks=24),
                            progress=False)

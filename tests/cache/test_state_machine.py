@@ -60,14 +60,15 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
         token_budget=st.sampled_from([5, 8, 16, 1024]),
         max_num_seqs=st.integers(1, 4),
         reuse=st.booleans(),
+        pool_shares=st.none() | st.lists(st.integers(1, 4), min_size=3, max_size=3),
     )
     def setup(self, block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units,
-              token_budget, max_num_seqs, reuse):
+              token_budget, max_num_seqs, reuse, pool_shares):
         self._build(block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units,
-                    token_budget, max_num_seqs, reuse)
+                    token_budget, max_num_seqs, reuse, pool_shares)
 
     def _build(self, block_size, num_blocks, drafter, num_spec_tokens, mix, retention_units,
-               token_budget, max_num_seqs, reuse):
+               token_budget, max_num_seqs, reuse, pool_shares=None):
         name, modules, legacy = drafter
         policy = drafter_policy(name, modules)
         self.mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=legacy,
@@ -76,14 +77,17 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
         unit = specs[-1].block_size if mix != "full+swa" else block_size
         retention = None if mix == "full" or retention_units is None else retention_units * unit
         self.sink = KVEventSink()
-        self.manager = KVCacheManager(specs, len(specs) * num_blocks, self.mode,
+        # one pool shared by every group, or (`pool_shares`) a pool per group of its own size
+        pools = (len(specs) * num_blocks if pool_shares is None
+                 else [max(2, num_blocks * share // 2) for share in pool_shares[:len(specs)]])
+        self.manager = KVCacheManager(specs, pools, self.mode,
                                       event_sink=self.sink, retention_interval=retention)
         self.hashing = self.manager.block_hashing("sha256", "0")
         self.block_size = block_size
         num_spec = num_spec_tokens if name != "none" else 0
         self.core = toy_core(
             self.manager, num_spec, vocab_size=50,
-            kv=SymbolicKV(len(specs) * num_blocks, block_size,
+            kv=SymbolicKV(self.manager.pools[0].num_blocks, block_size,
                           policy.draft_kv_lookahead_tokens),
             check_draft_kv=not self.mode.drops_last_unit,
             max_num_batched_tokens=max(token_budget, 1 + num_spec), max_num_seqs=max_num_seqs,
@@ -200,7 +204,7 @@ class SchedulerCacheMachine(RuleBasedStateMachine):
         else:
             needed = range(num_blocks)
         group_id = manager.group.group_id
-        return all(self.manager.pool.get_cached_block(hashes[i], group_id) is not None
+        return all(self.manager.pools[group_id].get_cached_block(hashes[i], group_id) is not None
                    for i in needed)
 
     def _oracle_hit(self, request):

@@ -7,9 +7,11 @@ import pytest
 from speckv.connectors import (
     ConnectorMode,
     DiskConnector,
+    KVGroupSupport,
     MultiConnector,
     NoLookaheadOffloadConnector,
     OffloadConnector,
+    kv_group_blocker,
     lookahead_blocker,
     supports_lookahead,
 )
@@ -108,3 +110,31 @@ def test_the_connector_mode_follows_the_hash_mode():
     assert (legacy.lookahead_tokens, legacy.drops_last_block) == (0, True)
     with pytest.raises(ValueError, match="exclusive"):
         ConnectorMode(1, True, 16)
+
+
+class _HybridTier:
+    """A connector declaring that it carries every group kind (what a hybrid tier opts in to)."""
+
+    name = "hybrid-tier"
+    kv_group_support = KVGroupSupport(
+        frozenset({"full_attention", "sliding_window", "mamba"}), multiple_groups=True)
+
+
+@pytest.mark.parametrize(("kinds", "reason"), [
+    (["full_attention"], None),
+    (["full_attention", "mamba"], "'offload' carries one KV cache group; this model has 2"),
+    (["sliding_window"], "'offload' does not carry sliding_window KV cache groups"),
+])
+def test_kv_group_capability_names_the_connector_that_cannot_carry_a_group(kinds, reason):
+    assert kv_group_blocker(None, kinds) is None
+    offload = OffloadConnector(1.0)
+    blocker = kv_group_blocker(offload, kinds)
+    assert (blocker is None) == (reason is None) and (reason is None or reason in blocker)
+    # a multi-connector is as capable as its least capable child
+    multi = MultiConnector([offload])
+    assert kv_group_blocker(multi, kinds) == blocker
+    hybrid = MultiConnector.__new__(MultiConnector)
+    hybrid.children = (_HybridTier(),)
+    assert kv_group_blocker(hybrid, kinds) is None
+    hybrid.children = (_HybridTier(), offload)
+    assert kv_group_blocker(hybrid, kinds) == blocker

@@ -127,7 +127,7 @@ def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
 
 
 def test_kv_connector_and_foreign_drafters_refused(hybrid):
-    with pytest.raises(ValueError, match="KV connectors support single-group"):
+    with pytest.raises(ValueError, match="carries one KV cache group; this model has 2"):
         LLMEngine(hybrid, engine_config(block_size=B, mamba_block_size=U, num_blocks=64,
                                         kv_connector="offload"))
 
@@ -157,3 +157,40 @@ def test_chunked_prefill_off_the_unit_grid_gives_the_same_tokens(hybrid):
     chunked = _engine(hybrid, max_num_batched_tokens=7)  # chunks end off the unit grid
     chunked.add_request(prompt, params, "r")
     assert run_all(chunked)["r"].token_ids == run_all(whole)["r"].token_ids
+
+
+@pytest.mark.exactness
+def test_per_group_pools_size_the_state_apart_and_hits_read_the_cold_state(hybrid):
+    """From a memory budget, the GDN state group gets a pool of its own, far smaller than the
+    attention group's (one state per unit checkpoint and per running request, not one per
+    block id), so the same bytes hold more context; hits still read the cold run's state."""
+    layout = hybrid.kv_cache_layout(B, U)
+    drafter = random_gated_mtp(hybrid)
+    shared_bytes = sum(hybrid.kv_cache_group_bytes(layout)) * 400
+    config = EngineConfig(block_size=B, mamba_block_size=U, kv_cache_memory_bytes=shared_bytes,
+                          max_num_seqs=4, max_num_batched_tokens=64,
+                          speculative_method="mtp", num_spec_tokens=2)
+    engine = LLMEngine(hybrid, config, drafter=drafter)
+    budget = engine.kv_budget
+    assert budget.per_group_pools and budget.nbytes <= shared_bytes
+    full, state = budget.groups
+    assert (full.kind, state.kind) == ("full_attention", "mamba")
+    assert state.num_blocks < full.num_blocks and full.num_blocks > 400
+    assert engine.runner.states.cache.num_blocks == state.num_blocks
+    assert engine.runner.kv_cache.num_blocks == full.num_blocks
+    assert budget.context_tokens == (full.num_blocks - 1) * B > 399 // 2 * B  # before: G = 2
+    rng = random.Random(11)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = [rng.randrange(128) for _ in range(45)]
+    engine.add_request(prompt, params, "first")
+    run_all(engine)
+    engine.add_request(prompt, params, "second")
+    (out,) = engine.step()
+    assert out.num_cached_tokens == 40
+    cold = _engine(hybrid, drafter=drafter, speculative_method="mtp", num_spec_tokens=2)
+    cold.add_request(prompt, params, "cold")
+    (cold_out,) = cold.step()
+    assert out.token_ids == cold_out.token_ids
+    for a, b in zip(_state_at(engine, "second", 40), _state_at(cold, "cold", 40)):
+        assert a.shape == b.shape and torch.equal(a, b)  # the state at the hit, bit for bit
+    engine.manager.check_integrity()

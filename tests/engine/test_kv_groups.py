@@ -98,7 +98,7 @@ def test_freed_window_blocks_reused_by_others_do_not_change_outputs(swa_llama):
 
 def test_multi_group_model_refuses_a_kv_connector(swa_llama):
     config = engine_config(block_size=B, num_blocks=64, kv_connector="offload")
-    with pytest.raises(ValueError, match="single-group"):
+    with pytest.raises(ValueError, match="carries one KV cache group"):
         LLMEngine(swa_llama, config)
 
 

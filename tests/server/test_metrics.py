@@ -79,3 +79,27 @@ def test_legacy_mode_shows_the_block_drop(eagle_server):
     assert value(metrics, "speckv:lookahead_tokens") == 0
     assert value(metrics, "speckv:legacy_block_drop") == 1
     assert value(metrics, "speckv:hash_mode_info", hash_mode="legacy+drop") == 1
+
+
+def test_kv_budget_per_group_gauges_on_a_hybrid_engine():
+    from speckv.models.hybrid.loader import tiny_hybrid
+
+    model = tiny_hybrid()
+    per_block = sum(model.kv_cache_group_bytes(model.kv_cache_layout(4, 8)))
+    engine = LLMEngine(model, EngineConfig(block_size=4, mamba_block_size=8, max_num_seqs=4,
+                                           max_num_batched_tokens=64,
+                                           kv_cache_memory_bytes=per_block * 200))
+    budget = engine.kv_budget
+    thread = ServerThread(OpenAIServer(engine, ServerConfig(MODEL_NAME))).start()
+    try:
+        metrics = scrape(thread.url)
+    finally:
+        thread.stop()
+    assert value(metrics, "speckv:kv_cache_per_group_pools") == 1
+    assert value(metrics, "speckv:kv_cache_context_tokens") == budget.context_tokens > 199 * 2
+    for index, group in enumerate(budget.groups):
+        assert value(metrics, "speckv:kv_cache_group_blocks", group=str(index),
+                     kind=group.kind) == group.num_blocks
+        assert value(metrics, "speckv:kv_cache_group_bytes", group=str(index),
+                     kind=group.kind) == group.nbytes
+    assert "per-group KV pools: full_attention" in budget.describe()

@@ -85,20 +85,31 @@ class CausalLMBase(EmbeddingPlacement):
                             config.num_key_value_heads, config.head_dim, self.dtype,
                             self.device)
 
-    def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int
+    def kv_cache_group_bytes(self, layout: KVCacheLayout) -> list[int] | None:
+        """What one block id costs in each group of `layout`, its own layers only (K and V of
+        a block); None from a model that does not split its block bytes per group."""
+        config = self.config
+        return [bytes_per_block(len(group.layer_indices), group.spec.block_size,
+                                config.num_key_value_heads, config.head_dim, self.dtype)
+                for group in layout.groups]
+
+    def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int | Sequence[int]
                              ) -> PagedKVCache | GroupedKVCache:
         """The paged KV for `layout`: one tensor for all layers when every group has one block
-        size, else a `GroupedKVCache` with one `PagedKVCache` per group (its block size, its
-        layers)."""
+        size and one block count, else a `GroupedKVCache` with one `PagedKVCache` per group
+        (its block size, its block count, its layers). `num_blocks`: one count for a shared
+        pool, or one per group (per-group pools)."""
+        counts = ([num_blocks] * layout.num_groups if isinstance(num_blocks, int)
+                  else list(num_blocks))
         sizes = {spec.block_size for spec in layout.specs}
-        if len(sizes) == 1:
-            return self.make_kv_cache(num_blocks, sizes.pop())
+        if len(sizes) == 1 and len(set(counts)) == 1:
+            return self.make_kv_cache(counts[0], sizes.pop())
         config = self.config
         caches, slots = [], {}
         for g, group in enumerate(layout.groups):
             if isinstance(group.spec, MambaSpec):
                 raise ValueError("Mamba state groups need the model's make_layout_kv_cache")
-            caches.append(PagedKVCache(len(group.layer_indices), num_blocks,
+            caches.append(PagedKVCache(len(group.layer_indices), counts[g],
                                        group.spec.block_size, config.num_key_value_heads,
                                        config.head_dim, self.dtype, self.device))
             slots.update({layer: (g, local) for local, layer in enumerate(group.layer_indices)})

@@ -372,6 +372,11 @@ class Gemma4ForCausalLM(CausalLMBase, nn.Module):
             KVCacheGroup(group.spec, tuple(owners[j] for j in group.layer_indices))
             for group in layout.groups))
 
+    def kv_cache_group_bytes(self, layout: KVCacheLayout) -> None:
+        """None: layers share KV across groups (`kv_source`), so a block's bytes do not split
+        per group; Gemma 4 keeps one shared pool."""
+        return None
+
     def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int) -> GroupedKVCache:
         """One `PagedKVCache` per group, shaped by its layers (global and sliding layers
         differ in head size and KV heads)."""

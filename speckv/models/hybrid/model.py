@@ -202,13 +202,30 @@ class HybridForCausalLM(CausalLMBase, nn.Module):
             + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
         return kv + state
 
-    def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int) -> PagedKVCache:
+    def kv_cache_group_bytes(self, layout: KVCacheLayout) -> list[int]:
+        """What one block id costs in each group of `layout`, its own layers only: the K/V of
+        a block of the attention layers, one conv + recurrent state of the linear layers."""
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        state = len(c.linear_layers) * (
+            c.conv_dim * (c.linear_conv_kernel_dim - 1) * elem
+            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
+        return [state if isinstance(group.spec, MambaSpec) else
+                2 * len(c.attention_layers) * group.spec.block_size * c.num_key_value_heads
+                * c.head_dim * elem for group in layout.groups]
+
+    def make_layout_kv_cache(self, layout: KVCacheLayout, num_blocks: int | Sequence[int]
+                             ) -> PagedKVCache:
         """The engine's paged KV for `layout`: the full-attention group's blocks (the state
-        group's blocks live in `make_state_cache`)."""
-        sizes = {g.spec.block_size for g in layout.groups if not isinstance(g.spec, MambaSpec)}
+        group's blocks live in `make_state_cache`). `num_blocks`: one count for a shared pool,
+        or one per group (the attention group's is used)."""
+        attention = [(g.spec.block_size, n) for g, n in zip(
+            layout.groups, [num_blocks] * layout.num_groups if isinstance(num_blocks, int)
+            else num_blocks) if not isinstance(g.spec, MambaSpec)]
+        sizes = {size for size, _ in attention}
         if len(sizes) != 1:
             raise ValueError(f"a GDN hybrid needs exactly one attention block size, got {sizes}")
-        return self.make_kv_cache(num_blocks, sizes.pop())
+        return self.make_kv_cache(attention[0][1], sizes.pop())
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """KV blocks for the full-attention layers only."""

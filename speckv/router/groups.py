@@ -1,0 +1,100 @@
+"""What each KV cache group of a hybrid engine can serve, as the router predicts it.
+
+Owns the per-group hit rule the engine's cache manager applies (`KVCacheManager`), from the
+groups its contract lists (`kv_groups`) and the blocks its events published per group:
+
+    hash unit H (the contract's block_size), alignment unit U, group g: block B_g, stride
+    m_g = B_g / H, lookahead L_g (attention groups: the hash mode's L; Mamba groups: 0).
+    Block i of g is named by chain_{L_g}[(i + 1) * m_g - 1] (a chained hash covers all before).
+
+    a hit at h (h a multiple of U) is served by group g when it holds
+      full attention    every block before h
+      sliding window W  the ceil((W - 1) / B_g) blocks before h (fewer near the start)
+      Mamba / GDN       the state checkpoint at exactly h (block h / B_g - 1)
+
+    hit = the largest h <= floor((N - 1) / U) * U that every group serves (0 if none); under
+    the legacy drop, once more from hit - U. That is the manager's fixed point: each group
+    only shortens the hit, so the minimum over the groups of what each can serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+KINDS = ("full_attention", "sliding_window", "mamba")
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    group_idx: int
+    kind: str
+    block_size: int
+    lookahead_tokens: int
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown KV cache group kind {self.kind!r} ({', '.join(KINDS)})")
+        if self.kind == "sliding_window" and not (self.sliding_window or 0) > 0:
+            raise ValueError("a sliding-window group needs sliding_window > 0")
+
+    @property
+    def num_window_blocks(self) -> int:
+        assert self.sliding_window is not None
+        return -(-(self.sliding_window - 1) // self.block_size)
+
+    def servable(self, block_hashes: Sequence[bytes], holds: Callable[[int, bytes], bool]
+                 ) -> Callable[[int], bool]:
+        """`serves(hit_tokens)`: whether this group holds what a hit of that many tokens needs
+        (`block_hashes`: this group's hashes of the prompt; `holds(group_idx, hash)`). One
+        probe per block, then O(1) per hit length. Pure."""
+        held = [holds(self.group_idx, block_hash) for block_hash in block_hashes]
+        run = [0] * (len(held) + 1)  # run[n]: held blocks ending at block n - 1
+        for i, ok in enumerate(held):
+            run[i + 1] = run[i] + 1 if ok else 0
+        if self.kind == "full_attention":
+            def needed(num_blocks: int) -> int:
+                return num_blocks
+        elif self.kind == "sliding_window":
+            window = self.num_window_blocks
+
+            def needed(num_blocks: int) -> int:
+                return min(window, num_blocks)
+        else:
+            def needed(num_blocks: int) -> int:
+                return 1
+
+        def serves(hit_tokens: int) -> bool:
+            num_blocks = hit_tokens // self.block_size
+            if num_blocks == 0:
+                return True
+            return num_blocks <= len(held) and run[num_blocks] >= needed(num_blocks)
+
+        return serves
+
+
+def group_hashes(chain: Sequence[bytes], stride: int) -> list[bytes]:
+    """A group's block hashes from the hash-unit chain: every stride-th one."""
+    return list(chain[stride - 1::stride]) if stride > 1 else list(chain)
+
+
+def hybrid_hit(groups: Sequence[GroupRule], hash_unit: int, alignment_tokens: int,
+               chains: Mapping[int, Sequence[bytes]], holds: Callable[[int, bytes], bool],
+               num_prompt_tokens: int, drops_last_unit: bool) -> int:
+    """Cached tokens a hybrid engine serves for a prompt (the module docstring). `chains`:
+    the prompt's hash-unit chain per lookahead value. Pure."""
+    checks = [g.servable(group_hashes(chains[g.lookahead_tokens], g.block_size // hash_unit),
+                         holds) for g in groups]
+    unit = alignment_tokens
+
+    def longest(max_tokens: int) -> int:
+        hit = max(0, max_tokens) // unit * unit
+        while hit > 0 and not all(serves(hit) for serves in checks):
+            hit -= unit
+        return hit
+
+    hit = longest(num_prompt_tokens - 1)
+    if drops_last_unit and hit > 0:
+        hit = longest(hit - unit)
+    return hit
