@@ -167,9 +167,9 @@ def test_per_group_pools_size_the_state_apart_and_hits_read_the_cold_state(hybri
     layout = hybrid.kv_cache_layout(B, U)
     drafter = random_gated_mtp(hybrid)
     shared_bytes = sum(hybrid.kv_cache_group_bytes(layout)) * 400
-    config = EngineConfig(block_size=B, mamba_block_size=U, kv_cache_memory_bytes=shared_bytes,
-                          max_num_seqs=4, max_num_batched_tokens=64,
-                          speculative_method="mtp", num_spec_tokens=2)
+    config = engine_config(block_size=B, mamba_block_size=U, kv_cache_memory_bytes=shared_bytes,
+                           max_num_seqs=4, max_num_batched_tokens=64,
+                           speculative_method="mtp", num_spec_tokens=2)
     engine = LLMEngine(hybrid, config, drafter=drafter)
     budget = engine.kv_budget
     assert budget.per_group_pools and budget.nbytes <= shared_bytes

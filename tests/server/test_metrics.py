@@ -86,9 +86,9 @@ def test_kv_budget_per_group_gauges_on_a_hybrid_engine():
 
     model = tiny_hybrid()
     per_block = sum(model.kv_cache_group_bytes(model.kv_cache_layout(4, 8)))
-    engine = LLMEngine(model, EngineConfig(block_size=4, mamba_block_size=8, max_num_seqs=4,
-                                           max_num_batched_tokens=64,
-                                           kv_cache_memory_bytes=per_block * 200))
+    engine = LLMEngine(model, engine_config(block_size=4, mamba_block_size=8, max_num_seqs=4,
+                                            max_num_batched_tokens=64,
+                                            kv_cache_memory_bytes=per_block * 200))
     budget = engine.kv_budget
     thread = ServerThread(OpenAIServer(engine, ServerConfig(MODEL_NAME))).start()
     try:
