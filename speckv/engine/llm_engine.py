@@ -40,7 +40,7 @@ from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.retention import TailWidening
-from speckv.connectors import ConnectorStats, KVConnector, kv_group_blocker
+from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
 from speckv.engine.engine_check import check_connector_groups, check_engine, check_model_fits
@@ -146,13 +146,6 @@ class LLMEngine:
             if connector is None and self.connector is not None:
                 self.connector.shutdown()  # built here: nothing else would stop its threads
             raise
-        blocker = kv_group_blocker(self.connector, [spec.kind for spec in layout.specs])
-        if blocker is not None:
-            if connector is None:  # built here: nothing else will stop its threads
-                self.connector.shutdown()
-            raise ValueError(f"--kv-connector {config.kv_connector or self.connector.name}: "
-                             f"{blocker} [{layout.describe()}]: a tier hit must be one every "
-                             "group can serve; drop --kv-connector")
         self._closed = False
         # lookahead hashes or the legacy drop, from the drafter's policy and the connector
         self.hash_mode = hash_mode or resolve_connector_hash_mode(
