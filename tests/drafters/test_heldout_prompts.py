@@ -23,7 +23,8 @@ def _all_text(family: str) -> list[str]:
 @pytest.mark.parametrize("family", ["chat", "code", "list"])
 def test_no_heldout_prompt_shares_four_words_with_a_seen_prompt(family):
     seen: set[tuple[str, ...]] = set()
-    for text in [*train_prompts(0), *train_prompts(1), *eval_prompts(None), *FOLLOW_UPS]:
+    for text in [*train_prompts(0, "wide"), *train_prompts(1, "wide"), *eval_prompts(None),
+                 *FOLLOW_UPS]:
         seen |= _four_grams(text)
     prompts = _all_text(family)
     assert len(set(prompts)) == len(prompts) >= 32  # one batch of 32 distinct prompts
