@@ -24,12 +24,20 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
                  with drafts it also computes the outputs drafting starts from
 
 It starts with one draft per request (cheap even where drafting does not pay; it measures
-g, a_1 and T at 2B), then no drafts for one step (T at B), then keeps the best k, T at
-unmeasured token counts following the measured segments and never below T at fewer tokens
-(noise must not make verifying more tokens look cheaper). Every `probe_interval` steps it
-tries the runner-up for one step (8x less often when the runner-up is predicted to lose by
-more than 5%), so a change in batch size or acceptance is noticed. A switch needs a
-`switch_margin` gain (timings are noisy).
+g, a_1 and T at 2B), then no drafts for one step (T at B). From then on it drafts only where
+that is predicted to pay by `enable_margin` (default 6%: with noisy costs a wrong "on" costs
+more than a wrong "off" saves), keeps the best k (a switch among draft lengths needs a
+`switch_margin` gain), and never considers more drafts than one beyond the token counts
+already measured (T beyond them is a guess along the last segment, which noise can make flat).
+T at unmeasured token counts follows the measured segments and never falls below T at fewer
+tokens (noise must not make verifying more tokens look cheaper); a mean falls fast towards a
+faster measurement and rises slowly (other processes' load only ever slows a step down).
+Every `probe_interval` steps it tries the runner-up for one step (8x less often when the
+runner-up is predicted to lose by more than 5%), so a change in batch size or acceptance is
+noticed; while drafting it also measures no drafting again, every `probe_interval` / 4 steps
+until T at B has 3 measurements, then every `probe_interval` steps (8x less often when
+drafting is predicted more than 15% ahead): one slow measurement of the cost drafting must
+beat must not keep drafts that lose.
 
 The costs are read from one injectable clock (`AdaptiveSpeculation.clock`, which the runner
 and the proposer use too): on CPU the process's CPU time by default, because the steps the

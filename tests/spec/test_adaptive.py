@@ -195,3 +195,18 @@ def test_one_slow_measurement_of_no_drafting_does_not_keep_drafts_that_lose():
         chosen.append(k)
     never = 200 * target(32)
     assert never / spent > 0.97, chosen
+
+
+def test_never_drafts_more_than_one_beyond_the_measured_token_counts():
+    """T measured at B and 2B only (and flat: noise): 3 drafts would look free, but T at 4B is
+    a guess; the policy goes one draft further at a time."""
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    assert policy.decide(32) == 1
+    policy.observe_verifications([Verification(1, 1)] * 32)
+    policy.observe_step(StepCost(64, 0.300, 32, 1, 0.001, 0.002))
+    assert policy.decide(32) == 0
+    policy.observe_step(StepCost(32, 0.300, 32, 0, 0.001, 0.0))
+    assert policy.decide(32) == 2
+    policy.observe_verifications([Verification(2, 2)] * 32)
+    policy.observe_step(StepCost(96, 0.300, 32, 2, 0.001, 0.004))
+    assert policy.decide(32) == 3
