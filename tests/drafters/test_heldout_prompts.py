@@ -52,3 +52,14 @@ def test_families_and_sizes_are_checked():
         heldout.text_prompts("poetry", 2)
     with pytest.raises(ValueError, match="asked for"):
         heldout.text_prompts("list", heldout.family_size("list") + 1)
+
+
+def test_the_wide_prompt_set_extends_the_shipped_one_without_changing_it():
+    base = train_prompts(0)
+    wide = train_prompts(0, "wide")
+    assert len(base) == 1671  # the set the shipped head was trained on (train_summary.json)
+    assert wide[: len(base)] == base and train_prompts(0, "new") == wide[len(base) :]
+    new = wide[len(base) :]
+    assert len(set(new)) == len(new) > 4000 and not set(new) & set(base)
+    with pytest.raises(ValueError, match="prompt set"):
+        train_prompts(0, "huge")
