@@ -13,11 +13,14 @@ chose; and whether every output equals the plain run's (it must: greedy verifica
 lossless). The `all` rows pool the families (tokens over seconds).
 
 Each (batch size, family) gets fresh engines, so every figure includes the policy's learning.
-The modes run interleaved, wave by wave (a wave = `batch` prompts decoded together; batch 1
-runs one prompt at a time), the order reversed every other wave, so slow drift in a shared
-machine's load hits every mode alike. `--record` stores the EAGLE3 figures next to the shipped
-head (`benchmark.json`), where `speckv generate`, `serve` and the demo read them to decide
-whether speculation is on by default (`speckv/drafters/builtin.py`).
+The modes decode each wave (`batch` prompts decoded together; batch 1 runs one prompt at a
+time) side by side, one engine step each in turn, the order reversed every step, and only the
+steps are timed: a shared machine's load, which swings by tens of percent within seconds, lands
+on every mode alike. Every (batch size, family) is measured `--rounds` times on fresh engines;
+the ratios shown are the median over the rounds, with their range. `--record` stores the
+EAGLE3 figures next to the shipped head (`benchmark.json`), where `speckv generate`, `serve`
+and the demo read them to decide whether speculation is on by default
+(`speckv/drafters/builtin.py`).
 
 `--model hybrid-swa` or `--model DIR` (e.g. a Gemma 4 checkpoint with `--speculative-model` its
 MTP assistant) runs the `mtp` modes instead (adaptive, and `mtp-fixed`: always S drafts), with
@@ -110,27 +113,33 @@ def _engine(model, tokenizer, drafters, mode: str, batch_size: int, num_spec: in
     return LLMEngine(model, config, tokenizer, drafter=drafter)
 
 
-def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
+def _start_wave(engine, prompts, max_tokens) -> list[str]:
     from speckv.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens)
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    return [engine.add_request(prompt, params) for prompt in prompts]
+
+
+def _timed_step(engine, result: ModeResult, done: dict) -> None:
+    """One engine step, its wall and CPU seconds (and the proposer's share) added to `result`."""
     from speckv.speculation.proposer import ProposeTiming
 
-    done = {}
     proposer = engine.proposer
+    if proposer is not None:
+        proposer.last_timing = ProposeTiming()
     start, cpu_start = time.perf_counter(), time.process_time()
-    while engine.has_unfinished_requests():
-        if proposer is not None:
-            proposer.last_timing = ProposeTiming()
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-        if proposer is not None:  # timed on the engine's clock: CPU time on CPU
-            result.draft_cpu_seconds += proposer.last_timing.catch_up_s \
-                + proposer.last_timing.draft_s
+    outputs = engine.step()
     result.seconds += time.perf_counter() - start
     result.cpu_seconds += time.process_time() - cpu_start
+    if proposer is not None:  # timed on the engine's clock: CPU time on CPU
+        result.draft_cpu_seconds += proposer.last_timing.catch_up_s \
+            + proposer.last_timing.draft_s
+    for output in outputs:
+        if output.finished:
+            done[output.request_id] = output
+
+
+def _finish_wave(ids: list[str], done: dict, result: ModeResult) -> None:
     for request_id in ids:
         output = done[request_id]
         result.num_tokens += len(output.token_ids)
@@ -142,9 +151,11 @@ def _run_wave(engine, prompts, max_tokens, result: ModeResult) -> None:
 def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec, modes,
             first_wave: int = 0) -> dict[str, ModeResult]:
     """Every mode over all `prompts` (texts or token ids), `batch_size` at a time, on fresh
-    engines, the modes interleaved per wave (`first_wave`: the index of the first wave in a
-    longer run, so the order keeps alternating across calls). `drafter`: the EAGLE3 drafter, or
-    {family: drafter} ("eagle3", "mtp")."""
+    engines. The modes decode each wave side by side, one engine step each in turn (the order
+    reversed every step and every wave; `first_wave`: the index of the first wave in a longer
+    run), and only the steps are timed: load that other processes put on the machine lands on
+    every mode alike within a step or two. `drafter`: the EAGLE3 drafter, or {family: drafter}
+    ("eagle3", "mtp")."""
     drafters = drafter if isinstance(drafter, dict) else {"eagle3": drafter}
     engines = {mode: _engine(model, tokenizer, drafters, mode, batch_size, num_spec)
                for mode in modes}
@@ -153,8 +164,18 @@ def measure(model, tokenizer, drafter, prompts, batch_size, max_tokens, num_spec
         wave = prompts[wave_start : wave_start + batch_size]
         index = first_wave + wave_start // batch_size
         order = list(modes) if index % 2 == 0 else list(reversed(modes))
+        ids = {mode: _start_wave(engines[mode], wave, max_tokens) for mode in order}
+        done: dict[str, dict] = {mode: {} for mode in modes}
+        step = 0
+        while True:
+            active = [m for m in order if engines[m].has_unfinished_requests()]
+            if not active:
+                break
+            for mode in (active if step % 2 == 0 else reversed(active)):
+                _timed_step(engines[mode], results[mode], done[mode])
+            step += 1
         for mode in order:
-            _run_wave(engines[mode], wave, max_tokens, results[mode])
+            _finish_wave(ids[mode], done[mode], results[mode])
     for mode, engine in engines.items():
         stats = engine.spec_decode_stats()
         if stats is not None:
@@ -189,6 +210,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {', '.join(MODES)}; 'none' is the "
                         "reference and always runs (default none,eagle3 on the built-in model, "
                         "none,mtp,mtp-fixed otherwise)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times every (batch size, family) is measured, on fresh engines; "
+                        "the ratios are the median over the rounds, with their range")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--record", action="store_true",
                         help="store the EAGLE3 figures with the shipped head (benchmark.json)")
@@ -220,8 +244,8 @@ def _check(args: argparse.Namespace) -> tuple[list[int], tuple[str, ...], tuple[
         if size is not None and need > size:
             raise ValueError(f"--num-prompts / --batch-sizes: the {family} family has {size} "
                              f"distinct prompts, {need} needed")
-    if args.max_tokens < 1 or args.threads < 1:
-        raise ValueError("--max-tokens and --threads must be >= 1")
+    if args.max_tokens < 1 or args.threads < 1 or args.rounds < 1:
+        raise ValueError("--max-tokens, --threads and --rounds must be >= 1")
     if args.modes is None:
         args.modes = "none,eagle3" if args.model == "builtin" else "none,mtp,mtp-fixed"
     modes = tuple(dict.fromkeys(["none", *(m.strip() for m in args.modes.split(","))]))
@@ -281,17 +305,21 @@ def run(args: argparse.Namespace) -> int:
     wave = 0
     for batch_size in batch_sizes:
         count = max(args.num_prompts, batch_size)
-        pooled: dict[str, ModeResult] = {}
+        prompts = {family: family_prompts(tokenizer, family, count, vocab_size)
+                   for family in families}
+        by_family: dict[str, list[dict[str, ModeResult]]] = {f: [] for f in families}
+        for _ in range(args.rounds):  # fresh engines every round: each includes the learning
+            for family in families:
+                by_family[family].append(measure(
+                    model, tokenizer, drafter, prompts[family], batch_size, args.max_tokens,
+                    args.num_spec_tokens, modes, first_wave=wave))
+                wave += -(-count // batch_size)
         for family in families:
-            prompts = family_prompts(tokenizer, family, count, vocab_size)
-            results = measure(model, tokenizer, drafter, prompts, batch_size, args.max_tokens,
-                              args.num_spec_tokens, modes, first_wave=wave)
-            wave += -(-count // batch_size)
-            payload += _rows(batch_size, family, count, results)
-            pooled = {mode: pooled[mode].merged(r) if mode in pooled else r
-                      for mode, r in results.items()}
+            payload += _rows(batch_size, family, count, by_family[family])
         if len(families) > 1:
-            payload += _rows(batch_size, "all", count * len(families), pooled)
+            pooled_rounds = [_pooled([by_family[f][r] for f in families])
+                             for r in range(args.rounds)]
+            payload += _rows(batch_size, "all", count * len(families), pooled_rounds)
     if args.record:
         _record(payload, args)
     if args.json:
@@ -301,29 +329,53 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rows(batch_size: int, family: str, num_prompts: int, results: dict[str, ModeResult]
-          ) -> list[dict]:
+def _pooled(parts: list[dict[str, ModeResult]]) -> dict[str, ModeResult]:
+    """Per mode, the parts' results merged (tokens and seconds summed, counters added)."""
+    out: dict[str, ModeResult] = {}
+    for part in parts:
+        out = {mode: out[mode].merged(r) if mode in out else r for mode, r in part.items()}
+    return out
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _rows(batch_size: int, family: str, num_prompts: int,
+          rounds: list[dict[str, ModeResult]]) -> list[dict]:
+    """One row per mode: counters and tokens/s pooled over the rounds; the ratios to no spec
+    per round (`speedups`, `cpu_speedups`), their median (`speedup`, `cpu_speedup`)."""
+    results = _pooled(rounds)
     plain = results["none"]
-    return [{
-        "batch_size": batch_size, "family": family, "num_prompts": num_prompts, "mode": mode,
-        "tokens_per_s": result.tokens_per_s,
-        "speedup": result.tokens_per_s / plain.tokens_per_s,
-        "cpu_speedup": result.tokens_per_cpu_s / plain.tokens_per_cpu_s,
-        "draft_share": result.draft_cpu_seconds / result.cpu_seconds if result.cpu_seconds
-        else 0.0,
-        "mean_acceptance_length": result.mean_acceptance_length,
-        "acceptance_by_position": result.acceptance_by_position,
-        "steps_by_num_spec_tokens": result.steps_by_num_spec_tokens,
-        "identical_to_no_spec": result.outputs == plain.outputs,
-        **{k: v for k, v in asdict(result).items()
-           if k in ("num_tokens", "seconds", "cpu_seconds")},
-    } for mode, result in results.items()]
+    rows = []
+    for mode, result in results.items():
+        wall = [r[mode].tokens_per_s / r["none"].tokens_per_s for r in rounds]
+        cpu = [r[mode].tokens_per_cpu_s / r["none"].tokens_per_cpu_s for r in rounds]
+        rows.append({
+            "batch_size": batch_size, "family": family, "num_prompts": num_prompts,
+            "mode": mode, "rounds": len(rounds),
+            "tokens_per_s": result.tokens_per_s,
+            "speedup": _median(wall), "speedups": wall,
+            "cpu_speedup": _median(cpu), "cpu_speedups": cpu,
+            "draft_share": result.draft_cpu_seconds / result.cpu_seconds if result.cpu_seconds
+            else 0.0,
+            "mean_acceptance_length": result.mean_acceptance_length,
+            "acceptance_by_position": result.acceptance_by_position,
+            "steps_by_num_spec_tokens": result.steps_by_num_spec_tokens,
+            "identical_to_no_spec": result.outputs == plain.outputs,
+            **{k: v for k, v in asdict(result).items()
+               if k in ("num_tokens", "seconds", "cpu_seconds")},
+        })
+    return rows
 
 
 def _command(args: argparse.Namespace) -> str:
     return (f"speckv bench spec-decode --batch-sizes {args.batch_sizes} --families "
             f"{args.families} --num-prompts {args.num_prompts} --max-tokens {args.max_tokens} "
-            f"--num-spec-tokens {args.num_spec_tokens} --threads {args.threads}")
+            f"--num-spec-tokens {args.num_spec_tokens} --rounds {args.rounds} "
+            f"--threads {args.threads}")
 
 
 def _record(payload: list[dict], args: argparse.Namespace) -> None:
@@ -352,13 +404,20 @@ def _record(payload: list[dict], args: argparse.Namespace) -> None:
     (BUILTIN_DRAFTER_DIR / BENCHMARK_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
+def _ratio(median: float, values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{median:.2f}"
+    return f"{median:.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def _print(payload: list[dict], args: argparse.Namespace) -> None:
     from speckv.drafters.heldout_prompts import HELDOUT_SET
 
     model = "built-in model" if args.model == "builtin" else args.model
     table = Table(title=f"greedy decode, {model} (fp32, {args.threads} thread), held-out "
                         f"prompt set {HELDOUT_SET} ({args.families}), {args.max_tokens} output "
-                        f"tokens, up to {args.num_spec_tokens} drafts", title_justify="left")
+                        f"tokens, up to {args.num_spec_tokens} drafts, {args.rounds} round(s), "
+                        f"modes stepped in turn", title_justify="left")
     for column in ("B", "prompts", "mode", "tok/s", "x", "x cpu", "draft %", "AL", "acc. %",
                    "steps by k", "same"):
         table.add_column(column, justify="left" if column in ("mode", "prompts") else "right",
@@ -369,7 +428,8 @@ def _print(payload: list[dict], args: argparse.Namespace) -> None:
         table.add_row(
             str(row["batch_size"]), f"{row['family']} ({row['num_prompts']})",
             LABELS[row["mode"]], f"{row['tokens_per_s']:.1f}",
-            f"{row['speedup']:.2f}", f"{row['cpu_speedup']:.2f}",
+            _ratio(row["speedup"], row["speedups"]),
+            _ratio(row["cpu_speedup"], row["cpu_speedups"]),
             f"{100 * row['draft_share']:.1f}" if row["mode"] != "none" else "-",
             f"{length:.2f}" if length is not None else "-",
             "/".join(f"{100 * a:.0f}" for a in row["acceptance_by_position"]) or "-",
@@ -383,7 +443,8 @@ def _print(payload: list[dict], args: argparse.Namespace) -> None:
     console.print("[dim]B: batch size. prompts: held-out family (distinct prompts); all: the "
                   "families pooled. EAGLE3 and n-gram choose their draft length per step "
                   "(adaptive); EAGLE3 k=S always drafts S. x: tokens/s over no spec's (wall "
-                  "time); x cpu: the same by the process's CPU time. draft %: share of the mode's "
+                  "time), the median over the rounds (fresh engines each) and their range; "
+                  "x cpu: the same by the process's CPU time. draft %: share of the mode's "
                   "CPU time spent in the proposer (draft-KV catch-up and drafting): what "
                   "speculation costs before any draft is accepted. AL: mean acceptance length, "
                   "tokens per verification step with drafts (accepted + 1). acc. %: share of "

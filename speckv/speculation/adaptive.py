@@ -24,12 +24,20 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
                  with drafts it also computes the outputs drafting starts from
 
 It starts with one draft per request (cheap even where drafting does not pay; it measures
-g, a_1 and T at 2B), then no drafts for one step (T at B), then keeps the best k, T at
-unmeasured token counts following the measured segments and never below T at fewer tokens
-(noise must not make verifying more tokens look cheaper). Every `probe_interval` steps it
-tries the runner-up for one step (8x less often when the runner-up is predicted to lose by
-more than 5%), so a change in batch size or acceptance is noticed. A switch needs a
-`switch_margin` gain (timings are noisy).
+g, a_1 and T at 2B), then no drafts for one step (T at B). From then on it drafts only where
+that is predicted to pay by `enable_margin` (default 6%: with noisy costs a wrong "on" costs
+more than a wrong "off" saves), keeps the best k (a switch among draft lengths needs a
+`switch_margin` gain), and never considers more drafts than one beyond the token counts
+already measured (T beyond them is a guess along the last segment, which noise can make flat).
+T at unmeasured token counts follows the measured segments and never falls below T at fewer
+tokens (noise must not make verifying more tokens look cheaper); a mean falls fast towards a
+faster measurement and rises slowly (other processes' load only ever slows a step down).
+Every `probe_interval` steps it tries the runner-up for one step (8x less often when the
+runner-up is predicted to lose by more than 5%), so a change in batch size or acceptance is
+noticed; while drafting it also measures no drafting again, every `probe_interval` / 4 steps
+until T at B has 3 measurements, then every `probe_interval` steps (8x less often when
+drafting is predicted more than 15% ahead): one slow measurement of the cost drafting must
+beat must not keep drafts that lose.
 
 The costs are read from one injectable clock (`AdaptiveSpeculation.clock`, which the runner
 and the proposer use too): on CPU the process's CPU time by default, because the steps the
@@ -64,6 +72,9 @@ class AdaptiveSpecConfig:
     prior_acceptance: float = 0.5
     prior_weight: float = 1.0
     switch_margin: float = 0.03  # a new k must promise this much more goodput
+    # drafting again after none must promise this much more than none: with noisy costs the
+    # prediction errs both ways, and a wrong "on" costs more than a wrong "off" saves
+    enable_margin: float = 0.06
     adaptive: bool = True  # False: always max_spec_tokens (statistics are still kept)
 
     def __post_init__(self) -> None:
@@ -75,8 +86,8 @@ class AdaptiveSpecConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
-        if self.prior_weight <= 0 or self.switch_margin < 0:
-            raise ValueError("prior_weight must be > 0 and switch_margin >= 0")
+        if self.prior_weight <= 0 or self.switch_margin < 0 or self.enable_margin < 0:
+            raise ValueError("prior_weight must be > 0, switch_margin and enable_margin >= 0")
 
 
 @dataclass(frozen=True)
@@ -139,18 +150,27 @@ class _DecayedMeans:
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.means: dict[int, float] = {}
+        self.counts: dict[int, int] = {}  # measurements per key
         self._keys: list[int] = []
 
     def add(self, key: int, value: float) -> None:
         old = self.means.get(key)
+        self.counts[key] = self.counts.get(key, 0) + 1
         if old is None:
             bisect.insort(self._keys, key)
             self.means[key] = value
+        elif value < old:
+            # other processes' load only ever makes a step slower: a faster measurement is
+            # the likelier truth, so the mean falls fast and rises at the decay's pace
+            self.means[key] = (1.0 - self.decay) * old + self.decay * value
         else:
             self.means[key] = self.decay * old + (1.0 - self.decay) * value
 
     def __contains__(self, key: int) -> bool:
         return key in self.means
+
+    def max_key(self) -> int:
+        return self._keys[-1] if self._keys else 0
 
     def predict(self, key: int) -> float | None:
         """The mean at `key`, interpolated / extrapolated along the nearest measured segment
@@ -194,8 +214,10 @@ class AdaptiveSpeculation:
         self._drafts = [0] * s  # lifetime
         self._accepted = [0] * s
         self._steps_by_k = [0] * (s + 1)
-        self._current = s
+        # no drafting until the costs say drafting pays (by `enable_margin`)
+        self._current = 0 if config.adaptive else s
         self._steps_since_probe = 0
+        self._steps_since_zero = 0
         self._tried_zero = False
         self._predicted_speedup: float | None = None
 
@@ -296,21 +318,40 @@ class AdaptiveSpeculation:
         if not self._tried_zero:  # then no drafting once, so T is measured at both ends
             self._tried_zero = True
             return 0
-        goodput = {k: self.predicted_goodput(num_requests, k) for k in range(s + 1)}
+        # T beyond the most tokens measured is a guess along the last segment, which noise can
+        # make flat: explore one draft further than measured at a time, never more
+        reach = max(1, self._target.max_key() // num_requests)
+        goodput = {k: self.predicted_goodput(num_requests, k) for k in range(min(s, reach) + 1)}
         known = {k: g for k, g in goodput.items() if g is not None}
         best = max(known, key=lambda k: known[k])
         current = known.get(self._current)
-        if current is None or known[best] > current * (1.0 + self.config.switch_margin):
+        margin = (self.config.enable_margin if self._current == 0 and best > 0
+                  else self.config.switch_margin)
+        if current is None or known[best] > current * (1.0 + margin):
             self._current = best
         if known.get(0):
             self._predicted_speedup = known[self._current] / known[0]
         self._steps_since_probe += 1
-        ranked = sorted((k for k in known if k != self._current), key=lambda k: -known[k])
+        self._steps_since_zero += 1
+        interval = self.config.probe_interval
+        if self._current > 0 and known.get(0):
+            # while drafting, no drafting is measured again: it is the cost drafting must beat,
+            # and one noisy measurement must not keep drafting on. Every probe_interval / 4
+            # steps until it is measured 3 times at this batch size, then every probe_interval
+            # steps, 8x less often where drafting is predicted well ahead
+            settled = self._target.counts.get(num_requests, 0) >= 3
+            ahead = settled and known[0] < 0.85 * known[self._current]
+            wait = interval * 8 if ahead else (interval if settled else max(2, interval // 4))
+            if self._steps_since_zero >= wait:
+                self._steps_since_zero = 0
+                return 0
+        ranked = sorted((k for k in known if k not in (self._current, 0)), key=lambda k: -known[k])
+        if self._current > 0 or not ranked:
+            ranked = sorted((k for k in known if k != self._current), key=lambda k: -known[k])
         if ranked:
             runner_up = ranked[0]
             close = known[runner_up] >= 0.95 * known[self._current]
-            interval = self.config.probe_interval * (1 if close else 8)
-            if self._steps_since_probe >= interval:
+            if self._steps_since_probe >= interval * (1 if close else 8):
                 self._steps_since_probe = 0
                 return runner_up
         return self._current

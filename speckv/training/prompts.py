@@ -2,10 +2,12 @@
 
 Owns two disjoint prompt sets, generated from seeded templates:
 
-- `train_prompts(seed)`: a broad set (about 1,700 prompts) of chat (explain / story / poem /
-  email / pros and cons ...), code, lists, arithmetic and word problems, rewriting and
-  translation, short factual questions, and follow-up turns for multi-turn conversations
-  (`FOLLOW_UPS`, asked after the model's own first answer);
+- `train_prompts(seed, prompt_set)`: a broad set (`base`, about 1,700 prompts) of chat
+  (explain / story / poem / email / pros and cons ...), code, lists, arithmetic and word
+  problems, rewriting and translation, short factual questions, and follow-up turns for
+  multi-turn conversations (`FOLLOW_UPS`, asked after the model's own first answer); `wide`
+  adds about 4,100 more from other templates, topics, programming languages and how / why
+  questions (`new`: only those);
 - `eval_prompts(num)`: up to 36 held-out chat prompts (default 24) on topics, code tasks, list
   items and numbers that no training prompt uses, so the measured acceptance is not memorised.
 """
@@ -143,6 +145,91 @@ FOLLOW_UPS: tuple[str, ...] = (
     "Thank you! Can you add one more detail?",
 )
 
+# ---- the additional generators of the `wide` and `new` prompt sets ------------------------
+_WIDE_CHAT_TEMPLATES: tuple[str, ...] = (
+    "Write a haiku about {}.",
+    "Explain the basic idea behind {} in one paragraph.",
+    "What would a world without {} look like?",
+    "Write a dialogue between two friends discussing {}.",
+    "Give a short speech that celebrates {}.",
+    "List the key terms someone needs to know about {}.",
+    "Write a product description inspired by {}.",
+    "What is the future of {}?",
+    "Write a funny short anecdote about {}.",
+    "Explain {} using an analogy.",
+    "Create a quiz with three questions about {}.",
+    "Write a diary entry from someone who loves {}.",
+)
+_WIDE_TOPICS: tuple[str, ...] = (
+    "autumn leaves", "the postal service", "ice cream", "marathon training plans",
+    "spiders", "the Arctic", "quantum physics", "street food", "the color blue", "clocks",
+    "the Great Barrier Reef", "mushrooms", "electric scooters", "writing letters", "salt",
+    "the alphabet", "wolves", "lightning", "museum guides", "pirates", "the human skeleton",
+    "ancient Rome's roads", "keyboards", "bananas", "the Arabic numeral system", "maps",
+    "opera", "fireworks", "windmills", "frogs", "the ozone layer", "dreams", "umbrellas",
+    "neural networks", "the stars", "basketball", "cartoons", "tides", "wool", "the desert fox",
+    "honey", "the Mars rovers", "zebras", "satellites", "jellyfish", "coins", "theatre",
+    "potatoes", "the speed of light", "farmers markets", "ballet", "the blue whale",
+    "podcasts", "lemons", "canals", "chemistry sets", "rice", "the Pacific Ocean", "tigers",
+    "handwriting", "ferries", "the bicycle helmet", "old radios", "magnets", "cranes",
+    "pyramids", "the Internet of Things", "gold", "volunteer firefighters", "parrots",
+)
+_WIDE_CODE_TEMPLATES: tuple[str, ...] = (
+    "Write a TypeScript function that {}.",
+    "Write a Java method that {}.",
+    "Write a C++ function that {}.",
+    "Write a Ruby method that {}.",
+    "Implement in Python a function that {}, and add a docstring.",
+    "Write a Python class that {}.",
+)
+_WIDE_CODE_TASKS: tuple[str, ...] = (
+    "counts the words in a paragraph", "returns the last n items of a list",
+    "converts a number to binary", "checks whether a list is sorted",
+    "finds the longest word in a sentence", "computes the sum of the digits of a number",
+    "returns the intersection of two lists", "converts a string to title case",
+    "computes the power of a number without using the built-in operator",
+    "stores a shopping cart and its total price", "keeps a stack of integers",
+    "splits a list into chunks of size n", "finds the most frequent element",
+    "checks whether a string contains only digits", "computes compound interest",
+)
+_WIDE_LIST_TEMPLATES: tuple[str, ...] = (
+    "Write down {n} {}.",
+    "Can you list {n} {} with a short explanation?",
+    "I need {n} {}. Please number them.",
+)
+_WIDE_LIST_ITEMS: tuple[str, ...] = (
+    "famous mountains", "breakfast foods from around the world", "ways to learn faster",
+    "animals that can fly", "ideas for a birthday gift", "rivers in Europe",
+    "safety tips for cooking", "famous composers", "things that are made of glass",
+    "benefits of walking", "ways to reduce plastic waste", "reasons to read books",
+    "popular dog breeds", "desserts made with apples", "skills every adult should have",
+    "games children play outside", "common English idioms", "fun facts about the sea",
+)
+_WIDE_QUESTIONS: tuple[str, ...] = (
+    "How does a refrigerator work?", "Why is the sky blue?", "How do airplanes stay in the air?",
+    "What causes the seasons?", "How does the heart pump blood?",
+    "Why do cats purr?", "How do bees make honey?", "What is inflation?",
+    "Why do we need sleep?", "How does a compass work?", "What is a prime number?",
+    "How does soap clean things?", "Why do leaves change color?", "What is an algorithm?",
+    "How do vaccines train the immune system?", "What is the difference between weather "
+    "and climate?", "How does a battery store energy?", "Why is exercise good for you?",
+)
+
+
+def _wide_prompts(rng: random.Random) -> list[str]:
+    prompts = [t.format(topic) for topic in _WIDE_TOPICS for t in _WIDE_CHAT_TEMPLATES]
+    prompts += [t.format(topic) for topic in _WIDE_TOPICS for t in _CHAT_TEMPLATES]
+    prompts += [t.format(topic) for topic in _TRAIN_TOPICS for t in _WIDE_CHAT_TEMPLATES]
+    prompts += [t.format(task) for task in _WIDE_CODE_TASKS + _TRAIN_CODE_TASKS
+                for t in _WIDE_CODE_TEMPLATES]
+    prompts += [t.format(task) for task in _WIDE_CODE_TASKS for t in _CODE_TEMPLATES]
+    prompts += [t.format(item, n=n) for item in _WIDE_LIST_ITEMS + _TRAIN_LIST_ITEMS
+                for t, n in zip(_WIDE_LIST_TEMPLATES, (4, 6, 8))]
+    prompts += list(_WIDE_QUESTIONS)
+    prompts += _maths(rng, 300)
+    return prompts
+
+
 # ---- held out: none of these words or numbers appear in a training prompt --------------------
 _EVAL_TOPICS: tuple[str, ...] = (
     "lighthouses", "origami", "the Great Wall of China", "jazz", "octopuses", "bicycles",
@@ -188,8 +275,16 @@ def _maths(rng: random.Random, num: int) -> list[str]:
     return out
 
 
-def train_prompts(seed: int = 0) -> list[str]:
-    """The broad training set (single user turns), shuffled with `seed`."""
+PROMPT_SETS: tuple[str, ...] = ("base", "wide", "new")
+
+
+def train_prompts(seed: int = 0, prompt_set: str = "base") -> list[str]:
+    """The training prompts (single user turns), shuffled with `seed`: `base` the broad set the
+    shipped head was trained on; `wide` the same followed by about 4,000 more from other
+    templates, topics, languages and questions; `new` only those (to continue a head trained on
+    `base`)."""
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {prompt_set!r}; choose from {PROMPT_SETS}")
     rng = random.Random(seed)
     prompts = [t.format(topic) for topic in _TRAIN_TOPICS for t in _CHAT_TEMPLATES]
     rng.shuffle(prompts)
@@ -204,7 +299,12 @@ def train_prompts(seed: int = 0) -> list[str]:
     prompts += [t.format(s) for s in _SENTENCES for t in _REWRITE_TEMPLATES]
     prompts += _maths(rng, 200)
     rng.shuffle(prompts)
-    return prompts
+    if prompt_set == "base":
+        return prompts
+    seen = set(prompts)
+    extra = [p for p in dict.fromkeys(_wide_prompts(rng)) if p not in seen]
+    rng.shuffle(extra)
+    return prompts + extra if prompt_set == "wide" else extra
 
 
 def eval_prompts(num: int | None = 24) -> list[str]:

@@ -62,7 +62,7 @@ from speckv.training.distill import (
     save_sequences,
 )
 from speckv.training.evaluate import mean_acceptance_length, speculative_generate
-from speckv.training.prompts import FOLLOW_UPS, eval_prompts, train_prompts
+from speckv.training.prompts import FOLLOW_UPS, PROMPT_SETS, eval_prompts, train_prompts
 
 if TYPE_CHECKING:
     from speckv.models.common.tokenizer import Tokenizer
@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock budget of data generation")
     parser.add_argument("--train-minutes", type=float, default=30.0,
                         help="wall-clock budget of training")
+    parser.add_argument("--prompts", default="base", choices=PROMPT_SETS,
+                        help="training prompt set: base (the shipped head's), wide (base and "
+                        "~4,100 more), new (only the additional ones: to continue a base head)")
     parser.add_argument("--max-prompts", type=int, default=0,
                         help="use at most this many training prompts (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=160, help="tokens per answer")
@@ -140,7 +143,7 @@ def collect_data(
         [greedy] * len(heldout_texts), max_num_seqs=args.gen_batch, progress=progress)
     log(f"held-out: {len(heldout)} greedy answers, {sum(len(s.answer) for s in heldout)} tokens")
 
-    texts = train_prompts(args.seed)
+    texts = train_prompts(args.seed, args.prompts)
     if args.max_prompts:
         texts = texts[: args.max_prompts]
     params = [
@@ -676,7 +679,9 @@ def run(args: argparse.Namespace) -> int:
         "command": "speckv train-draft " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
             if k in ("data_minutes", "train_minutes", "draft_vocab", "ttt_steps", "lr",
-                     "batch_tokens", "seed", "init_from") and v != ""),
+                     "batch_tokens", "seed", "init_from") and v != "")
+            + (f" --prompts {args.prompts}" if args.prompts != "base" else "")
+            + (f" --max-prompts {args.max_prompts}" if args.max_prompts else ""),
     }
     previous = Path(args.init_from) / "train_summary.json" if args.init_from else None
     if previous is not None and previous.is_file():

@@ -57,3 +57,18 @@ def test_bad_arguments_stop_before_the_model_loads(argv, message, monkeypatch, c
     monkeypatch.setattr(llm, "load_model", no_model)
     assert cli.main(["bench", "spec-decode", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rows_give_the_median_ratio_over_rounds_and_pool_the_counters():
+    from speckv.bench.spec_decode import ModeResult, _rows
+
+    def round_(plain_s, spec_s):
+        return {"none": ModeResult("none", 100, plain_s, plain_s, outputs=[[1]]),
+                "eagle3": ModeResult("eagle3", 100, spec_s, spec_s, outputs=[[1]],
+                                     num_drafts_by_position=[10], num_accepted_by_position=[4])}
+
+    rows = _rows(8, "chat", 8, [round_(1.0, 0.5), round_(1.0, 2.0), round_(1.0, 0.8)])
+    spec = next(r for r in rows if r["mode"] == "eagle3")
+    assert spec["speedups"] == [2.0, 0.5, 1.25] and spec["speedup"] == 1.25  # not the mean
+    assert spec["rounds"] == 3 and spec["num_tokens"] == 300
+    assert spec["mean_acceptance_length"] == 1.4 and spec["identical_to_no_spec"]

@@ -23,7 +23,8 @@ def _all_text(family: str) -> list[str]:
 @pytest.mark.parametrize("family", ["chat", "code", "list"])
 def test_no_heldout_prompt_shares_four_words_with_a_seen_prompt(family):
     seen: set[tuple[str, ...]] = set()
-    for text in [*train_prompts(0), *train_prompts(1), *eval_prompts(None), *FOLLOW_UPS]:
+    for text in [*train_prompts(0, "wide"), *train_prompts(1, "wide"), *eval_prompts(None),
+                 *FOLLOW_UPS]:
         seen |= _four_grams(text)
     prompts = _all_text(family)
     assert len(set(prompts)) == len(prompts) >= 32  # one batch of 32 distinct prompts
@@ -51,3 +52,14 @@ def test_families_and_sizes_are_checked():
         heldout.text_prompts("poetry", 2)
     with pytest.raises(ValueError, match="asked for"):
         heldout.text_prompts("list", heldout.family_size("list") + 1)
+
+
+def test_the_wide_prompt_set_extends_the_shipped_one_without_changing_it():
+    base = train_prompts(0)
+    wide = train_prompts(0, "wide")
+    assert len(base) == 1671  # the set the shipped head was trained on (train_summary.json)
+    assert wide[: len(base)] == base and train_prompts(0, "new") == wide[len(base) :]
+    new = wide[len(base) :]
+    assert len(set(new)) == len(new) > 4000 and not set(new) & set(base)
+    with pytest.raises(ValueError, match="prompt set"):
+        train_prompts(0, "huge")

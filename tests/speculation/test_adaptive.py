@@ -162,3 +162,51 @@ def test_drafts_that_are_never_accepted_cost_less_than_two_percent():
     spent = sum(target(1 + k) + (0.003 + 0.004 * k if k else 0.0002) for k in chosen)
     never = 300 * (target(1) + 0.0002)
     assert never / spent > 0.98
+
+
+def test_one_slow_measurement_of_no_drafting_does_not_keep_drafts_that_lose():
+    """Batch 32, one draft accepted 40% of the time while verifying it costs 55% more: drafting
+    loses ~10%. A load spike during the one step without drafts (measured 1.6x slower) makes
+    drafting look like a win; the policy must measure no drafting again soon and stop."""
+    def target(n):
+        return 0.150 + 0.0053 * n
+
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    rng = random.Random(5)
+    spent = 0.0
+    spiked = False
+    chosen = []
+    for _ in range(200):
+        k = policy.decide(32)
+        if k:
+            verifications = []
+            for _ in range(32):
+                accepted = 0
+                while accepted < k and rng.random() < [0.4, 0.2, 0.1][accepted]:
+                    accepted += 1
+                verifications.append(Verification(k, accepted))
+            policy.observe_verifications(verifications)
+        cost = target(32 * (1 + k))
+        measured = cost
+        if k == 0 and not spiked:
+            spiked, measured = True, 1.6 * cost
+        spent += cost + 0.004 * k
+        policy.observe_step(StepCost(32 * (1 + k), measured, 32, k, 0.001, 0.004 * k))
+        chosen.append(k)
+    never = 200 * target(32)
+    assert never / spent > 0.97, chosen
+
+
+def test_never_drafts_more_than_one_beyond_the_measured_token_counts():
+    """T measured at B and 2B only (and flat: noise): 3 drafts would look free, but T at 4B is
+    a guess; the policy goes one draft further at a time."""
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    assert policy.decide(32) == 1
+    policy.observe_verifications([Verification(1, 1)] * 32)
+    policy.observe_step(StepCost(64, 0.300, 32, 1, 0.001, 0.002))
+    assert policy.decide(32) == 0
+    policy.observe_step(StepCost(32, 0.300, 32, 0, 0.001, 0.0))
+    assert policy.decide(32) == 2
+    policy.observe_verifications([Verification(2, 2)] * 32)
+    policy.observe_step(StepCost(96, 0.300, 32, 2, 0.001, 0.004))
+    assert policy.decide(32) == 3
