@@ -32,7 +32,7 @@ DRAFTER_METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # need a speculat
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
 # Draft j is accepted only after drafts 1..j-1 were, so acceptance falls geometrically with j:
-# past a handful, more drafts only cost (verification rows, draft forwards, lookahead slots).
+# past a handful, more drafts only cost (verification rows, draft forwards, draft slots).
 MAX_NUM_SPEC_TOKENS = 16
 ZMQ_TRANSPORTS: tuple[str, ...] = ("tcp://", "ipc://", "inproc://")
 

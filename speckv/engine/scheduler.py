@@ -160,9 +160,9 @@ class Scheduler:
                 # the budget cuts the drafts (or the prefill chunk): drop what does not fit
                 num_drafts = max(0, num_new - num_pending)
                 request.spec_token_ids = drafts = drafts[:num_drafts]
-            lookahead = num_spec_tokens if num_new >= num_pending else 0
+            num_draft_slots = num_spec_tokens if num_new >= num_pending else 0
             while True:
-                allocation = allocate_slots(request, num_new, None, lookahead)
+                allocation = allocate_slots(request, num_new, None, num_draft_slots)
                 if allocation is not None:
                     break
                 victim = running.pop()  # the most recently added running request
@@ -212,8 +212,8 @@ class Scheduler:
                     continue
                 num_pending = request.num_tokens - num_hit - num_external
                 num_new = min(num_pending, budget)
-                lookahead = self.num_spec_tokens if num_new == num_pending else 0
-                allocation = self.manager.allocate_slots(request, num_new, hit, lookahead,
+                num_draft_slots = self.num_spec_tokens if num_new == num_pending else 0
+                allocation = self.manager.allocate_slots(request, num_new, hit, num_draft_slots,
                                                          num_external)
                 if allocation is None:
                     break  # no room: it waits (and everything behind it) for a finish
@@ -279,8 +279,8 @@ class Scheduler:
         start = request.num_computed_tokens
         num_pending = request.num_tokens - start
         num_new = min(num_pending, budget)
-        lookahead = self.num_spec_tokens if num_new == num_pending else 0
-        allocation = self.manager.allocate_slots(request, num_new, None, lookahead)
+        num_draft_slots = self.num_spec_tokens if num_new == num_pending else 0
+        allocation = self.manager.allocate_slots(request, num_new, None, num_draft_slots)
         if allocation is None:
             return None
         self.waiting.popleft()

@@ -40,7 +40,7 @@ def test_speculative_greedy_equals_greedy_under_pressure(tiny_model, fmt, kwargs
     reference, _, _ = _run(LLMEngine(tiny_model, engine_config(num_blocks=200, block_size=4)),
                            prompts)
     method = fmt
-    # preemption here comes from the 3 lookahead slots every step; the adaptive draft length
+    # preemption here comes from the 3 draft slots every step; the adaptive draft length
     # reads a clock that never moves (its choices the same on every machine)
     tight = engine_config(num_blocks=14, block_size=4, speculative_method=method,
                           num_spec_tokens=3, max_num_batched_tokens=16)

@@ -51,7 +51,7 @@ def test_speculative_greedy_equals_greedy_with_preemption(gemma, fmt, kwargs, se
     reference, _ = _run(LLMEngine(gemma, engine_config(num_blocks=400, block_size=B)), prompts)
     # the adaptive draft length on a clock that never moves (the same choices everywhere:
     # this test needs the seeds' drafts, some accepted) and the cache pressure of 3
-    # lookahead slots
+    # draft slots
     tight = engine_config(num_blocks=40, block_size=B, speculative_method=fmt,
                           num_spec_tokens=3, max_num_batched_tokens=20)
     finals, preemptions = _run(LLMEngine(gemma, tight, drafter=drafter,
