@@ -162,6 +162,8 @@ def run_soak(config: SoakConfig, progress: bool = True) -> SoakResult:
 
 
 def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResult:
+    """The soak's operation loop: one seeded sequence of adds, steps, aborts, resets and faults,
+    kept in one function so the order of operations a seed replays reads top to bottom."""
     rng = random.Random(config.seed)
     policy = drafter_policy(config.drafter, config.num_modules)
     mode = resolve_hash_mode(policy, disable_lookahead_block_hashes=config.legacy)

@@ -200,6 +200,8 @@ class SpeckvSide:
 
 def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[str, Any] | None,
              drafter_name: str, batch_size: int) -> Row:
+    """One batch size: warm-up, then the timed rounds split by phase, speckv and vLLM's
+    scheduler alternated; kept in one function so the measurement order reads top to bottom."""
     k = args.num_spec_tokens if drafter_name != "none" else 0
     total_steps = 4 + args.rounds * (args.steps + 1)
     max_tokens = (total_steps + 64) * (1 + k)

@@ -171,6 +171,8 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
 
 def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_name: str,
              scratch: str) -> ThroughputResult:
+    """Every timed section of the bench in the order it runs (the peer's and ours alternated),
+    kept in one function so the measurement order reads top to bottom."""
     args = EngineArgs(dtype=dtype, device=device)
     base = args.create_engine_config()
     torch_device = base.resolved_device()

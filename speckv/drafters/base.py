@@ -420,6 +420,9 @@ class Drafter(nn.Module, ABC):
         `last_only` only the last row's, [1, hidden]: the other rows only write their KV,
         which spares the attention and MLP of a prefill's rows) and w, the number of rows
         written from the front of avail[i].
+
+        Long because it is the drafter's per-step hot path: one batched forward over the
+        catch-up and proposal rows of every request.
         """
         module = self.modules_chain[j - 1]
         ids: list[int] = []

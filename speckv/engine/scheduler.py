@@ -138,6 +138,9 @@ class Scheduler:
 
     # ---- one step: what runs -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """One step's batch: running requests first (decodes, prefill chunks, preemption by
+        recompute), then waiting ones (local hit, connector hit, allocation). Long on purpose: it
+        is the per-request hot loop of every step, with its attributes bound to locals once."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []

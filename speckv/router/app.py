@@ -269,6 +269,8 @@ def _passthrough(response: httpx.Response, content: bytes, engine: str) -> Respo
 
 
 def build_app(router: Router) -> Starlette:
+    """The Starlette app: every route is a closure over the one router state (config, fleet,
+    index, metrics), so they stay together here rather than in a class of handlers."""
     config = router.config
     fleet = router.fleet
 

@@ -195,6 +195,8 @@ async def _last_output(stream: RequestStream) -> RequestOutput:
 
 # ---- the app ----------------------------------------------------------------------------------
 def build_app(server: OpenAIServer) -> Starlette:
+    """The Starlette app: every route is a closure over the one server state (config, engine
+    client, limits, metrics), so they stay together here rather than in a class of handlers."""
     config = server.config
     tokenizer = server.engine.tokenizer
 

@@ -121,6 +121,8 @@ class Gemma4Config:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> Gemma4Config:
+        """Validated from an HF config.json: one check per field, in the file's order (long,
+        flat: each check reads on its own)."""
         model_type = str(cfg.get("model_type", "")).lower()
         archs = [str(a) for a in cfg.get("architectures") or []]
         for key, layer in _REFUSED.items():
