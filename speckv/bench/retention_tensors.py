@@ -107,7 +107,7 @@ def scenario_layout(model) -> KVCacheLayout:
 def _engine(model, drafter, legacy: bool, widening: TailWidening, prefix_len: int,
             retention: int) -> LLMEngine:
     spec = {} if drafter is None else {
-        "speculative_method": getattr(drafter, "speculative_method", drafter.policy.name),
+        "speculative_method": drafter.speculative_method,
         "num_spec_tokens": 3, "adaptive_speculation": False}  # MTP3: 3 drafts every step
     config = engine_config(block_size=FULL_BLOCK, num_blocks=8 * prefix_len // 16 + 256,
                            max_num_batched_tokens=1 << 20, hash_seed="0",

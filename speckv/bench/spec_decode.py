@@ -103,7 +103,7 @@ def _engine(model, tokenizer, drafters, mode: str, batch_size: int, num_spec: in
     speculative: dict = {}
     drafter = drafters.get(DRAFTER_MODES.get(mode, ""))
     if drafter is not None:
-        method = getattr(drafter, "speculative_method", drafter.policy.name)
+        method = drafter.speculative_method
         speculative = {"speculative_method": method, "num_spec_tokens": num_spec,
                        "adaptive_speculation": not mode.endswith("-fixed")}
     elif mode == "ngram":

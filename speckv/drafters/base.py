@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -58,6 +59,9 @@ from speckv.attention import AttentionMetadata, PagedKVCache
 from speckv.drafters.layers import dense_attention
 from speckv.models.llama.model import LlamaDecoderLayer
 from speckv.speculation.policy import DrafterPolicy
+
+if TYPE_CHECKING:
+    from speckv.speculation.proposer import Proposer
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,19 @@ class Drafter(nn.Module, ABC):
     def draft_kv_lookahead_tokens(self) -> int:
         """L: the draft KV at p depends on tokens up to p + L (1 for EAGLE/EAGLE3, k for MTP)."""
         return self.policy.draft_kv_lookahead_tokens
+
+    @property
+    def speculative_method(self) -> str:
+        """The `--speculative-method` word that runs this drafter (its policy's name)."""
+        return self.policy.name
+
+    def make_proposer(self, num_spec_tokens: int, num_blocks: int, block_size: int,
+                      clock: Callable[[], float]) -> Proposer:
+        """The engine's proposer over this drafter: its own paged KV of `num_blocks` blocks
+        (the target's block ids), timed with `clock`."""
+        from speckv.drafters.proposer import DrafterProposer
+
+        return DrafterProposer(self, num_spec_tokens, num_blocks, block_size, clock)
 
     @property
     def num_kv_layers(self) -> int:

@@ -255,7 +255,10 @@ class Gemma4Assistant(nn.Module):
     def device(self) -> torch.device:
         return self.pre_projection.weight.device
 
-    def make_proposer(self, num_spec_tokens: int):
+    def make_proposer(self, num_spec_tokens: int, num_blocks: int, block_size: int,
+                      clock: Any = None):
+        """The assistant's proposer: no KV of its own (it reads the target's), so the block
+        count, block size and clock of a KV-owning drafter's proposer do not apply."""
         from speckv.drafters.gemma4_assistant_proposer import Gemma4AssistantProposer
 
         return Gemma4AssistantProposer(self, num_spec_tokens)

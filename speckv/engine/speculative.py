@@ -14,7 +14,8 @@ from typing import Any
 
 from speckv.cache.hash_mode import HashMode
 from speckv.connectors.capability import lookahead_blocker
-from speckv.drafters.base import Drafter
+from speckv.drafters.base import Drafter as ChainDrafter
+from speckv.drafters.gemma4_assistant import Gemma4Assistant
 from speckv.engine.config import DRAFTER_METHODS, EngineConfig
 from speckv.models.base import TargetModel, has_state_group
 from speckv.speculation.adaptive import Clock
@@ -22,14 +23,17 @@ from speckv.speculation.ngram import NgramProposer
 from speckv.speculation.policy import DrafterPolicy, resolve_hash_mode
 from speckv.speculation.proposer import Proposer
 
+# What `drafter=` takes: a chain of draft modules with its own draft KV (EAGLE, EAGLE3, MTP,
+# the GDN hybrid's MTP head), or the Gemma 4 assistant that reads the target's KV. Both say
+# their `speculative_method` and build their own proposer.
+Drafter = ChainDrafter | Gemma4Assistant
 
 def speculative_args(drafter: Drafter | None, num_spec_tokens: int) -> dict[str, Any]:
     """The `EngineArgs` speculative fields for running `drafter` (None: no speculation)."""
     if drafter is None:
         return {"speculative_method": None, "num_spec_tokens": 0}
     # the Gemma 4 assistant's policy is gemma4_mtp; users ask for it as "mtp"
-    method = getattr(drafter, "speculative_method", drafter.policy.name)
-    return {"speculative_method": method, "num_spec_tokens": num_spec_tokens}
+    return {"speculative_method": drafter.speculative_method, "num_spec_tokens": num_spec_tokens}
 
 
 def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int,
@@ -37,26 +41,16 @@ def make_proposer(config: EngineConfig, drafter: Drafter | None, num_blocks: int
     """The proposer for the config (None: no speculation), timing itself with `clock`."""
     spec = config.speculative
     method = spec.method if spec is not None else None
-    build = getattr(drafter, "make_proposer", None)
-    if build is not None:  # a drafter with its own proposer (the Gemma 4 assistant)
-        if method != drafter.speculative_method:
-            raise ValueError(f"the drafter is a Gemma 4 assistant (an MTP drafter) but "
-                             f"speculative_method is {method!r}; set speculative_method="
-                             f"{drafter.speculative_method!r}")
-        assert spec is not None
-        return build(spec.num_speculative_tokens)
     if drafter is not None:
-        if method != drafter.policy.name:
+        if method != drafter.speculative_method:
             raise ValueError(
-                f"the drafter is {drafter.policy.name} but speculative_method is {method!r}; "
-                f"set speculative_method={drafter.policy.name!r} (and num_spec_tokens)"
+                f"the drafter is {drafter.policy.name} (an {drafter.speculative_method.upper()} "
+                f"drafter) but speculative_method is {method!r}; "
+                f"set speculative_method={drafter.speculative_method!r} (and num_spec_tokens)"
             )
-        from speckv.drafters.proposer import DrafterProposer
-
         assert spec is not None
-
-        return DrafterProposer(drafter, spec.num_speculative_tokens, num_blocks,
-                               config.cache.block_size, clock)
+        return drafter.make_proposer(spec.num_speculative_tokens, num_blocks,
+                                     config.cache.block_size, clock)
     if spec is not None and spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max, clock)

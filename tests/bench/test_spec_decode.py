@@ -19,9 +19,12 @@ def test_pooled_results_add_up(tiny_model):
     pooled = a["eagle3"].merged(b["eagle3"])
     assert pooled.num_tokens == a["eagle3"].num_tokens + b["eagle3"].num_tokens
     assert pooled.outputs == a["eagle3"].outputs + b["eagle3"].outputs
+    # position lists are as long as the deepest draft each run chose (the adaptive length
+    # follows timings): pad the shorter one with zeros
+    da, db = a["eagle3"].num_drafts_by_position, b["eagle3"].num_drafts_by_position
+    width = max(len(da), len(db))
     assert pooled.num_drafts_by_position == [
-        x + y for x, y in zip(a["eagle3"].num_drafts_by_position,
-                              b["eagle3"].num_drafts_by_position)]
+        x + y for x, y in zip(da + [0] * (width - len(da)), db + [0] * (width - len(db)))]
     assert pooled.cpu_seconds > 0 and pooled.tokens_per_cpu_s > 0
 
 
