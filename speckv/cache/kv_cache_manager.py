@@ -110,6 +110,29 @@ class StridedHashes(Sequence[bytes]):
         return iter(self[:])
 
 
+def _alignment(block_sizes: Sequence[int], alignment_tokens: int | None) -> int:
+    """The hit alignment unit U: the given one, checked, or the groups' block sizes' lcm."""
+    if alignment_tokens is None:
+        return math.lcm(*block_sizes)
+    if alignment_tokens <= 0 or any(alignment_tokens % size for size in block_sizes):
+        raise ValueError(
+            f"alignment_tokens {alignment_tokens} must be a positive multiple of every "
+            f"group's block size {sorted(set(block_sizes))}"
+        )
+    return alignment_tokens
+
+
+def _make_pools(num_groups: int, num_blocks: int | Sequence[int], enable_caching: bool,
+                hit_check: HitCheck | None, event_sink: KVEventSink | None
+                ) -> tuple[BlockPool, ...]:
+    """One pool every group shares (`num_blocks` an int), or one pool per group."""
+    if isinstance(num_blocks, int):
+        return (BlockPool(num_blocks, enable_caching, hit_check, event_sink),) * num_groups
+    if len(num_blocks) != num_groups:
+        raise ValueError(f"{len(num_blocks)} block counts for {num_groups} KV cache groups")
+    return tuple(BlockPool(n, enable_caching, hit_check, event_sink) for n in num_blocks)
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -127,14 +150,7 @@ class KVCacheManager:
             raise ValueError("a model needs at least one KV cache group")
         block_sizes = [spec.block_size for spec in specs]
         self.hash_block_size = math.gcd(*block_sizes)
-        lcm = math.lcm(*block_sizes)
-        if alignment_tokens is None:
-            alignment_tokens = lcm
-        elif alignment_tokens <= 0 or any(alignment_tokens % size for size in block_sizes):
-            raise ValueError(
-                f"alignment_tokens {alignment_tokens} must be a positive multiple of every "
-                f"group's block size {sorted(set(block_sizes))}"
-            )
+        alignment_tokens = _alignment(block_sizes, alignment_tokens)
         self.alignment_tokens = alignment_tokens
         has_partial_groups = any(isinstance(spec, SlidingWindowSpec | MambaSpec) for spec in specs)
         if retention_interval is not None and not has_partial_groups:
@@ -146,15 +162,8 @@ class KVCacheManager:
         self.hash_mode = hash_mode
         self.enable_caching = enable_caching
         self.event_sink = event_sink
-        if isinstance(num_blocks, int):
-            shared = BlockPool(num_blocks, enable_caching, hit_check, event_sink)
-            self.pools: tuple[BlockPool, ...] = (shared,) * len(specs)
-        else:
-            if len(num_blocks) != len(specs):
-                raise ValueError(f"{len(num_blocks)} block counts for {len(specs)} KV cache "
-                                 "groups")
-            self.pools = tuple(BlockPool(n, enable_caching, hit_check, event_sink)
-                               for n in num_blocks)
+        self.pools: tuple[BlockPool, ...] = _make_pools(len(specs), num_blocks, enable_caching,
+                                                        hit_check, event_sink)
         self.pool = self.pools[0]  # group 0's pool (the only one when shared)
         # each distinct pool once, in group order
         self._distinct_pools = list({id(pool): pool for pool in self.pools}.values())
@@ -172,19 +181,16 @@ class KVCacheManager:
         )
         # request id -> the copy sources it holds until the runner has copied them
         self._copy_sources: dict[str, tuple[KVCacheBlock, ...]] = {}
-        self.managers: list[SingleTypeManager] = []
-        for group_id, spec in enumerate(specs):
-            lookahead = hash_mode.lookahead_tokens if spec.drafter_writes_kv else 0
-            extra_tail_blocks = (
-                tail_widening.extra_blocks(alignment_tokens, spec.block_size)
-                if widen_tails else 0
-            )
-            group = GroupInfo(group_id, spec.block_size, lookahead, spec.kind,
-                              getattr(spec, "sliding_window", None))
-            self.managers.append(
-                manager_for(spec, self.pools[group_id], group, self.retention, extra_tail_blocks,
-                            self.reuses_divergent_blocks)
-            )
+        self.managers: list[SingleTypeManager] = [
+            manager_for(spec, self.pools[group_id],
+                        GroupInfo(group_id, spec.block_size,
+                                  hash_mode.lookahead_tokens if spec.drafter_writes_kv else 0,
+                                  spec.kind, getattr(spec, "sliding_window", None)),
+                        self.retention,
+                        tail_widening.extra_blocks(alignment_tokens, spec.block_size)
+                        if widen_tails else 0,
+                        self.reuses_divergent_blocks)
+            for group_id, spec in enumerate(specs)]
         # allocations without a hit (every running request's) take no hit blocks
         self._no_hit_blocks: tuple[list, ...] = tuple(() for _ in self.managers)
         # the managers that free blocks behind the computed tokens (sliding window, Mamba)
