@@ -215,16 +215,7 @@ def run(args: argparse.Namespace) -> int:
     if connector is not None and "disk" in connector.names and offload_dir is None:
         scratch = tempfile.TemporaryDirectory(prefix="speckv-prefix-repetition-")
         offload_dir = scratch.name
-    options = RunOptions(block_size=args.block_size, num_blocks=args.num_blocks,
-                         kv_cache_memory_bytes=args.kv_cache_mb * 1024**2,
-                         num_spec_tokens=args.num_spec_tokens, request_rate=args.request_rate,
-                         max_concurrency=args.max_concurrency, seed=args.seed,
-                         progress=not args.json, kv_connector=args.kv_connector,
-                         kv_offload_gib=args.kv_offload_gib, kv_offload_dir=offload_dir,
-                         kv_offload_disk_gib=args.kv_offload_disk_gib,
-                         kv_store_url=connector.store_url if connector else "embedded",
-                         kv_store_gib=connector.store_gib if connector else 4.0,
-                         num_engines=args.engines)
+    options = _run_options(args, connector, offload_dir)
     model, tokenizer = load_model(args.model, args.dtype, "cpu", progress=not args.json)
     if config is None:
         if tokenizer is None:
@@ -272,3 +263,18 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"greedy outputs identical across modes: {identical}")
     console.print(f"wrote {args.output_dir / 'results.json'} and {chart}")
     return 0
+
+
+def _run_options(args: argparse.Namespace, connector: Any, offload_dir: str | None
+                 ) -> RunOptions:
+    """The bench's run options from its flags (`connector`: the parsed `--kv-connector`)."""
+    return RunOptions(block_size=args.block_size, num_blocks=args.num_blocks,
+                      kv_cache_memory_bytes=args.kv_cache_mb * 1024**2,
+                      num_spec_tokens=args.num_spec_tokens, request_rate=args.request_rate,
+                      max_concurrency=args.max_concurrency, seed=args.seed,
+                      progress=not args.json, kv_connector=args.kv_connector,
+                      kv_offload_gib=args.kv_offload_gib, kv_offload_dir=offload_dir,
+                      kv_offload_disk_gib=args.kv_offload_disk_gib,
+                      kv_store_url=connector.store_url if connector else "embedded",
+                      kv_store_gib=connector.store_gib if connector else 4.0,
+                      num_engines=args.engines)

@@ -107,7 +107,10 @@ class LLMEngine:
         tails kept only at multiples of the interval, and how they widen). `spec_clock`: what
         the adaptive draft length times steps with (default `default_clock` of the model's
         device; tests pass a scripted one). `hash_mode`: used instead of the one resolved from the
-        drafter and the connector (the negative control of `bench draft-kv`)."""
+        drafter and the connector (the negative control of `bench draft-kv`).
+
+        Long only by its signature and this docstring: the body is the start-up order, one
+        call per part (plan, budget, proposer, checks, connector, hash mode, parts)."""
         self.config = config = config or EngineConfig()
         cache = config.cache
         self.model = model
