@@ -46,12 +46,14 @@ def speculative_generate(
     """Greedy speculative decoding of one request; returns exactly the target's greedy tokens.
 
     `prefill_chunk_tokens` > 0 prefills in chunks (exercises carries across passes).
+    One function on purpose: the reference loop (prefill, draft, verify, roll back) the
+    engine's speculation is checked against, read top to bottom.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
     total = len(prompt_ids) + max_new_tokens + num_spec_tokens + 1
     num_blocks = -(-total // block_size) + 1
-    table = list(range(1, num_blocks))  # block 0 is the null block
+    table = list(range(1, num_blocks))  # NULL_BLOCK_ID (0) stays out of the table
     if shuffle_blocks_seed is not None:
         random.Random(shuffle_blocks_seed).shuffle(table)
     kv = target.make_kv_cache(num_blocks, block_size)
