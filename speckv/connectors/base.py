@@ -44,7 +44,9 @@ Where the engine calls each method (one engine step, in order):
     at request exit (finish, abort, unschedulable), before `manager.free` / `finish` frees:
         decision = connector.request_finished(
             RequestBlocks(request, block_ids, request.num_computed_tokens))
-        # decision.delay_free is False for every connector here: free now
+        # decision.delay_free: the blocks stay allocated until get_finished() lists the
+        # request in finished_sending (a prefill engine's blocks under a transfer lease);
+        # decision.kv_transfer_params goes out with the request's final output
 
     end of the step:
         output = connector.get_finished()     # finished loads / saves, load failures
@@ -69,8 +71,9 @@ external hit tokens exactly like local hit tokens: their draft KV is already in 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from speckv.cache.events import KVCacheEvent
 from speckv.connectors.layout import DeviceKV
@@ -111,7 +114,10 @@ class ExternalHit:
 class FinishDecision:
     """What a connector wants done with a finishing request's blocks."""
 
-    delay_free: bool = False  # True: keep the blocks until get_finished() lists the request
+    # True: keep the blocks until get_finished() lists the request in `finished_sending`
+    delay_free: bool = False
+    # handed back in the request's final output (a prefill engine's transfer handle)
+    kv_transfer_params: Mapping[str, Any] | None = None
 
 
 class KVConnector(ABC):

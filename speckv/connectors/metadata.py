@@ -149,6 +149,8 @@ class ConnectorOutput:
     finished_loads: frozenset[str] = frozenset()  # loads done (fully or up to a failure)
     finished_saves: frozenset[str] = frozenset()  # finished requests whose saves all settled
     load_failures: tuple[LoadFailure, ...] = ()
+    # requests whose freeing was delayed (`FinishDecision.delay_free`): free them now
+    finished_sending: frozenset[str] = frozenset()
 
     @property
     def failed_block_ids(self) -> frozenset[int]:

@@ -104,7 +104,9 @@ class MultiConnector(KVConnector):
     def request_finished(self, blocks: RequestBlocks) -> FinishDecision:
         decisions = [child.request_finished(blocks) for child in self.children]
         self._saving[blocks.request.request_id] = set(range(len(self.children)))
-        return FinishDecision(delay_free=any(d.delay_free for d in decisions))
+        params = next((d.kv_transfer_params for d in decisions
+                       if d.kv_transfer_params is not None), None)
+        return FinishDecision(any(d.delay_free for d in decisions), params)
 
     def request_preempted(self, blocks: RequestBlocks) -> None:
         for child in self.children:
@@ -145,9 +147,11 @@ class MultiConnector(KVConnector):
         loads: set[str] = set()
         failures = []
         done: set[str] = set()
+        sending: set[str] = set()
         for index, child in enumerate(self.children):
             output = child.get_finished()
             loads |= output.finished_loads
+            sending |= output.finished_sending
             failures.extend(output.load_failures)
             for request_id in output.finished_saves:
                 waiting = self._saving.get(request_id)
@@ -157,7 +161,8 @@ class MultiConnector(KVConnector):
                 if not waiting:
                     del self._saving[request_id]
                     done.add(request_id)
-        return ConnectorOutput(frozenset(loads), frozenset(done), tuple(failures))
+        return ConnectorOutput(frozenset(loads), frozenset(done), tuple(failures),
+                               frozenset(sending))
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         failed: set[int] = set()

@@ -18,6 +18,7 @@ import torch
 from speckv.connectors.config import ConnectorConfig
 from speckv.connectors.disk import DEFAULT_DISK_GIB
 from speckv.connectors.namespace import persistent_hash_seed
+from speckv.connectors.nixl.config import NixlConfig
 from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB
 from speckv.hashing.functions import HASH_ALGOS
 
@@ -80,6 +81,11 @@ class EngineConfig:
     kv_store_cluster: bool = False  # the store URL names a Redis Cluster node
     kv_store_optional: bool = False  # start without the store when it is unreachable
     kv_store_timeout_s: float = 1.0  # per store call, then a miss
+    # prefill/decode transfer over NIXL: the `--kv-transfer-config` JSON
+    # ({"kv_connector": "nixl", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...},
+    # speckv.connectors.nixl.config); its side channel binds `kv_transfer_host`. None: off
+    kv_transfer_config: str | None = None
+    kv_transfer_host: str = "127.0.0.1"
     # tokens per Mamba / GDN state block of a hybrid model: the state checkpoint interval and
     # so the alignment unit of prefix hits (a multiple of block_size); None: the model's
     # default (544 with block_size 16)
@@ -186,6 +192,13 @@ class EngineConfig:
             )
 
     def _check_connector(self) -> None:
+        if self.kv_transfer_config is not None:
+            if not self.enable_prefix_caching:
+                raise ValueError("--kv-transfer-config needs prefix caching: a transfer is "
+                                 "checked against the decode engine's own block hashes")
+            persistent_hash_seed(self.hash_seed, "--kv-transfer-config (a prefill and a "
+                                 "decode engine must hash blocks alike)")
+            self.transfer_config()
         if self.kv_connector is None:
             if self.kv_offload_dir is not None:
                 raise ValueError("EngineConfig.kv_offload_dir needs kv_connector='disk' (or "
@@ -219,6 +232,12 @@ class EngineConfig:
                                      store_cluster=self.kv_store_cluster,
                                      store_optional=self.kv_store_optional,
                                      store_timeout_s=self.kv_store_timeout_s)
+
+    def transfer_config(self) -> NixlConfig | None:
+        """The prefill/decode transfer settings (None: off). ValueError names the JSON key."""
+        if self.kv_transfer_config is None:
+            return None
+        return NixlConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

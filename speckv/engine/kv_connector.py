@@ -31,13 +31,16 @@ from speckv.connectors import (
     ConnectorMode,
     ConnectorOutput,
     DeviceKV,
+    FinishDecision,
     KVConnector,
     LoadFailure,
+    MultiConnector,
     RequestBlocks,
     StepMetadata,
     TierIdentity,
     fingerprint_tensors,
     make_connector,
+    persistent_hash_seed,
 )
 
 if TYPE_CHECKING:
@@ -62,15 +65,32 @@ def build_connector(config: EngineConfig, model: LlamaForCausalLM, drafter: Any 
     A disk tier or a shared store is namespaced by a fingerprint of the target's and the
     drafter's weights: the draft KV it keeps depends on both."""
     connector_config = config.connector_config()
+    transfer = build_transfer_connector(config)
     if connector_config is None:
-        return None
+        return transfer
     identity = None
     if {"disk", "store"} & set(connector_config.names):
         named = [(f"target.{name}", tensor) for name, tensor in model.named_parameters()]
         if drafter is not None:
             named += [(f"draft.{name}", tensor) for name, tensor in drafter.named_parameters()]
         identity = TierIdentity(fingerprint_tensors(named), config.hash_algo, config.hash_seed)
-    return make_connector(connector_config, identity)
+    tiers = make_connector(connector_config, identity)
+    if transfer is None:
+        return tiers
+    # the tiers first: a request they can serve locally pulls nothing from the prefill engine
+    children = [*(tiers.children if isinstance(tiers, MultiConnector) else (tiers,)), transfer]
+    return MultiConnector(children, name=",".join(child.name for child in children))
+
+
+def build_transfer_connector(config: EngineConfig) -> KVConnector | None:
+    """The prefill/decode transfer connector of `--kv-transfer-config` (None: off)."""
+    transfer = config.transfer_config()
+    if transfer is None:
+        return None
+    from speckv.connectors.nixl.connector import NixlConnector
+
+    seed = persistent_hash_seed(config.hash_seed, "--kv-transfer-config")
+    return NixlConnector(transfer, config.hash_algo, seed)
 
 
 def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,
@@ -123,13 +143,11 @@ class SchedulerConnector:
         """Before the preempted request's blocks are freed (its computed tokens still set)."""
         self.connector.request_preempted(self._blocks(request, request.num_computed_tokens))
 
-    def finished(self, request: Request) -> None:
-        """Before the exiting request's blocks are freed (no connector here delays freeing)."""
-        decision = self.connector.request_finished(
+    def finished(self, request: Request) -> FinishDecision:
+        """Before the exiting request's blocks are freed: whether to keep them (a prefill
+        engine's blocks under a transfer lease) and what to hand back in its output."""
+        return self.connector.request_finished(
             self._blocks(request, request.num_computed_tokens))
-        if decision.delay_free:
-            raise RuntimeError(f"KV connector {self.connector.name!r} asked to delay freeing "
-                               "blocks, which this engine does not support")
 
 
 def apply_load_failure(request: Request, item: ScheduledRequest, failure: LoadFailure) -> None:

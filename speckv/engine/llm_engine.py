@@ -164,7 +164,8 @@ class LLMEngine:
                 and layout.draft_group is None:
             raise ValueError("a drafter's KV needs a full-attention KV cache group; this model "
                              f"has none ({layout.describe()}): pass the drafter as `drafter`")
-        if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None):
+        if layout.num_groups > 1 and (connector is not None or config.kv_connector is not None
+                                      or config.kv_transfer_config is not None):
             raise ValueError(
                 "KV connectors support single-group (full-attention) models only; this model "
                 f"has {layout.num_groups} KV cache groups ({layout.describe()}): drop "
@@ -320,6 +321,10 @@ class LLMEngine:
         finished in it (deltas since the previous output)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if self.scheduler.num_unfinished == 0 and self.scheduler.num_sending:
+            # only blocks kept for a transfer: a step just polls for their release, so do
+            # not spin the CPU doing it
+            time.sleep(0.001)
         outputs, stopped_ids = self.output_processor.process(self.core.step())
         self.scheduler.finish_requests(stopped_ids, FinishReason.STOP)
         self._settle_if_idle()

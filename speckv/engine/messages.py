@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speckv.cache.results import BlockCopy
 from speckv.engine.sampling_params import SamplingParams
@@ -149,3 +149,5 @@ class EngineCoreOutput:
     error: str | None = None  # with FinishReason.ERROR
     # of num_cached_tokens, those a KV connector loaded from a tier (the rest: local hit)
     num_external_cached_tokens: int = 0
+    # a KV connector's handle for another engine (a prefill engine's transfer params)
+    kv_transfer_params: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from speckv.engine.messages import EngineCoreOutput, FinishReason
 from speckv.engine.outputs import RequestOutput
@@ -47,6 +48,7 @@ class _OutputState:
     accepted_by_position: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     # incremental decoding: text of output_token_ids[:read_offset] is final (`committed`);
     # `prefix_text` = decode(output_token_ids[prefix_offset:read_offset]) on its own
     incremental: bool = True
@@ -106,6 +108,8 @@ class OutputProcessor:
                 _count_positions(state.accepted_by_position, num_accepted)
             state.finish_reason = reason
             state.error = core_output.error
+            if core_output.kv_transfer_params is not None:
+                state.kv_transfer_params = core_output.kv_transfer_params
             if self.detokenize and tokens:
                 self._update_text(state, text)
             outputs.append(self._output(state))
@@ -197,6 +201,7 @@ class OutputProcessor:
             num_accepted_by_position=tuple(state.accepted_by_position) + (0,) * (
                 len(state.drafts_by_position) - len(state.accepted_by_position)),
             num_external_cached_tokens=state.num_external_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params if finished else None,
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class RequestOutput:
     # steps that accepted it (a draft after a rejected one counts as rejected)
     num_drafts_by_position: tuple[int, ...] = ()
     num_accepted_by_position: tuple[int, ...] = ()
+    # in the final output: a KV connector's handle for another engine (a prefill engine's
+    # `kv_transfer_params`, for the decode engine)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_local_cached_tokens(self) -> int:

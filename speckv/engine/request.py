@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 from speckv.engine.messages import FinishReason, NewRequestData, StopLimits
 from speckv.engine.sampling_params import SamplingParams
@@ -103,6 +104,8 @@ class Request:
         self.sampling_params = sampling_params or SamplingParams(max_tokens=max_tokens)
         self.sampling_seed = sampling_seed  # the runner's generator seed (None: greedy)
         self.hash_inputs = hash_inputs
+        # what a KV connector hands back at the finish (a prefill engine's transfer params)
+        self.kv_transfer_params_out: dict[str, Any] | None = None
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self._hashers = hashing.hashers_for(hash_inputs)
@@ -122,6 +125,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def kv_transfer_params(self) -> Any:
+        """The API request's `kv_transfer_params` (None: none): what a transfer connector
+        reads (`do_remote_decode` on a prefill engine, the params on a decode engine)."""
+        return self.sampling_params.extra.get("kv_transfer_params")
 
     @property
     def lora_name(self) -> str | None:

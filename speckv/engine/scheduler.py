@@ -74,6 +74,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule (runner forgets)
         self._seen_ids: set[str] = set()  # unfinished requests the runner has been sent
         self._outputs: list[EngineCoreOutput] = []  # finished outside a step (no-fit errors)
+        # finished requests whose blocks a KV connector keeps (delay_free), until it lists
+        # them in `finished_sending`
+        self._sending: dict[str, Request] = {}
         self.stats = StatsCollector(num_spec_tokens)  # filled during a step, see `take_stats`
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -101,7 +104,14 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or finished ones whose blocks a KV connector still keeps (the
+        engine keeps stepping so it hears when they are released)."""
+        return bool(self.requests) or bool(self._sending)
+
+    @property
+    def num_sending(self) -> int:
+        """Finished requests whose blocks a KV connector keeps (a prefill engine's leases)."""
+        return len(self._sending)
 
     # ---- one step: what runs -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -244,6 +254,11 @@ class Scheduler:
         """Apply one step's sampled tokens and drafts; finish what stopped. Mutates."""
         outputs, self._outputs = self._outputs, []
         connector_output = runner_output.kv_connector_output
+        if connector_output is not None:
+            for request_id in connector_output.finished_sending:
+                held = self._sending.pop(request_id, None)
+                if held is not None:
+                    self.manager.free(held)
         if connector_output is not None and connector_output.load_failures:
             # first, so nothing below caches or stores a block whose load failed
             items = {item.request_id: item for item in scheduler_output.scheduled}
@@ -283,6 +298,7 @@ class Scheduler:
                 request_id, sampled, reason, request.num_cached_tokens, num_drafts,
                 num_accepted, request.num_preemptions, None,
                 request.num_external_cached_tokens,
+                kv_transfer_params=request.kv_transfer_params_out,
             ))
         # the runner has copied this step's copy sources and written its blocks' KV
         self.manager.step_executed()
@@ -301,9 +317,14 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if self.connector is not None:
-            self.connector.finished(request)
-        if reason is FinishReason.ABORT:
+        decision = self.connector.finished(request) if self.connector is not None else None
+        if decision is not None:
+            request.kv_transfer_params_out = decision.kv_transfer_params
+        if decision is not None and decision.delay_free:
+            if reason is not FinishReason.ABORT:
+                self.manager.cache_computed_blocks(request)
+            self._sending[request.request_id] = request  # freed at its finished_sending
+        elif reason is FinishReason.ABORT:
             self.manager.free(request)
         else:
             self.manager.finish(request)
