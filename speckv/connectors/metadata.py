@@ -140,6 +140,9 @@ class LoadFailure:
     first_failed_token: int
     block_ids: tuple[int, ...]
     reason: str
+    # True: the request ends with an error instead of recomputing (a transfer connector's
+    # kv_load_failure_policy "fail")
+    fatal: bool = False
 
 
 @dataclass(frozen=True)

@@ -264,8 +264,14 @@ class Scheduler:
             items = {item.request_id: item for item in scheduler_output.scheduled}
             for failure in connector_output.load_failures:
                 request = self.requests.get(failure.request_id)
-                if request is not None:
+                if request is not None:  # nothing past the failed token is computed
                     apply_load_failure(request, items[failure.request_id], failure)
+                if request is not None and failure.fatal:
+                    self._finish(request, FinishReason.ERROR)
+                    outputs.append(EngineCoreOutput(
+                        request.request_id, [], FinishReason.ERROR, request.num_cached_tokens,
+                        num_preemptions=request.num_preemptions,
+                        error=f"the KV transfer failed: {failure.reason}"))
         sampled_by_id = runner_output.sampled_token_ids
         drafts_by_id = runner_output.draft_token_ids
         requests = self.requests

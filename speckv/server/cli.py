@@ -80,6 +80,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="publish KV events on this ZeroMQ PUB endpoint (tcp://*:5557)")
     engine.add_argument("--kv-events-replay-endpoint", default=None,
                         help="answer replay requests on this ZeroMQ ROUTER endpoint")
+    engine.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='prefill/decode disaggregation over NIXL: {"kv_connector": "nixl", '
+                             '"kv_role": "kv_producer" | "kv_consumer" | "kv_both"} (also '
+                             'kv_port, kv_lease_s, kv_transfer_timeout_s, '
+                             'kv_load_failure_policy, engine_id); the side channel binds --host')
     engine.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
     add_connector_arguments(parser)
@@ -133,6 +138,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.hash_seed is not None:
         kwargs["hash_seed"] = args.hash_seed
     kwargs.update(connector_kwargs(args))
+    if getattr(args, "kv_transfer_config", None) is not None:
+        kwargs["kv_transfer_config"] = args.kv_transfer_config
+        kwargs["kv_transfer_host"] = getattr(args, "host", None) or "127.0.0.1"
     kwargs.update(speculative_kwargs(args.model, args.speculative_method, args.speculative_model,
                                      args.num_spec_tokens, args.speculative_config))
     return kwargs
@@ -151,7 +159,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
                 "--speculative-method": args.speculative_method,
                 "--speculative-model": args.speculative_model, "--threads": args.threads,
                 "--kv-events-endpoint": args.kv_events_endpoint,
-                "--kv-events-replay-endpoint": args.kv_events_replay_endpoint}
+                "--kv-events-replay-endpoint": args.kv_events_replay_endpoint,
+                "--kv-transfer-config": getattr(args, "kv_transfer_config", None)}
     optional.update({"--hash-seed": args.hash_seed, "--kv-connector": args.kv_connector,
                      "--kv-offload-dir": args.kv_offload_dir, "--kv-store-url": args.kv_store_url})
     if args.kv_connector is not None:

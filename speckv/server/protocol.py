@@ -21,6 +21,11 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from speckv.connectors.nixl.params import (
+    ParamsError,
+    parse_transfer_params,
+    wants_remote_prefill,
+)
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
 from speckv.server.errors import APIError, bad_request, model_not_found, not_supported
@@ -81,6 +86,9 @@ class _SamplingBody(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    # prefill/decode disaggregation: {"do_remote_decode": true} to a prefill engine, the
+    # prefill engine's returned params to a decode engine (speckv.connectors.nixl.params)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class _CompletionBody(_SamplingBody):
@@ -203,10 +211,25 @@ def _sampling_params(body: _SamplingBody, max_tokens: int | None, num_prompt_tok
         raise bad_request(f"'seed' must be in [0, 2**63), got {body.seed}.", "seed",
                           "invalid_value")
     stop_token_ids = _check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
+    extra: dict[str, object] = {}
+    if body.kv_transfer_params is not None:
+        extra["kv_transfer_params"] = _transfer_params(body.kv_transfer_params)
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                           top_p=float(top_p), seed=body.seed, stop=_stop_strings(body.stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
-                          skip_special_tokens=body.skip_special_tokens)
+                          skip_special_tokens=body.skip_special_tokens, extra=extra)
+
+
+def _transfer_params(obj: dict[str, Any]) -> dict[str, Any]:
+    """`kv_transfer_params` checked: a decode engine's params must parse (a 400 naming the
+    field otherwise); a prefill engine's `{"do_remote_decode": true}` passes as is."""
+    if wants_remote_prefill(obj):
+        try:
+            parse_transfer_params(obj)
+        except ParamsError as error:
+            raise bad_request(str(error), f"kv_transfer_params.{error.field}".rstrip("."),
+                              "invalid_value") from None
+    return obj
 
 
 def _stream_flags(body: _SamplingBody) -> tuple[bool, bool]:
@@ -325,6 +348,14 @@ def parse_chat(body: dict[str, Any], limits: ModelLimits,
 
 
 # ---- responses ----------------------------------------------------------------------------------
+def _with_transfer(response: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
+    """A prefill engine's final response carries the `kv_transfer_params` for the decode
+    engine (as vLLM's does)."""
+    if output.kv_transfer_params is not None:
+        response["kv_transfer_params"] = output.kv_transfer_params
+    return response
+
+
 def usage(output: RequestOutput) -> dict[str, Any]:
     prompt_tokens = len(output.prompt_token_ids)
     completion_tokens = len(output.token_ids)
@@ -351,7 +382,7 @@ def completion_response(header: ResponseHeader, output: RequestOutput) -> dict[s
             "model": header.model,
             "choices": [{"index": 0, "text": output.text, "logprobs": None,
                          "finish_reason": output.finish_reason, "stop_reason": None}],
-            "usage": usage(output)}
+            "usage": usage(output)} | _with_transfer({}, output)
 
 
 def chat_response(header: ResponseHeader, output: RequestOutput) -> dict[str, Any]:
@@ -361,7 +392,7 @@ def chat_response(header: ResponseHeader, output: RequestOutput) -> dict[str, An
                          "message": {"role": "assistant", "content": output.text},
                          "logprobs": None, "finish_reason": output.finish_reason,
                          "stop_reason": None}],
-            "usage": usage(output)}
+            "usage": usage(output)} | _with_transfer({}, output)
 
 
 def sse(payload: Mapping[str, Any] | str) -> bytes:

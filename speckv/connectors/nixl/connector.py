@@ -105,6 +105,7 @@ class _Pull:
     remote_block_ids: tuple[int, ...] = ()
     first_token: int = 0
     released: bool = False
+    error: str | None = None  # why the handshake failed (None: it did not)
 
 
 class NixlConnector(KVConnector):
@@ -195,9 +196,15 @@ class NixlConnector(KVConnector):
             pull.peer = self._peer(params)
         except (ParamsError, SideChannelError, ValueError, RuntimeError) as error:
             self._stats["refused"] += 1
-            logger.warning("request %s: the transfer from %s:%d is refused (%s); prefilling "
-                           "locally", request.request_id, params.host, params.port, error)
+            pull.error = str(error)
+            logger.warning("request %s: the transfer from %s:%d is refused (%s)%s",
+                           request.request_id, params.host, params.port, error,
+                           "" if self._fails else "; prefilling locally")
         return pull
+
+    @property
+    def _fails(self) -> bool:
+        return self.config.load_failure_policy == "fail"
 
     def _peer(self, params: KVTransferParams) -> _Peer:
         key = (params.host, params.port, params.epoch)
@@ -235,8 +242,9 @@ class NixlConnector(KVConnector):
                   ) -> int:
         assert self._mode is not None
         mode = self._mode
-        if pull.peer is None:
-            return 0
+        if pull.peer is None and not self._fails:
+            return 0  # prefill it locally
+        # under policy "fail" a refused transfer still claims its range: the load fails it
         params = pull.params
         size = mode.block_size
         hashes = request.get_block_hashes(mode.lookahead_tokens)
@@ -367,8 +375,9 @@ class NixlConnector(KVConnector):
         for load in meta.loads:
             pull = self._pulls.get(load.request_id)
             if pull is None or pull.peer is None:
+                reason = pull.error if pull is not None and pull.error else "no transfer"
                 failures.append(LoadFailure(load.request_id, load.first_token,
-                                            load.device_block_ids, "the transfer was dropped"))
+                                            load.device_block_ids, reason, self._fails))
                 continue
             try:
                 reply = pull.peer.client.call(Admit(pull.params.epoch, pull.params.lease_id,
@@ -383,7 +392,7 @@ class NixlConnector(KVConnector):
                     _DONE_PREFIX + pull.params.lease_id.encode())
             except (SideChannelError, ValueError, IndexError, RuntimeError) as error:
                 failures.append(LoadFailure(load.request_id, load.first_token,
-                                            load.device_block_ids, str(error)))
+                                            load.device_block_ids, str(error), self._fails))
                 continue
             reads.append((load, pull, read))
         started = time.monotonic()
@@ -404,14 +413,16 @@ class NixlConnector(KVConnector):
                         self._transport.abandon(read)
                     failures.append(LoadFailure(
                         load.request_id, load.first_token, load.device_block_ids,
-                        "the READ timed out" if state == "PROC" else "the READ failed"))
+                        "the READ timed out" if state == "PROC" else "the READ failed",
+                        self._fails))
             pending = still
             if pending:
                 time.sleep(0.0002)
         self._stats["transfer_s"] += time.monotonic() - started
         for failure in failures:
-            logger.warning("request %s: KV transfer failed (%s); recomputing its prompt",
-                           failure.request_id, failure.reason)
+            logger.warning("request %s: KV transfer failed (%s); %s", failure.request_id,
+                           failure.reason, "failing it (kv_load_failure_policy fail)"
+                           if failure.fatal else "recomputing its prompt")
             self._stats["load_failed_blocks"] += len(failure.block_ids)
             pull = self._pulls.get(failure.request_id)
             if pull is not None:

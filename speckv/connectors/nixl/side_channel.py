@@ -248,3 +248,29 @@ class SideChannelClient:
             if self._socket is not None:
                 self._socket.close(0)
                 self._socket = None
+
+
+def release_lease_soon(params: object, timeout_s: float = 2.0) -> bool:
+    """Best effort, on a daemon thread: tell the prefill engine named by a request's
+    `kv_transfer_params` (a dict with host, port, epoch, lease_id) that its lease is not
+    needed (the decode engine rejected the request). False if the dict names no lease."""
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+        return False
+    host, port = params.get("host"), params.get("port")
+    epoch, lease_id = params.get("epoch"), params.get("lease_id")
+    if not (isinstance(host, str) and isinstance(port, int) and isinstance(epoch, str)
+            and isinstance(lease_id, str)):
+        return False
+
+    def send() -> None:
+        client = SideChannelClient(host, port, timeout_s)
+        try:
+            client.call(Release(epoch, lease_id))
+        except SideChannelError as error:
+            logger.info("nixl: release of a rejected request's lease not delivered (%s)",
+                        error)
+        finally:
+            client.close()
+
+    threading.Thread(target=send, name="speckv-nixl-release", daemon=True).start()
+    return True
