@@ -198,3 +198,26 @@ def test_a_failed_transfer_is_never_cached(tiny_model, drafters):
         stats = d.kv_connector_stats()["nixl"]
         assert stats.load_failed_blocks == params["num_tokens"] // B
         assert stats.loaded_blocks == 0
+
+
+def test_the_decode_engine_composes_with_the_cpu_tier(tiny_model, drafters):
+    drafter = drafters["eagle3"]
+    prompt = prompt_of(31, seed=10)
+    with make_engine(tiny_model, drafter) as single:
+        expected = run(single, prompt, GREEDY)
+    with make_engine(tiny_model, drafter, "kv_producer") as p, \
+            make_engine(tiny_model, drafter, "kv_consumer", kv_connector="offload",
+                        kv_offload_gb=0.01) as d:
+        params = prefill(p, prompt).kv_transfer_params
+        got = decode(d, prompt, params)
+        settle(p)
+        assert got.token_ids == expected.token_ids
+        assert got.num_external_cached_tokens == params["num_tokens"]
+        # the transferred blocks became ordinary blocks: the CPU tier stored them
+        assert d.flush_kv_connector(timeout_s=30) and d.reset_prefix_cache()
+        again = run(d, prompt, GREEDY)
+        assert again.token_ids == expected.token_ids
+        assert again.num_external_cached_tokens == params["num_tokens"]
+        stats = d.kv_connector_stats()
+        assert stats["offload"].loaded_blocks == params["num_tokens"] // B
+        assert stats["nixl"].loaded_blocks == params["num_tokens"] // B
