@@ -75,7 +75,7 @@ def _timed(engine: LLMEngine, prompt: list[int], params: SamplingParams
 
 def _prefill(engine: LLMEngine, prompt: list[int]) -> dict[str, Any]:
     _, out = _timed(engine, prompt, SamplingParams(
-        max_tokens=1, ignore_eos=True, extra={"kv_transfer_params": {"do_remote_decode": True}}))
+        max_tokens=1, ignore_eos=True, kv_transfer_params={"do_remote_decode": True}))
     assert out.kv_transfer_params is not None
     return out.kv_transfer_params
 
@@ -109,7 +109,7 @@ def measure(model, drafter, prompt: list[int], decode_tokens: int, repeats: int,
             assert consumer.reset_prefix_cache()
             seconds, outs["pd"] = _timed(consumer, prompt, SamplingParams(
                 max_tokens=decode_tokens, ignore_eos=True,
-                extra={"kv_transfer_params": params}))
+                kv_transfer_params=params))
             pd.append(seconds)
             _settle(producer)
             _settle(consumer)

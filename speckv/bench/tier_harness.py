@@ -30,6 +30,7 @@ class BenchPrompt:
 
     hash_inputs = NO_HASH_INPUTS
     lora_name = None
+    kv_transfer_params = None
 
     def __init__(self, request_id: str, tokens: list[int], block_size: int) -> None:
         self.request_id = request_id

@@ -294,7 +294,8 @@ class KVCacheManager:
             [ computed | hit | external | new tokens (+ drafts) | lookahead slots ]
                      num_total = computed + hit + external + new + lookahead
         """
-        if num_new_tokens <= 0 and num_lookahead_tokens <= 0:
+        if num_new_tokens <= 0 and num_lookahead_tokens <= 0 and num_external_tokens <= 0:
+            # (external tokens alone: the blocks of an asynchronous load, nothing computed yet)
             raise ValueError("allocate_slots needs at least one new token or lookahead slot")
         if num_external_tokens < 0:
             raise ValueError(f"num_external_tokens must be >= 0, got {num_external_tokens}")

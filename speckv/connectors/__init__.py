@@ -12,7 +12,10 @@ or `speckv.spec`.
 | `layout.py`     | a block's shape across the target and drafter caches; device copies |
 | `codec.py`      | a block's bytes: prefix, msgpack header, raw tensors; checked decoding |
 | `store.py`      | the storage protocol behind a tier |
-| `tier.py`       | the tier connector: lookups, saves, snapshot-then-load, the copy thread |
+| `tier.py`       | `TierConnector`: the tier connector, its three parts composed |
+| `tier_scheduler.py` | its scheduler side: lookups, planned loads, saves, the step's metadata |
+| `tier_worker.py` | its worker side: snapshot of the step's saves, then its loads |
+| `tier_copier.py` | its copy thread (or seeded schedule), staging slots, counters, events |
 | `host_pool.py`  | the CPU pool (LRU, pins, GiB-sized) |
 | `offload.py`    | `OffloadConnector` (CPU tier) and the no-capability variant |
 | `namespace.py`  | who may share a persistent tier; weight fingerprints; the seed rule |

@@ -14,9 +14,15 @@ Where the engine calls each method (one engine step, in order):
                              ConnectorMode.from_hash_mode(hash_mode, block_size))
 
     Scheduler.schedule(), for a waiting request, right after the local hit
-    `hit = manager.get_computed_blocks(request)`:
+    `hit = manager.get_computed_blocks(request)` (the connector may read
+    `request.kv_transfer_params`, the API request's field):
         ext = connector.get_num_new_matched_tokens(request, hit.num_computed_tokens)
-        # allocate slots for ext.num_tokens more computed tokens + the new tokens
+        synchronous (ext.load_async False, or ext.num_tokens 0):
+            # allocate slots for ext.num_tokens more computed tokens + the new tokens; the
+            # request computes in this step, after the worker phase loaded its range
+        asynchronous (ext.load_async, ext.num_tokens > 0):
+            # allocate the hit's and the loaded range's blocks only; the request moves to
+            # WAITING_FOR_REMOTE_KVS and is not scheduled (no budget) until its load finished
     right after a successful `allocate_slots` of that request (ext may be 0):
         connector.update_state_after_alloc(request, block_ids, hit.num_computed_tokens,
                                            ext.num_tokens)
@@ -28,15 +34,17 @@ Where the engine calls each method (one engine step, in order):
     to load; every built metadata must be started, or the next build raises):
         meta = connector.build_connector_meta(
             [RequestBlocks(item.request, block_ids, written) for item in scheduled])
-        # written = item.start for a running request; 0 in a request's first step (new or
-        # resumed): its local hit may name blocks another request computes in this very step
-        # (cached at that request's allocation, written by this step's forward), and its
-        # external range is loaded after the saves are snapshotted (the connector also caps
-        # that step's saves at the local hit itself)
-        connector.start_load_kv(meta)         # snapshots this step's saves, then loads
+        # written = item.start for a running request; 0 in a request's first step (new,
+        # resumed, or after its asynchronous load): its local hit may name blocks another
+        # request computes in this very step (cached at that request's allocation, written by
+        # this step's forward), and its external range is loaded after the saves are
+        # snapshotted (the connector also caps that step's saves at the local hit itself)
+        connector.start_load_kv(meta)         # snapshots this step's saves, then loads;
+                                              # an asynchronous load may return before done
         failed = connector.get_block_ids_with_load_errors()
-        # a request owning a failed block: cut it from this step's batch, set its
+        # a scheduled request owning a failed block: cut it from this step's batch, set its
         # num_computed_tokens to the failure's first_failed_token; it recomputes from there
+        # (kv_load_failure_policy "fail": it ends with an error instead)
 
     after ModelRunner.execute, the sampler and the drafter's catch-up (draft KV written):
         connector.wait_for_save()
@@ -44,23 +52,31 @@ Where the engine calls each method (one engine step, in order):
     at request exit (finish, abort, unschedulable), before `manager.free` / `finish` frees:
         decision = connector.request_finished(
             RequestBlocks(request, block_ids, request.num_computed_tokens))
-        # decision.delay_free: the blocks stay allocated until get_finished() lists the
-        # request in finished_sending (a prefill engine's blocks under a transfer lease);
-        # decision.kv_transfer_params goes out with the request's final output
+        # decision.kv_transfer_params ride to the request's final output (and the API's
+        # response); decision.delay_free: the blocks stay allocated, not reusable, until
+        # get_finished() lists the request in finished_sending. A request aborted while its
+        # asynchronous load runs keeps its blocks until finished_recving lists it.
 
-    end of the step:
-        output = connector.get_finished()     # finished loads / saves, load failures
+    end of the step (its report goes back to Scheduler.update_from_output):
+        output = connector.get_finished()
+        # load_failures first; finished_recving: asynchronous loads done (a failure also in
+        # load_failures): the request's num_computed_tokens moves past what loaded (or to the
+        # first failed token), those blocks are cached only now, and it is scheduled from the
+        # front of the queue; finished_sending: delayed frees done, the blocks are freed
         events = connector.take_events()      # BlockStored / BlockRemoved with medium
 
 Device KV changes only inside the worker phase: `start_load_kv`, the forward and the drafter.
 A save listed for step `t` names blocks whose KV was complete at the end of step `t - 1`
 (possibly blocks freed since, by a finish or a preemption, and already handed to another
 request); `start_load_kv` snapshots them first, before any load or forward of step `t` can
-overwrite them. That is why no connector here needs to delay freeing a block.
+overwrite them. That is why no tier connector here needs to delay freeing a block; a
+connector that reads blocks after the step (a transfer to another engine) asks `delay_free`.
 
 Blocks entering the device from a tier must not enter the local prefix cache (the pool's hash
 map) until their load succeeded: `allocate_slots` must not cache the external range in the step
-that loads it; the next `allocate_slots` (or `cache_computed_blocks` at exit) caches them.
+that loads it; the next `allocate_slots` (or `cache_computed_blocks` at exit) caches them. An
+asynchronous load's blocks are cached when `finished_recving` reports it, up to its first
+failed token.
 Otherwise a failed load would leave hashes naming garbage, and another request scheduled in
 the same step could take a local hit on them.
 
@@ -71,7 +87,7 @@ external hit tokens exactly like local hit tokens: their draft KV is already in 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,20 +120,29 @@ class RequestBlocks:
 
 @dataclass(frozen=True)
 class ExternalHit:
-    """Tokens a connector can load beyond the local hit: whole blocks, 0 for none."""
+    """Tokens a connector can load beyond the local hit: whole blocks, 0 for none.
+
+    `load_async` (vLLM's `load_kv_async`): the load may outlast a step. The engine then
+    allocates the request's blocks, parks it in `WAITING_FOR_REMOTE_KVS` and schedules it only
+    after `get_finished()` lists it in `finished_recving`; False: the load is done (or failed)
+    when `start_load_kv` returns, and the request computes in the step that loads."""
 
     num_tokens: int
     medium: str | None = None  # where they come from ("CPU", "DISK"); None when 0
+    load_async: bool = False
 
 
 @dataclass(frozen=True)
 class FinishDecision:
-    """What a connector wants done with a finishing request's blocks."""
+    """What a connector wants done with a finishing request's blocks.
 
-    # True: keep the blocks until get_finished() lists the request in `finished_sending`
+    `delay_free`: keep the blocks (allocated, not reusable) until `get_finished()` lists the
+    request in `finished_sending` (a transfer still reads them). `kv_transfer_params` ride to
+    the request's final output (`RequestOutput.kv_transfer_params`, the API's field of that
+    name), e.g. where a decode engine finds the blocks."""
+
     delay_free: bool = False
-    # handed back in the request's final output (a prefill engine's transfer handle)
-    kv_transfer_params: Mapping[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class KVConnector(ABC):
@@ -144,8 +169,9 @@ class KVConnector(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
                                    num_local_hit_tokens: int) -> ExternalHit:
-        """Tokens loadable beyond the local hit (a whole number of blocks). No side effects
-        beyond statistics: it may be called again for the same request."""
+        """Tokens loadable beyond the local hit (a whole number of blocks), and whether the
+        load is asynchronous. No side effects beyond statistics: it may be called again for
+        the same request."""
 
     def peek_num_matched_tokens(self, request: ConnectorRequest,
                                 num_local_hit_tokens: int) -> ExternalHit:
@@ -166,7 +192,9 @@ class KVConnector(ABC):
 
     @abstractmethod
     def request_finished(self, blocks: RequestBlocks) -> FinishDecision:
-        """The request exits; its blocks are freed after this returns (unless delayed)."""
+        """The request exits; its blocks are freed after this returns, unless delayed (until
+        `finished_sending` lists it) or its asynchronous load still runs (until
+        `finished_recving` lists it)."""
 
     @abstractmethod
     def request_preempted(self, blocks: RequestBlocks) -> None:
@@ -183,7 +211,9 @@ class KVConnector(ABC):
     # ---- worker side -------------------------------------------------------------------------
     def start_load_kv(self, meta: StepMetadata) -> None:
         """Before the forward: snapshot the step's saves, then load into the device blocks.
-        Returns when the loaded blocks are in device memory (or reported failed)."""
+        A synchronous load is in device memory (or reported failed) when this returns; an
+        asynchronous one (`ExternalHit.load_async`) may land in a later step, reported then
+        in `get_finished().finished_recving`."""
         self.snapshot_saves(meta)
         self.load_blocks(meta)
 
@@ -204,7 +234,8 @@ class KVConnector(ABC):
     @abstractmethod
     def get_finished(self) -> ConnectorOutput:
         """Loads finished in the last `start_load_kv`, requests whose saves have all settled,
-        and load failures; each reported once."""
+        load failures, asynchronous loads done (`finished_recving`) and delayed frees done
+        (`finished_sending`); each reported once."""
 
     @abstractmethod
     def get_block_ids_with_load_errors(self) -> frozenset[int]:

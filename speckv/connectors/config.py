@@ -39,6 +39,19 @@ from speckv.connectors.shared_store import DEFAULT_STORE_GIB, EMBEDDED, StoreCon
 from speckv.connectors.tier import DEFAULT_MAX_PENDING_BLOCKS
 
 CONNECTOR_NAMES: tuple[str, ...] = ("offload", "disk", "offload-nolookahead", "store")
+# what a failed KV load does to its request: recompute from the first failed token, or end
+# it with an error (vLLM's kv_load_failure_policy)
+LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
+DEFAULT_LOAD_FAILURE_POLICY = "recompute"
+
+
+def check_load_failure_policy(policy: object) -> str:
+    """`policy` if it is one of LOAD_FAILURE_POLICIES; a ValueError naming the flag if not."""
+    if policy not in LOAD_FAILURE_POLICIES:
+        raise ValueError(f"--kv-load-failure-policy must be one of "
+                         f"{', '.join(LOAD_FAILURE_POLICIES)}, got {policy!r}")
+    assert isinstance(policy, str)
+    return policy
 
 
 def _positive_number(flag: str, value: object) -> float:
@@ -59,6 +72,7 @@ class ConnectorConfig:
     store_cluster: bool = False
     store_optional: bool = False
     store_timeout_s: float = DEFAULT_TIMEOUT_S  # per store call
+    load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY  # "recompute" or "fail"
 
     def __post_init__(self) -> None:
         names = tuple(self.names)
@@ -90,6 +104,7 @@ class ConnectorConfig:
         if self.store_cluster and self.store_url == EMBEDDED:
             raise ValueError("--kv-store-cluster needs --kv-store-url naming a cluster node "
                              "(redis://host:port or redis+cluster://host:port)")
+        check_load_failure_policy(self.load_failure_policy)
         if (
             isinstance(self.max_pending_blocks, bool)
             or not isinstance(self.max_pending_blocks, int)

@@ -140,9 +140,6 @@ class LoadFailure:
     first_failed_token: int
     block_ids: tuple[int, ...]
     reason: str
-    # True: the request ends with an error instead of recomputing (a transfer connector's
-    # kv_load_failure_policy "fail")
-    fatal: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,7 +149,11 @@ class ConnectorOutput:
     finished_loads: frozenset[str] = frozenset()  # loads done (fully or up to a failure)
     finished_saves: frozenset[str] = frozenset()  # finished requests whose saves all settled
     load_failures: tuple[LoadFailure, ...] = ()
-    # requests whose freeing was delayed (`FinishDecision.delay_free`): free them now
+    # asynchronous loads (`ExternalHit.load_async`) done since the last report, fully or up to
+    # a failure (then also in `load_failures`); every one started is reported exactly once,
+    # also for a request that finished (was aborted) while its load ran
+    finished_recving: frozenset[str] = frozenset()
+    # finished requests whose blocks were kept (`FinishDecision.delay_free`) and may be freed
     finished_sending: frozenset[str] = frozenset()
 
     @property

@@ -15,6 +15,7 @@ Owns the composition rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from speckv.cache.events import KVCacheEvent
 from speckv.connectors.base import (
@@ -41,6 +42,7 @@ class MultiConnector(KVConnector):
         self.children = tuple(children)
         self.name = name
         self._step = 0
+        self._sending: dict[str, set[int]] = {}  # children still sending, by finished request
         # request id -> children that have not yet settled its saves
         self._saving: dict[str, set[int]] = {}
 
@@ -103,10 +105,16 @@ class MultiConnector(KVConnector):
 
     def request_finished(self, blocks: RequestBlocks) -> FinishDecision:
         decisions = [child.request_finished(blocks) for child in self.children]
-        self._saving[blocks.request.request_id] = set(range(len(self.children)))
-        params = next((d.kv_transfer_params for d in decisions
-                       if d.kv_transfer_params is not None), None)
-        return FinishDecision(any(d.delay_free for d in decisions), params)
+        request_id = blocks.request.request_id
+        self._saving[request_id] = set(range(len(self.children)))
+        delaying = {index for index, decision in enumerate(decisions) if decision.delay_free}
+        if delaying:
+            self._sending[request_id] = delaying
+        params: dict[str, Any] = {}
+        for decision in reversed(decisions):  # the first child's value wins a shared key
+            params.update(decision.kv_transfer_params or {})
+        return FinishDecision(delay_free=bool(delaying),
+                              kv_transfer_params=params if params else None)
 
     def request_preempted(self, blocks: RequestBlocks) -> None:
         for child in self.children:
@@ -147,12 +155,21 @@ class MultiConnector(KVConnector):
         loads: set[str] = set()
         failures = []
         done: set[str] = set()
-        sending: set[str] = set()
+        recving: set[str] = set()
+        sent: set[str] = set()
         for index, child in enumerate(self.children):
             output = child.get_finished()
             loads |= output.finished_loads
-            sending |= output.finished_sending
+            recving |= output.finished_recving
             failures.extend(output.load_failures)
+            for request_id in output.finished_sending:
+                delaying = self._sending.get(request_id)
+                if delaying is None:
+                    continue
+                delaying.discard(index)
+                if not delaying:
+                    del self._sending[request_id]
+                    sent.add(request_id)
             for request_id in output.finished_saves:
                 waiting = self._saving.get(request_id)
                 if waiting is None:
@@ -162,7 +179,7 @@ class MultiConnector(KVConnector):
                     del self._saving[request_id]
                     done.add(request_id)
         return ConnectorOutput(frozenset(loads), frozenset(done), tuple(failures),
-                               frozenset(sending))
+                               frozenset(recving), frozenset(sent))
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         failed: set[int] = set()

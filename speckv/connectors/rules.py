@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from speckv.connectors.metadata import BlockDescriptor
 from speckv.hashing.extra_keys import HashInputs
@@ -49,6 +49,11 @@ class ConnectorRequest(Protocol):
 
     @property
     def lora_name(self) -> str | None: ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What the API request carried for a connector (its `kv_transfer_params` field)."""
+        ...
 
     def get_block_hashes(self, lookahead_tokens: int) -> Sequence[bytes]: ...
 

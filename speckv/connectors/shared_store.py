@@ -22,7 +22,7 @@ from speckv.cache.block import CacheKey, make_cache_key
 from speckv.connectors.base import ExternalHit, RequestBlocks
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
 from speckv.connectors.layout import DeviceKV
-from speckv.connectors.metadata import ConnectorStats, RequestSave, StepMetadata
+from speckv.connectors.metadata import ConnectorStats, LoadFailure, RequestSave, StepMetadata
 from speckv.connectors.namespace import DiskNamespace, persistent_hash_seed
 from speckv.connectors.redis_store import (
     DEFAULT_BATCH_BLOCKS,
@@ -39,6 +39,8 @@ from speckv.connectors.rules import (
 )
 from speckv.connectors.store import BlockStore
 from speckv.connectors.tier import DEFAULT_MAX_PENDING_BLOCKS, TierConnector
+from speckv.connectors.tier_scheduler import TierSchedulerSide, first_block
+from speckv.connectors.tier_worker import TierWorkerSide
 
 logger = logging.getLogger("speckv.connectors.store")
 
@@ -47,8 +49,70 @@ EMBEDDED = "embedded"
 DEFAULT_STORE_GIB = 4.0  # maxmemory of the embedded server
 
 
+def _redis(store: BlockStore) -> RedisBlockStore:
+    assert isinstance(store, RedisBlockStore)
+    return store
+
+
+class StoreSchedulerSide(TierSchedulerSide):
+    """Lookups and save checks in one round trip per batch, not per block."""
+
+    def _present_locally(self, key: CacheKey) -> bool:
+        if key in self.pending:
+            return True
+        with self.copier.cond:
+            return key in self.copier.in_flight
+
+    def peek_num_matched_tokens(self, request: ConnectorRequest,
+                                num_local_hit_tokens: int) -> ExternalHit:
+        mode = self.mode
+        start = first_block(num_local_hit_tokens, mode)
+        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        end = num_lookup_candidates(request.num_tokens, len(hashes), mode.block_size)
+        keys = [make_cache_key(hashes[i], mode.group_id) for i in range(start, end)]
+        run = _redis(self.store).count_present_prefix(keys, self._present_locally)
+        servable = num_servable_blocks(run, mode)
+        if servable == 0:
+            return ExternalHit(0)
+        return ExternalHit(servable * mode.block_size, self.medium)
+
+    def collect_saves(self, blocks: RequestBlocks) -> RequestSave | None:
+        # The base asks `contains` once per candidate block; answer them all in one round trip
+        # per batch first (a superset of the candidates: the blocks not yet considered).
+        mode = self.mode
+        tracked = self.tracked.get(blocks.request.request_id)
+        first = tracked.num_considered_blocks if tracked is not None else 0
+        hashes = blocks.request.get_block_hashes(mode.lookahead_tokens)
+        last = min(len(hashes), len(blocks.block_ids))
+        store = _redis(self.store)
+        store.prime([make_cache_key(hashes[i], mode.group_id) for i in range(first, last)])
+        try:
+            return super().collect_saves(blocks)
+        finally:
+            store.unprime()
+
+
+class StoreWorkerSide(TierWorkerSide):
+    """Loads in one MGET per batch."""
+
+    def load_blocks(self, meta: StepMetadata) -> list[LoadFailure]:
+        meta = self.own(meta)
+        with self.copier.cond:
+            local = set(self.copier.in_flight)
+        local.update(self.step_snapshots)
+        plan = [block for load in meta.loads for block in load.blocks if block.key not in local]
+        store = _redis(self.store)
+        store.plan_loads(plan)
+        try:
+            return super().load_blocks(meta)
+        finally:
+            store.plan_loads(())
+
+
 class StoreConnector(TierConnector):
     medium = MEDIUM_STORE
+    scheduler_side_type = StoreSchedulerSide
+    worker_side_type = StoreWorkerSide
 
     def __init__(self, url: str = EMBEDDED, size_gib: float = DEFAULT_STORE_GIB, *,
                  model_fingerprint: str, hash_algo: str, hash_seed: str | None,
@@ -128,60 +192,11 @@ class StoreConnector(TierConnector):
             self.redis_store.close()
         self._stop_server()
 
-    # ---- scheduler side: one round trip per batch, not per block ------------------------------
-    def _present_locally(self, key: CacheKey) -> bool:
-        if key in self._pending:
-            return True
-        with self._cond:
-            return key in self._in_flight
-
-    def peek_num_matched_tokens(self, request: ConnectorRequest,
-                                num_local_hit_tokens: int) -> ExternalHit:
-        _, mode, _ = self._ready()
-        start = self._first_block(num_local_hit_tokens, mode)
-        hashes = request.get_block_hashes(mode.lookahead_tokens)
-        end = num_lookup_candidates(request.num_tokens, len(hashes), mode.block_size)
-        keys = [make_cache_key(hashes[i], mode.group_id) for i in range(start, end)]
-        run = self.redis_store.count_present_prefix(keys, self._present_locally)
-        servable = num_servable_blocks(run, mode)
-        if servable == 0:
-            return ExternalHit(0)
-        return ExternalHit(servable * mode.block_size, self.medium)
-
-    def _collect_saves(self, blocks: RequestBlocks) -> RequestSave | None:
-        # The base asks `contains` once per candidate block; answer them all in one round trip
-        # per batch first (a superset of the candidates: the blocks not yet considered).
-        _, mode, _ = self._ready()
-        tracked = self._tracked.get(blocks.request.request_id)
-        first = tracked.num_considered_blocks if tracked is not None else 0
-        hashes = blocks.request.get_block_hashes(mode.lookahead_tokens)
-        last = min(len(hashes), len(blocks.block_ids))
-        store = self.redis_store
-        store.prime([make_cache_key(hashes[i], mode.group_id) for i in range(first, last)])
-        try:
-            return super()._collect_saves(blocks)
-        finally:
-            store.unprime()
-
-    # ---- worker side: one MGET per batch ------------------------------------------------------
-    def load_blocks(self, meta: StepMetadata) -> None:
-        meta = self._own(meta)
-        with self._cond:
-            local = set(self._in_flight)
-        local.update(self._step_snapshots)
-        plan = [block for load in meta.loads for block in load.blocks if block.key not in local]
-        store = self.redis_store
-        store.plan_loads(plan)
-        try:
-            super().load_blocks(meta)
-        finally:
-            store.plan_loads(())
-
     # ---- both --------------------------------------------------------------------------------
     def reset_cache(self) -> bool:
         """Delete this namespace's blocks from the store (other namespaces, other engines'
         models, stay). False (nothing dropped) while a load is planned."""
-        if self._planned_loads:
+        if self.scheduler.planned_loads:
             return False
         super().reset_cache()  # its count compares against the whole server's keys: ignore
         return True

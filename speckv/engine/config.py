@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speckv.connectors.config import ConnectorConfig
+from speckv.connectors.config import ConnectorConfig, check_load_failure_policy
 from speckv.connectors.disk import DEFAULT_DISK_GIB
 from speckv.connectors.namespace import persistent_hash_seed
 from speckv.connectors.nixl.config import NixlConfig
@@ -86,6 +86,7 @@ class EngineConfig:
     # speckv.connectors.nixl.config); its side channel binds `kv_transfer_host`. None: off
     kv_transfer_config: str | None = None
     kv_transfer_host: str = "127.0.0.1"
+    kv_load_failure_policy: str = "recompute"  # a failed KV load: "recompute" or "fail"
     # tokens per Mamba / GDN state block of a hybrid model: the state checkpoint interval and
     # so the alignment unit of prefix hits (a multiple of block_size); None: the model's
     # default (544 with block_size 16)
@@ -192,13 +193,21 @@ class EngineConfig:
             )
 
     def _check_connector(self) -> None:
+        try:
+            check_load_failure_policy(self.kv_load_failure_policy)
+        except ValueError as error:
+            raise ValueError(f"EngineConfig.kv_load_failure_policy: {error}") from None
         if self.kv_transfer_config is not None:
             if not self.enable_prefix_caching:
                 raise ValueError("--kv-transfer-config needs prefix caching: a transfer is "
                                  "checked against the decode engine's own block hashes")
             persistent_hash_seed(self.hash_seed, "--kv-transfer-config (a prefill and a "
                                  "decode engine must hash blocks alike)")
-            self.transfer_config()
+            transfer = self.transfer_config()
+            assert transfer is not None
+            if transfer.load_failure_policy is not None:  # the JSON's key, as vLLM's
+                object.__setattr__(self, "kv_load_failure_policy",
+                                   transfer.load_failure_policy)
         if self.kv_connector is None:
             if self.kv_offload_dir is not None:
                 raise ValueError("EngineConfig.kv_offload_dir needs kv_connector='disk' (or "
@@ -231,7 +240,8 @@ class EngineConfig:
                                      store_url=self.kv_store_url, store_gib=self.kv_store_gb,
                                      store_cluster=self.kv_store_cluster,
                                      store_optional=self.kv_store_optional,
-                                     store_timeout_s=self.kv_store_timeout_s)
+                                     store_timeout_s=self.kv_store_timeout_s,
+                                     load_failure_policy=self.kv_load_failure_policy)
 
     def transfer_config(self) -> NixlConfig | None:
         """The prefill/decode transfer settings (None: off). ValueError names the JSON key."""

@@ -1,29 +1,45 @@
 """The engine's side of a KV connector: building it, and the calls the scheduler and runner make.
 
 Owns the glue between the engine's parts and `speckv.connectors` (the connector's own
-docstring, `speckv/connectors/base.py`, lists the call sites):
+docstring, `speckv/connectors/base.py`, lists the call sites in step order):
 
     start-up      `build_connector` (config → connector; the disk tier's identity from the
                   target's and drafter's weights), `initialize_connector` (the target's and
                   drafter's paged caches + the engine's hash mode)
-    scheduler     `SchedulerConnector`: the external hit after the local one, the state after
-                  allocation, the step's metadata (carried to the runner in SchedulerOutput),
-                  preemption and exit before blocks are freed, load failures applied
+    scheduler     `SchedulerConnector`: the external hit after the local one (`external_hit`:
+                  tokens, and whether the load is asynchronous), the state after allocation,
+                  the step's metadata (carried to the runner in SchedulerOutput), preemption
+                  and exit before blocks are freed (`finished` returns the connector's
+                  `FinishDecision`: `delay_free`, `kv_transfer_params`), the load failure
+                  policy (`roll_back_load`, `load_failure_error`)
     runner        `RunnerConnector`: start the step's loads (and the snapshot of its saves)
-                  before the forward, name the requests whose load failed (they are cut from
-                  the batch), and report the connector's output after the forward
+                  before the forward, name the requests of the batch whose load failed (they
+                  are cut from it), and report the connector's output after the forward
+    states        `RemoteLoad` (a request in WAITING_FOR_REMOTE_KVS), `HeldBlocks` (a
+                  finished request whose blocks a transfer still holds)
+
+The life of a request with an asynchronous load (the scheduler's side):
+
+    waiting ──ext.load_async──► WAITING_FOR_REMOTE_KVS (blocks allocated, not scheduled)
+        ──finished_recving──► waiting, computed up to the loaded end (or the first failed
+        token), those blocks cached now ──schedule──► running ...
+    abort while loading ──► held until finished_recving, then freed
+    finish with delay_free ──► held until finished_sending, then freed
 
 A load that fails leaves its device blocks allocated but holding garbage. Those blocks were
 never cached (`KVCacheManager.allocate_slots` caches nothing past the local hit in the step
-that loads), the runner computes nothing for the request in that step, and the scheduler sets
-its `num_computed_tokens` back to the failure's first failed token, so the request recomputes
-from there and no hash ever names the garbage.
+that loads, and an asynchronous load's blocks are cached only when it is reported done), the
+runner computes nothing for the request in that step, and the scheduler sets its
+`num_computed_tokens` back to the failure's first failed token, so the request recomputes
+from there and no hash ever names the garbage (`--kv-load-failure-policy fail`: the request
+ends with an error instead).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from speckv.connectors import (
@@ -31,6 +47,7 @@ from speckv.connectors import (
     ConnectorMode,
     ConnectorOutput,
     DeviceKV,
+    ExternalHit,
     FinishDecision,
     KVConnector,
     LoadFailure,
@@ -42,6 +59,7 @@ from speckv.connectors import (
     make_connector,
     persistent_hash_seed,
 )
+from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, check_load_failure_policy
 
 if TYPE_CHECKING:
     from speckv.attention import PagedKVCache
@@ -90,7 +108,8 @@ def build_transfer_connector(config: EngineConfig) -> KVConnector | None:
     from speckv.connectors.nixl.connector import NixlConnector
 
     seed = persistent_hash_seed(config.hash_seed, "--kv-transfer-config")
-    return NixlConnector(transfer, config.hash_algo, seed)
+    return NixlConnector(replace(transfer, load_failure_policy=config.kv_load_failure_policy),
+                         config.hash_algo, seed)
 
 
 def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,
@@ -103,21 +122,58 @@ def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,
 
 
 # ---- scheduler side ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteLoad:
+    """A request in WAITING_FOR_REMOTE_KVS: its blocks hold the local hit, then the range the
+    connector loads asynchronously, `[num_hit_tokens, num_hit_tokens + num_external_tokens)`."""
+
+    num_hit_tokens: int
+    num_external_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.num_hit_tokens + self.num_external_tokens
+
+
+@dataclass
+class HeldBlocks:
+    """A finished request whose blocks stay allocated (not freed, not reusable) until no
+    transfer touches them: its asynchronous load still in flight (an abort while waiting), or
+    the connector still sending them (`FinishDecision.delay_free`)."""
+
+    request: Request
+    waits_for_load: bool
+    waits_for_send: bool
+
+    @property
+    def released(self) -> bool:
+        return not self.waits_for_load and not self.waits_for_send
+
+
 class SchedulerConnector:
     """The scheduler's calls into the connector. Reads the cache manager for block ids; never
-    touches device memory."""
+    touches device memory. `load_failure_policy` (`--kv-load-failure-policy`): what a failed
+    load does to its request, "recompute" (from the first failed token) or "fail" (it ends
+    with an error)."""
 
-    def __init__(self, connector: KVConnector, manager: KVCacheManager) -> None:
+    def __init__(self, connector: KVConnector, manager: KVCacheManager,
+                 load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY) -> None:
         self.connector = connector
         self.manager = manager
+        self.load_failure_policy = check_load_failure_policy(load_failure_policy)
 
     def _blocks(self, request: Request, num_written_tokens: int) -> RequestBlocks:
         block_ids = self.manager.get_block_ids(request.request_id)[GROUP_ID]
         return RequestBlocks(request, block_ids, num_written_tokens)
 
+    def external_hit(self, request: Request, num_local_hit_tokens: int) -> ExternalHit:
+        """What a tier (or a remote engine) can load right after the local hit (whole
+        blocks), and whether that load is asynchronous."""
+        return self.connector.get_num_new_matched_tokens(request, num_local_hit_tokens)
+
     def num_external_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
         """Tokens a tier can load right after the local hit (whole blocks, 0 for none)."""
-        return self.connector.get_num_new_matched_tokens(request, num_local_hit_tokens).num_tokens
+        return self.external_hit(request, num_local_hit_tokens).num_tokens
 
     def after_alloc(self, request: Request, block_ids: Sequence[int], num_local_hit_tokens: int,
                     num_external_tokens: int) -> None:
@@ -144,22 +200,36 @@ class SchedulerConnector:
         self.connector.request_preempted(self._blocks(request, request.num_computed_tokens))
 
     def finished(self, request: Request) -> FinishDecision:
-        """Before the exiting request's blocks are freed: whether to keep them (a prefill
-        engine's blocks under a transfer lease) and what to hand back in its output."""
+        """Before the exiting request's blocks are freed. With `delay_free` the scheduler
+        keeps them until the connector lists the request in `finished_sending`."""
         return self.connector.request_finished(
             self._blocks(request, request.num_computed_tokens))
+
+
+def load_failure_error(failure: LoadFailure) -> str:
+    """The error a request ends with under `--kv-load-failure-policy fail`."""
+    return (f"loading the prompt's KV cache through the KV connector failed at token "
+            f"{failure.first_failed_token} ({failure.reason}); --kv-load-failure-policy fail "
+            "ends the request (recompute would compute those tokens instead)")
 
 
 def apply_load_failure(request: Request, item: ScheduledRequest, failure: LoadFailure) -> None:
     """The request's load failed from `failure.first_failed_token` on; the runner computed
     nothing for it this step. Roll it back so it recomputes from there. Mutates."""
+    roll_back_load(request, item.num_hit_tokens, item.start, failure)
+
+
+def roll_back_load(request: Request, num_hit_tokens: int, end: int,
+                   failure: LoadFailure) -> None:
+    """A load of `[num_hit_tokens, end)` failed from `failure.first_failed_token` on: the
+    request's computed tokens stop there, its cached counts drop by what was lost. Mutates."""
     first = failure.first_failed_token
-    if not item.num_hit_tokens <= first < item.start:
+    if not num_hit_tokens <= first < end:
         raise RuntimeError(
             f"request {request.request_id}: load failure at token {first} outside its loaded "
-            f"range [{item.num_hit_tokens}, {item.start})"
+            f"range [{num_hit_tokens}, {end})"
         )
-    num_lost = item.start - first
+    num_lost = end - first
     request.num_computed_tokens = first
     if request.num_preemptions == 0:  # the first schedule's counts are what outputs report
         request.num_cached_tokens -= num_lost
@@ -192,6 +262,7 @@ class RunnerConnector:
         self.connector = connector
         self.block_size = block_size
         self._cut: dict[str, int] = {}
+        self._scheduled_ids: frozenset[str] = frozenset()
 
     def start_step(self, meta: StepMetadata | None, scheduled: Sequence[ScheduledRequest],
                    block_tables: Mapping[str, list[int]]) -> dict[str, int]:
@@ -200,6 +271,7 @@ class RunnerConnector:
         if meta is None:
             raise RuntimeError("the engine has a KV connector but the step carries no metadata")
         self.connector.start_load_kv(meta)
+        self._scheduled_ids = frozenset(item.request_id for item in scheduled)
         self._cut = failed_requests(scheduled, block_tables,
                                     self.connector.get_block_ids_with_load_errors(),
                                     self.block_size)
@@ -209,11 +281,19 @@ class RunnerConnector:
         """After the forward and the drafter's catch-up: the connector's report of the step."""
         self.connector.wait_for_save()
         output = self.connector.get_finished()
+        # a failure of this step's batch was cut from it; any other is an asynchronous load's
         reported = {failure.request_id: failure.first_failed_token
-                    for failure in output.load_failures}
+                    for failure in output.load_failures
+                    if failure.request_id in self._scheduled_ids}
         if reported != self._cut:
             raise RuntimeError(f"KV connector {self.connector.name!r} reported load failures "
                                f"{reported}, its failed blocks say {self._cut}")
+        stray = {failure.request_id for failure in output.load_failures
+                 if failure.request_id not in self._scheduled_ids} - output.finished_recving
+        if stray:
+            raise RuntimeError(f"KV connector {self.connector.name!r} reported load failures "
+                               f"of {sorted(stray)}, neither in this step's batch nor in "
+                               "finished_recving")
         self._cut = {}
         return output
 
@@ -226,4 +306,5 @@ def connector_engine_kwargs(spec: str, config: ConnectorConfig) -> dict[str, Any
         "kv_store_url": config.store_url, "kv_store_gb": config.store_gib,
         "kv_store_cluster": config.store_cluster, "kv_store_optional": config.store_optional,
         "kv_store_timeout_s": config.store_timeout_s,
+        "kv_load_failure_policy": config.load_failure_policy,
     }

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from speckv.attention import bytes_per_block
@@ -199,7 +200,8 @@ class LLMEngine:
         connector = self.connector
         self.scheduler = Scheduler(
             self.manager, config.max_num_batched_tokens, config.max_num_seqs, self.num_spec_tokens,
-            SchedulerConnector(connector, self.manager) if connector is not None else None,
+            SchedulerConnector(connector, self.manager, config.kv_load_failure_policy)
+            if connector is not None else None,
         )
         # how many drafts each step verifies (adaptive unless config says otherwise)
         self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
@@ -284,10 +286,10 @@ class LLMEngine:
                 f"the prompt has {request.num_prompt_tokens} tokens but the KV cache holds "
                 f"{capacity} tokens in all"
             )
+        self.scheduler.add_request(request)  # first: it refuses an id a KV transfer holds
         self.output_processor.add_request(
             request_id, request.prompt_token_ids, params, request.arrival_time
         )
-        self.scheduler.add_request(request)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -321,12 +323,15 @@ class LLMEngine:
         finished in it (deltas since the previous output)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        if self.scheduler.num_unfinished == 0 and self.scheduler.num_sending:
+        if self.scheduler.num_unfinished == 0 and self.scheduler.num_held_requests:
             # only blocks kept for a transfer: a step just polls for their release, so do
             # not spin the CPU doing it
             time.sleep(0.001)
         outputs, stopped_ids = self.output_processor.process(self.core.step())
-        self.scheduler.finish_requests(stopped_ids, FinishReason.STOP)
+        params = self.scheduler.finish_requests(stopped_ids, FinishReason.STOP)
+        if params:  # a stop string ended them after their output was made
+            outputs = [replace(output, kv_transfer_params=params[output.request_id])
+                       if output.request_id in params else output for output in outputs]
         self._settle_if_idle()
         # taken every step, published or not: a tier's events pile up otherwise
         tier_events = self.connector.take_events() if self.connector is not None else []

@@ -149,5 +149,5 @@ class EngineCoreOutput:
     error: str | None = None  # with FinishReason.ERROR
     # of num_cached_tokens, those a KV connector loaded from a tier (the rest: local hit)
     num_external_cached_tokens: int = 0
-    # a KV connector's handle for another engine (a prefill engine's transfer params)
+    # with a finish: what the KV connector's `request_finished` returned for the caller
     kv_transfer_params: dict[str, Any] | None = None

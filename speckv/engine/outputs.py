@@ -35,8 +35,8 @@ class RequestOutput:
     # steps that accepted it (a draft after a rejected one counts as rejected)
     num_drafts_by_position: tuple[int, ...] = ()
     num_accepted_by_position: tuple[int, ...] = ()
-    # in the final output: a KV connector's handle for another engine (a prefill engine's
-    # `kv_transfer_params`, for the decode engine)
+    # with the final output: what the KV connector returned for the caller (vLLM's field of
+    # that name, e.g. where a decode engine finds this request's prefilled blocks)
     kv_transfer_params: dict[str, Any] | None = None
 
     @property

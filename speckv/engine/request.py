@@ -29,6 +29,9 @@ from speckv.hashing.functions import BlockHash
 
 class RequestStatus(Enum):
     WAITING = "waiting"
+    # allocated, its KV loading asynchronously from a KV connector: not scheduled until the
+    # connector reports the load finished (`ConnectorOutput.finished_recving`)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -104,10 +107,10 @@ class Request:
         self.sampling_params = sampling_params or SamplingParams(max_tokens=max_tokens)
         self.sampling_seed = sampling_seed  # the runner's generator seed (None: greedy)
         self.hash_inputs = hash_inputs
-        # what a KV connector hands back at the finish (a prefill engine's transfer params)
-        self.kv_transfer_params_out: dict[str, Any] | None = None
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
+        # what the KV connector's `request_finished` returned for the caller (set at finish)
+        self.finished_kv_transfer_params: dict[str, Any] | None = None
         self._hashers = hashing.hashers_for(hash_inputs)
         self._next_hash_at = 0  # real tokens at which some hasher's next block hash appears
         self._update_hashes()
@@ -127,15 +130,14 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
-    def kv_transfer_params(self) -> Any:
-        """The API request's `kv_transfer_params` (None: none): what a transfer connector
-        reads (`do_remote_decode` on a prefill engine, the params on a decode engine)."""
-        return self.sampling_params.extra.get("kv_transfer_params")
-
-    @property
     def lora_name(self) -> str | None:
         lora: LoRARef | None = self.hash_inputs.lora
         return lora.name if lora is not None else None
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What the API request carried for the KV connector (None: nothing)."""
+        return self.sampling_params.kv_transfer_params
 
     def get_block_hashes(self, lookahead_tokens: int) -> list[BlockHash]:
         return self._hashers[lookahead_tokens].block_hashes

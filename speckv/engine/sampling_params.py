@@ -1,8 +1,9 @@
 """SamplingParams: how one request samples and when it stops. Frozen and validated.
 
 Owns the per-request knobs (temperature, top-k, top-p, seed, max_tokens, stop strings and
-stop token ids). Bad values raise a ValueError naming the field at construction, so a bad
-request never reaches the engine's batch.
+stop token ids) and what the request carries for a KV connector (`kv_transfer_params`).
+Bad values raise a ValueError naming the field at construction, so a bad request never
+reaches the engine's batch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+    # for the KV connector (the API's `kv_transfer_params`, as in vLLM): read by the connector
+    # in `get_num_new_matched_tokens`, opaque to the engine
+    kv_transfer_params: dict[str, object] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -60,6 +64,9 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids entries must be ints >= 0, got {token_id!r}")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be an object (a dict) or None, got "
+                             f"{type(self.kv_transfer_params).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,12 @@ limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas
 
 With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
 SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
-a load failure the runner reports rolls its request back to the first failed token.
+a load failure the runner reports rolls its request back to the first failed token (or ends
+it, under `kv_load_failure_policy` "fail"). An asynchronous hit parks its request, blocks
+allocated, in WAITING_FOR_REMOTE_KVS until the connector reports the load done; the loaded
+blocks are cached then and the request is scheduled from the front of the queue. Blocks a
+transfer still touches after their request finished (an abort while loading, `delay_free`)
+stay held until the connector reports it done (`finished_recving`, `finished_sending`).
 
 `update_from_output()` applies what the runner sampled: rejected drafts' positions are rolled
 back, real tokens appended (new block hashes follow), the next drafts kept, and finished
@@ -33,10 +38,19 @@ target and draft KV exist.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from speckv.cache.kv_cache_manager import KVCacheManager
 from speckv.cache.results import BlockCopy
-from speckv.engine.kv_connector import SchedulerConnector, apply_load_failure
+from speckv.connectors import ConnectorOutput, LoadFailure
+from speckv.engine.kv_connector import (
+    HeldBlocks,
+    RemoteLoad,
+    SchedulerConnector,
+    apply_load_failure,
+    load_failure_error,
+    roll_back_load,
+)
 from speckv.engine.messages import (
     EngineCoreOutput,
     FinishReason,
@@ -74,44 +88,50 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule (runner forgets)
         self._seen_ids: set[str] = set()  # unfinished requests the runner has been sent
         self._outputs: list[EngineCoreOutput] = []  # finished outside a step (no-fit errors)
-        # finished requests whose blocks a KV connector keeps (delay_free), until it lists
-        # them in `finished_sending`
-        self._sending: dict[str, Request] = {}
+        self._remote: dict[str, RemoteLoad] = {}  # WAITING_FOR_REMOTE_KVS, by id
+        self._loaded: set[str] = set()  # waiting with their blocks (an async load finished)
+        self._held: dict[str, HeldBlocks] = {}  # finished, blocks kept for a transfer
         self.stats = StatsCollector(num_spec_tokens)  # filled during a step, see `take_stats`
 
     # ---- queue ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> None:
+    def finish_requests(self, request_ids: list[str], reason: FinishReason
+                        ) -> dict[str, dict[str, Any]]:
         """End unfinished requests now (abort, or a stop string the output processor found).
         ABORT frees their blocks; other reasons first cache what the last token completed.
-        Unknown or finished ids are ignored. Mutates."""
+        Unknown or finished ids are ignored. Returns the KV connector's `kv_transfer_params`
+        of those that have some, by id. Mutates."""
+        params: dict[str, dict[str, Any]] = {}
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, reason)
+                if request.finished_kv_transfer_params is not None:
+                    params[request_id] = request.finished_kv_transfer_params
+        return params
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self._remote)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or finished ones whose blocks a KV connector still keeps (the
-        engine keeps stepping so it hears when they are released)."""
-        return bool(self.requests) or bool(self._sending)
+        """Requests to serve, or finished requests whose blocks a KV transfer still holds
+        (steps must go on until the connector reports it done)."""
+        return bool(self.requests) or bool(self._held)
 
     @property
-    def num_sending(self) -> int:
-        """Finished requests whose blocks a KV connector keeps (a prefill engine's leases)."""
-        return len(self._sending)
+    def num_held_requests(self) -> int:
+        """Finished requests whose blocks a KV transfer still holds."""
+        return len(self._held)
 
     # ---- one step: what runs -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -162,6 +182,16 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                if request.request_id in self._loaded:
+                    item = self._schedule_loaded(request, budget)
+                    if item is None:
+                        break  # no room: it waits (and everything behind it) for a finish
+                    if request.request_id not in self._seen_ids:
+                        self._seen_ids.add(request.request_id)
+                        new_requests.append(request.new_request_data())
+                    scheduled.append(item)
+                    budget -= item.num_new_tokens
+                    continue
                 # a waiting request has nothing computed (new, or preempted: reset to 0)
                 assert request.num_computed_tokens == 0
                 hit = self.manager.get_computed_blocks(request)
@@ -170,8 +200,13 @@ class Scheduler:
                     # copies it (and the queue keeps its order)
                     break
                 num_hit = hit.num_computed_tokens
-                num_external = (self.connector.num_external_tokens(request, num_hit)
-                                if self.connector is not None else 0)
+                external = (self.connector.external_hit(request, num_hit)
+                            if self.connector is not None else None)
+                num_external = external.num_tokens if external is not None else 0
+                if external is not None and external.load_async and num_external:
+                    if not self._admit_remote(request, hit, num_external):
+                        break  # no room: it waits (and everything behind it) for a finish
+                    continue
                 num_pending = request.num_tokens - num_hit - num_external
                 num_new = min(num_pending, budget)
                 lookahead = self.num_spec_tokens if num_new == num_pending else 0
@@ -214,6 +249,48 @@ class Scheduler:
             self.max_num_batched_tokens - budget, meta, tuple(copies),
         )
 
+    def _admit_remote(self, request: Request, hit, num_external: int) -> bool:
+        """Allocate the blocks of the local hit and of an asynchronous load, hand them to the
+        connector and park the request in WAITING_FOR_REMOTE_KVS (no budget: nothing computes
+        now). Nothing past the hit is cached until the load succeeded. False: no room."""
+        assert self.connector is not None
+        num_hit = hit.num_computed_tokens
+        allocation = self.manager.allocate_slots(request, 0, hit, 0, num_external)
+        if allocation is None:
+            return False
+        self.waiting.popleft()
+        self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
+                                    request.num_preemptions > 0)
+        self.connector.after_alloc(request, allocation.new_block_ids[0], num_hit, num_external)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit + num_external
+            request.num_external_cached_tokens = num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._remote[request.request_id] = RemoteLoad(num_hit, num_external)
+        return True
+
+    def _schedule_loaded(self, request: Request, budget: int) -> ScheduledRequest | None:
+        """A request whose asynchronous load finished: it holds its blocks and has computed
+        what was loaded; it runs now like a new request after a hit (the runner gets its whole
+        block table). None: no room for its next chunk."""
+        start = request.num_computed_tokens
+        num_pending = request.num_tokens - start
+        num_new = min(num_pending, budget)
+        lookahead = self.num_spec_tokens if num_new == num_pending else 0
+        allocation = self.manager.allocate_slots(request, num_new, None, lookahead)
+        if allocation is None:
+            return None
+        self.waiting.popleft()
+        self._loaded.discard(request.request_id)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = start + num_new
+        self.running.append(request)
+        return ScheduledRequest(
+            request.request_id, start, num_new, (),
+            self.manager.get_block_ids(request.request_id), True, start,
+            self._samples(request),
+        )
+
     @staticmethod
     def _samples(request: Request) -> bool:
         """After advancing num_computed_tokens: does this step compute the last real token?"""
@@ -232,8 +309,8 @@ class Scheduler:
     def _fail_unschedulable(self) -> None:
         """Nothing could run: the waiting head needs more blocks than the whole cache has
         (its prompt plus what it generated outgrew the cache). It ends with an error."""
-        if self.running or not self.waiting:
-            return
+        if self.running or self._remote or self._held or not self.waiting:
+            return  # (loads and transfers in flight end and free blocks)
         request = self.waiting[0]
         capacity = (self.manager.pool.num_blocks - 1) * self.manager.hash_block_size
         error = (
@@ -255,23 +332,8 @@ class Scheduler:
         outputs, self._outputs = self._outputs, []
         connector_output = runner_output.kv_connector_output
         if connector_output is not None:
-            for request_id in connector_output.finished_sending:
-                held = self._sending.pop(request_id, None)
-                if held is not None:
-                    self.manager.free(held)
-        if connector_output is not None and connector_output.load_failures:
             # first, so nothing below caches or stores a block whose load failed
-            items = {item.request_id: item for item in scheduler_output.scheduled}
-            for failure in connector_output.load_failures:
-                request = self.requests.get(failure.request_id)
-                if request is not None:  # nothing past the failed token is computed
-                    apply_load_failure(request, items[failure.request_id], failure)
-                if request is not None and failure.fatal:
-                    self._finish(request, FinishReason.ERROR)
-                    outputs.append(EngineCoreOutput(
-                        request.request_id, [], FinishReason.ERROR, request.num_cached_tokens,
-                        num_preemptions=request.num_preemptions,
-                        error=f"the KV transfer failed: {failure.reason}"))
+            self._apply_connector_output(scheduler_output, connector_output, outputs)
         sampled_by_id = runner_output.sampled_token_ids
         drafts_by_id = runner_output.draft_token_ids
         requests = self.requests
@@ -304,11 +366,82 @@ class Scheduler:
                 request_id, sampled, reason, request.num_cached_tokens, num_drafts,
                 num_accepted, request.num_preemptions, None,
                 request.num_external_cached_tokens,
-                kv_transfer_params=request.kv_transfer_params_out,
+                request.finished_kv_transfer_params if reason is not None else None,
             ))
         # the runner has copied this step's copy sources and written its blocks' KV
         self.manager.step_executed()
         return outputs
+
+    def _apply_connector_output(self, scheduler_output: SchedulerOutput,
+                                output: ConnectorOutput, outputs: list[EngineCoreOutput]
+                                ) -> None:
+        """Load failures (this step's batch, and finished asynchronous loads), asynchronous
+        loads done, finished sends. Mutates."""
+        failures = {failure.request_id: failure for failure in output.load_failures}
+        for request_id in sorted(output.finished_recving):
+            self._remote_load_done(request_id, failures.pop(request_id, None), outputs)
+        items = {item.request_id: item for item in scheduler_output.scheduled}
+        for failure in failures.values():
+            request = self.requests.get(failure.request_id)
+            if request is None:
+                continue
+            apply_load_failure(request, items[failure.request_id], failure)
+            if self._fails_loads:
+                self._end_with_load_error(request, failure, outputs)
+        for request_id in output.finished_sending:
+            held = self._held.get(request_id)
+            if held is not None:
+                held.waits_for_send = False
+                self._free_if_released(held)
+
+    @property
+    def _fails_loads(self) -> bool:
+        return self.connector is not None and self.connector.load_failure_policy == "fail"
+
+    def _end_with_load_error(self, request: Request, failure: LoadFailure,
+                             outputs: list[EngineCoreOutput]) -> None:
+        """`--kv-load-failure-policy fail`: the request ends with an error (what loaded before
+        the failure may be cached; nothing after it). Mutates."""
+        self._finish(request, FinishReason.ERROR)
+        outputs.append(EngineCoreOutput(
+            request.request_id, [], FinishReason.ERROR, request.num_cached_tokens,
+            num_preemptions=request.num_preemptions, error=load_failure_error(failure),
+            num_external_cached_tokens=request.num_external_cached_tokens,
+            kv_transfer_params=request.finished_kv_transfer_params,
+        ))
+
+    def _remote_load_done(self, request_id: str, failure: LoadFailure | None,
+                          outputs: list[EngineCoreOutput]) -> None:
+        """An asynchronous load finished (up to `failure`, if any). A request still waiting
+        computed what loaded: those blocks are cached now, never before; it is scheduled from
+        the front of the queue. An aborted one's blocks may now be freed. Mutates."""
+        held = self._held.get(request_id)
+        if held is not None:
+            held.waits_for_load = False
+            self._free_if_released(held)
+            return
+        load = self._remote.pop(request_id, None)
+        if load is None:
+            raise RuntimeError(f"KV connector reported an asynchronous load of request "
+                               f"{request_id!r}, which is not waiting for one")
+        request = self.requests[request_id]
+        if failure is not None:
+            roll_back_load(request, load.num_hit_tokens, load.end, failure)
+            if self._fails_loads:
+                request.status = RequestStatus.WAITING
+                self._end_with_load_error(request, failure, outputs)
+                return
+        else:
+            request.num_computed_tokens = load.end
+        self.manager.cache_computed_blocks(request)
+        request.status = RequestStatus.WAITING
+        self._loaded.add(request_id)
+        self.waiting.appendleft(request)
+
+    def _free_if_released(self, held: HeldBlocks) -> None:
+        if held.released:
+            del self._held[held.request.request_id]
+            self.manager.free(held.request)
 
     def take_stats(self) -> SchedulerStats:
         """The statistics of the steps since the last call (occupancy as of now)."""
@@ -319,23 +452,28 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Every way out of the scheduler ends here: out of the queues, blocks released
         (cached first unless aborted), the runner told at the next step."""
+        request_id = request.request_id
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        decision = self.connector.finished(request) if self.connector is not None else None
-        if decision is not None:
-            request.kv_transfer_params_out = decision.kv_transfer_params
-        if decision is not None and decision.delay_free:
-            if reason is not FinishReason.ABORT:
-                self.manager.cache_computed_blocks(request)
-            self._sending[request.request_id] = request  # freed at its finished_sending
-        elif reason is FinishReason.ABORT:
-            self.manager.free(request)
+            self._loaded.discard(request_id)
+        loading = self._remote.pop(request_id, None) is not None
+        delay_free = False
+        if self.connector is not None:
+            decision = self.connector.finished(request)
+            delay_free = decision.delay_free
+            request.finished_kv_transfer_params = decision.kv_transfer_params
+        if reason is not FinishReason.ABORT:
+            self.manager.cache_computed_blocks(request)
+        if loading or delay_free:
+            # a transfer still writes (a load) or reads (a send) these blocks: kept until the
+            # connector reports it done, then freed (`_free_if_released`)
+            self._held[request_id] = HeldBlocks(request, loading, delay_free)
         else:
-            self.manager.finish(request)
+            self.manager.free(request)
         request.status = RequestStatus.finished(reason)
-        del self.requests[request.request_id]
-        if request.request_id in self._seen_ids:
-            self._seen_ids.discard(request.request_id)
-            self._finished_ids.add(request.request_id)
+        del self.requests[request_id]
+        if request_id in self._seen_ids:
+            self._seen_ids.discard(request_id)
+            self._finished_ids.add(request_id)

@@ -211,16 +211,14 @@ def _sampling_params(body: _SamplingBody, max_tokens: int | None, num_prompt_tok
         raise bad_request(f"'seed' must be in [0, 2**63), got {body.seed}.", "seed",
                           "invalid_value")
     stop_token_ids = _check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
-    extra: dict[str, object] = {}
-    if body.kv_transfer_params is not None:
-        extra["kv_transfer_params"] = _transfer_params(body.kv_transfer_params)
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                           top_p=float(top_p), seed=body.seed, stop=_stop_strings(body.stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
-                          skip_special_tokens=body.skip_special_tokens, extra=extra)
+                          skip_special_tokens=body.skip_special_tokens,
+                          kv_transfer_params=_transfer_params(body.kv_transfer_params))
 
 
-def _transfer_params(obj: dict[str, Any]) -> dict[str, Any]:
+def _transfer_params(obj: dict[str, Any] | None) -> dict[str, Any] | None:
     """`kv_transfer_params` checked: a decode engine's params must parse (a 400 naming the
     field otherwise); a prefill engine's `{"do_remote_decode": true}` passes as is."""
     if wants_remote_prefill(obj):
@@ -348,14 +346,6 @@ def parse_chat(body: dict[str, Any], limits: ModelLimits,
 
 
 # ---- responses ----------------------------------------------------------------------------------
-def _with_transfer(response: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
-    """A prefill engine's final response carries the `kv_transfer_params` for the decode
-    engine (as vLLM's does)."""
-    if output.kv_transfer_params is not None:
-        response["kv_transfer_params"] = output.kv_transfer_params
-    return response
-
-
 def usage(output: RequestOutput) -> dict[str, Any]:
     prompt_tokens = len(output.prompt_token_ids)
     completion_tokens = len(output.token_ids)
@@ -377,22 +367,31 @@ class ResponseHeader:
         return cls(request_id, int(time.time()), model)
 
 
+def _with_transfer_params(response: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
+    """vLLM's top-level `kv_transfer_params`, when the KV connector returned some."""
+    if output.kv_transfer_params is not None:
+        response["kv_transfer_params"] = output.kv_transfer_params
+    return response
+
+
 def completion_response(header: ResponseHeader, output: RequestOutput) -> dict[str, Any]:
-    return {"id": header.id, "object": "text_completion", "created": header.created,
-            "model": header.model,
-            "choices": [{"index": 0, "text": output.text, "logprobs": None,
-                         "finish_reason": output.finish_reason, "stop_reason": None}],
-            "usage": usage(output)} | _with_transfer({}, output)
+    return _with_transfer_params({
+        "id": header.id, "object": "text_completion", "created": header.created,
+        "model": header.model,
+        "choices": [{"index": 0, "text": output.text, "logprobs": None,
+                     "finish_reason": output.finish_reason, "stop_reason": None}],
+        "usage": usage(output)}, output)
 
 
 def chat_response(header: ResponseHeader, output: RequestOutput) -> dict[str, Any]:
-    return {"id": header.id, "object": "chat.completion", "created": header.created,
-            "model": header.model,
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": output.text},
-                         "logprobs": None, "finish_reason": output.finish_reason,
-                         "stop_reason": None}],
-            "usage": usage(output)} | _with_transfer({}, output)
+    return _with_transfer_params({
+        "id": header.id, "object": "chat.completion", "created": header.created,
+        "model": header.model,
+        "choices": [{"index": 0,
+                     "message": {"role": "assistant", "content": output.text},
+                     "logprobs": None, "finish_reason": output.finish_reason,
+                     "stop_reason": None}],
+        "usage": usage(output)}, output)
 
 
 def sse(payload: Mapping[str, Any] | str) -> bytes:

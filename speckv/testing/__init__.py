@@ -6,9 +6,12 @@ rule decides which drafts are accepted, and `SymbolicKV` records what every KV s
 computed from, so a cache hit can be checked against what a cold run would write.
 `PagedSymbolicKV` keeps those facts in real paged tensors so real KV connectors can move them
 (`tiers.py` checks every block a tier stores or serves, and injects load failures).
+`FakeRemoteConnector` (`remote.py`) is a remote engine in process: asynchronous loads and
+delayed frees on a seeded schedule.
 """
 
 from speckv.testing.paged_kv import PagedSymbolicKV
+from speckv.testing.remote import FakeRemoteConnector, RemoteBlocks
 from speckv.testing.tiers import CheckedStore, instrument_tiers
 from speckv.testing.toy_runner import (
     HitMismatch,
@@ -21,8 +24,10 @@ from speckv.testing.toy_runner import (
 
 __all__ = [
     "CheckedStore",
+    "FakeRemoteConnector",
     "HitMismatch",
     "PagedSymbolicKV",
+    "RemoteBlocks",
     "SymbolicKV",
     "ToyRunner",
     "instrument_tiers",

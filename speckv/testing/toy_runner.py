@@ -276,6 +276,7 @@ def toy_core(
     max_num_seqs: int = 256,
     connector: KVConnector | None = None,
     check_computed_kv: bool = False,
+    load_failure_policy: str = "recompute",
 ) -> EngineCore:
     """The real scheduler over `manager`, run by a `ToyRunner` (`core.runner`).
 
@@ -292,7 +293,7 @@ def toy_core(
         block_size = manager.managers[0].block_size
         initialize_connector(connector, target_cache, kv.draft_cache,  # type: ignore[union-attr]
                              manager.hash_mode, block_size)
-        scheduler_connector = SchedulerConnector(connector, manager)
+        scheduler_connector = SchedulerConnector(connector, manager, load_failure_policy)
         runner_connector = RunnerConnector(connector, block_size)
     scheduler = Scheduler(manager, max_num_batched_tokens, max_num_seqs, num_spec_tokens,
                           scheduler_connector)

@@ -125,12 +125,12 @@ def test_the_staging_slot_race_is_found_and_replayed_from_its_seed(monkeypatch):
     same snapshot pass overwrites it, and this step's load of the first block reads the
     second. With the slot held for the load (the fix) the same seed is clean; without it
     the violation comes back at the same operation every time."""
-    from speckv.connectors.tier import TierConnector
+    from speckv.connectors.tier_worker import TierWorkerSide
 
     config = soak.SoakConfig(num_ops=1500, seed=11, drafter="mtp", num_modules=2,
                              kv_connector="offload,disk", fault_rate=0.1)
     assert soak.run_soak(config, progress=False).violation is None
-    monkeypatch.setattr(TierConnector, "_hold", lambda self, slot: None)  # the old staging
+    monkeypatch.setattr(TierWorkerSide, "_hold", lambda self, slot: None)  # the old staging
     found = [soak.run_soak(config, progress=False).violation for _ in range(2)]
     assert found[0] is not None and "HitMismatch" in found[0]
     assert found[0] == found[1]

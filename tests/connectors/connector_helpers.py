@@ -53,6 +53,8 @@ class Req:
     def lora_name(self) -> str | None:
         return self._lora_name
 
+    kv_transfer_params = None
+
     def get_block_hashes(self, lookahead_tokens: int) -> list[bytes]:
         return self._hashers[lookahead_tokens].block_hashes
 

@@ -49,10 +49,11 @@ TINY_CONFIG = tiny_model_config(vocab_size=TOKENIZER.vocab_size, max_position_em
 
 
 def make_server(model: LlamaForCausalLM, engine_config: EngineConfig | None = None,
-                **server_config) -> ServerThread:
+                connector=None, **server_config) -> ServerThread:
+    """A server over a fresh engine (`connector`: a KV connector instance for it)."""
     engine = LLMEngine(model, engine_config or EngineConfig(block_size=4, num_blocks=512,
                                                             max_num_seqs=16, hash_seed="0"),
-                       TOKENIZER)
+                       TOKENIZER, connector=connector)
     config = ServerConfig(served_model_name=MODEL_NAME, **server_config)
     return ServerThread(OpenAIServer(engine, config, model_path="tiny-random")).start()
 

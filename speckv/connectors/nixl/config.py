@@ -36,14 +36,14 @@ class NixlConfig:
     port: int = 0
     lease_s: float = DEFAULT_LEASE_S
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
-    load_failure_policy: str = "recompute"
+    load_failure_policy: str | None = None  # None: the engine's --kv-load-failure-policy
     engine_id: str = field(default_factory=lambda: f"speckv-{uuid.uuid4().hex[:12]}")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(ROLES)}, "
                              f"got {self.role!r}")
-        if self.load_failure_policy not in POLICIES:
+        if self.load_failure_policy is not None and self.load_failure_policy not in POLICIES:
             raise ValueError("--kv-transfer-config kv_load_failure_policy must be recompute or "
                              f"fail, got {self.load_failure_policy!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) \

@@ -372,12 +372,13 @@ class NixlConnector(KVConnector):
         assert isinstance(meta, ConnectorMetadata) and self._transport is not None
         failures: list[LoadFailure] = []
         reads: list[tuple[RequestLoad, _Pull, ReadHandle]] = []
+        started = time.monotonic()  # the transfer's time: admit, READ, completion
         for load in meta.loads:
             pull = self._pulls.get(load.request_id)
             if pull is None or pull.peer is None:
                 reason = pull.error if pull is not None and pull.error else "no transfer"
                 failures.append(LoadFailure(load.request_id, load.first_token,
-                                            load.device_block_ids, reason, self._fails))
+                                            load.device_block_ids, reason))
                 continue
             try:
                 reply = pull.peer.client.call(Admit(pull.params.epoch, pull.params.lease_id,
@@ -392,11 +393,10 @@ class NixlConnector(KVConnector):
                     _DONE_PREFIX + pull.params.lease_id.encode())
             except (SideChannelError, ValueError, IndexError, RuntimeError) as error:
                 failures.append(LoadFailure(load.request_id, load.first_token,
-                                            load.device_block_ids, str(error), self._fails))
+                                            load.device_block_ids, str(error)))
                 continue
             reads.append((load, pull, read))
-        started = time.monotonic()
-        deadline = started + self.config.transfer_timeout_s
+        deadline = time.monotonic() + self.config.transfer_timeout_s
         pending = list(reads)
         while pending:
             still = []
@@ -413,8 +413,7 @@ class NixlConnector(KVConnector):
                         self._transport.abandon(read)
                     failures.append(LoadFailure(
                         load.request_id, load.first_token, load.device_block_ids,
-                        "the READ timed out" if state == "PROC" else "the READ failed",
-                        self._fails))
+                        "the READ timed out" if state == "PROC" else "the READ failed"))
             pending = still
             if pending:
                 time.sleep(0.0002)
@@ -422,7 +421,7 @@ class NixlConnector(KVConnector):
         for failure in failures:
             logger.warning("request %s: KV transfer failed (%s); %s", failure.request_id,
                            failure.reason, "failing it (kv_load_failure_policy fail)"
-                           if failure.fatal else "recomputing its prompt")
+                           if self._fails else "recomputing its prompt")
             self._stats["load_failed_blocks"] += len(failure.block_ids)
             pull = self._pulls.get(failure.request_id)
             if pull is not None:
@@ -437,7 +436,8 @@ class NixlConnector(KVConnector):
     def get_finished(self) -> ConnectorOutput:
         self._heartbeats()
         output = ConnectorOutput(frozenset(self._finished_loads), frozenset(),
-                                 tuple(self._failures), self._finished_sending())
+                                 tuple(self._failures),
+                                 finished_sending=self._finished_sending())
         self._finished_loads, self._failures, self._failed_blocks = set(), [], frozenset()
         return output
 

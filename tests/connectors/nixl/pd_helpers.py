@@ -54,7 +54,7 @@ def run(engine: LLMEngine, prompt, params: SamplingParams) -> RequestOutput:
 def prefill(engine: LLMEngine, prompt) -> RequestOutput:
     """The prefill half: one token, KV kept under a lease (the engine still holds it)."""
     request_id = engine.add_request(prompt, SamplingParams(
-        max_tokens=1, ignore_eos=True, extra={"kv_transfer_params": {"do_remote_decode": True}}))
+        max_tokens=1, ignore_eos=True, kv_transfer_params={"do_remote_decode": True}))
     while True:
         for output in engine.step():
             if output.finished and output.request_id == request_id:
@@ -63,7 +63,7 @@ def prefill(engine: LLMEngine, prompt) -> RequestOutput:
 
 def decode(engine: LLMEngine, prompt, params: dict, max_tokens: int = 8) -> RequestOutput:
     return run(engine, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                              extra={"kv_transfer_params": params}))
+                                              kv_transfer_params=params))
 
 
 def settle(engine: LLMEngine, timeout_s: float = 20.0) -> None:

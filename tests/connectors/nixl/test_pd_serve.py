@@ -64,7 +64,7 @@ def pd(tiny_chat_model):
 
 
 def _leases(thread: ServerThread) -> int:
-    return int(engine_call(thread, lambda engine: engine.scheduler.num_sending))
+    return int(engine_call(thread, lambda engine: engine.scheduler.num_held_requests))
 
 
 def test_concurrent_pd_requests_equal_a_single_engine_and_free_every_block(pd):
