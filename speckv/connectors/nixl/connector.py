@@ -106,6 +106,16 @@ class _Pull:
     first_token: int = 0
     released: bool = False
     error: str | None = None  # why the handshake failed (None: it did not)
+    load: RequestLoad | None = None  # what to READ, once the blocks are allocated
+
+
+@dataclass
+class _Read:
+    load: RequestLoad
+    pull: _Pull
+    read: ReadHandle
+    started: float
+    deadline: float
 
 
 class NixlConnector(KVConnector):
@@ -128,9 +138,10 @@ class NixlConnector(KVConnector):
         self._peers: dict[tuple[str, int, str], _Peer] = {}
         self._pulls: dict[str, _Pull] = {}  # request id -> its pull (until released)
         self._planned: list[str] = []  # request ids whose load the next metadata carries
-        self._failed_blocks: frozenset[int] = frozenset()
         self._failures: list[LoadFailure] = []
-        self._finished_loads: set[str] = set()
+        self._recved: set[str] = set()  # asynchronous loads settled since the last report
+        self._inflight: dict[str, _Read] = {}  # READs on the wire, by request id
+        self._finished_pulls: dict[str, _Pull] = {}  # finished while their READ runs
         self._control: queue.Queue[tuple[SideChannelClient, Any, bool] | None] = queue.Queue(4096)
         self._control_thread: threading.Thread | None = None
         self._heartbeat_at = 0.0
@@ -242,6 +253,8 @@ class NixlConnector(KVConnector):
                   ) -> int:
         assert self._mode is not None
         mode = self._mode
+        if pull.released:
+            return 0  # pulled (or given up) already: a preempted request recomputes locally
         if pull.peer is None and not self._fails:
             return 0  # prefill it locally
         # under policy "fail" a refused transfer still claims its range: the load fails it
@@ -269,7 +282,8 @@ class NixlConnector(KVConnector):
         blocks = self._servable(request, pull, num_local_hit_tokens)
         self._stats["hit_blocks"] += blocks
         assert self._mode is not None
-        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None)
+        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None,
+                           load_async=bool(blocks))
 
     def peek_num_matched_tokens(self, request: ConnectorRequest,
                                 num_local_hit_tokens: int) -> ExternalHit:
@@ -278,7 +292,8 @@ class NixlConnector(KVConnector):
             return ExternalHit(0)
         assert self._mode is not None
         blocks = self._servable(request, pull, num_local_hit_tokens)
-        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None)
+        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None,
+                           load_async=bool(blocks))
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None:
@@ -295,31 +310,31 @@ class NixlConnector(KVConnector):
         pull.local_block_ids = tuple(block_ids[first:end])
         pull.remote_block_ids = tuple(pull.params.block_ids[0][first:end])
         pull.first_token = num_local_hit_tokens
+        hashes = request.get_block_hashes(self._mode.lookahead_tokens)
+        pull.load = RequestLoad(
+            request.request_id, num_local_hit_tokens, size,
+            tuple(describe_block(request, hashes, index, self._mode)
+                  for index in range(first, end)), pull.local_block_ids)
         self._planned.append(request.request_id)
 
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
         self._step += 1
-        loads = []
-        requests = {blocks.request.request_id: blocks.request for blocks in scheduled}
-        assert self._mode is not None
-        for request_id in self._planned:
-            pull = self._pulls.get(request_id)
-            request = requests.get(request_id)
-            if pull is None or request is None or not pull.local_block_ids:
-                continue
-            hashes = request.get_block_hashes(self._mode.lookahead_tokens)
-            first = pull.first_token // self._mode.block_size
-            descriptors = tuple(describe_block(request, hashes, first + i, self._mode)
-                                for i in range(len(pull.local_block_ids)))
-            loads.append(RequestLoad(request_id, pull.first_token, self._mode.block_size,
-                                     descriptors, pull.local_block_ids))
+        loads = [pull.load for pull in (self._pulls.get(request_id)
+                                        for request_id in self._planned)
+                 if pull is not None and pull.load is not None]
         self._planned = []
         return ConnectorMetadata(self._step, tuple(loads))
 
     def request_finished(self, blocks: RequestBlocks) -> FinishDecision:
         request = blocks.request
         pull = self._pulls.pop(request.request_id, None)
-        if pull is not None:
+        if pull is not None and request.request_id in self._inflight:
+            # its READ runs: the READ's end settles the lease (and finished_recving)
+            self._finished_pulls[request.request_id] = pull
+        elif pull is not None:
+            if request.request_id in self._planned:  # accepted, never started
+                self._planned.remove(request.request_id)
+                self._recved.add(request.request_id)
             self._release(pull)
         if self.config.is_producer and wants_remote_decode(transfer_params_of(request)):
             return self._lease(blocks)
@@ -369,16 +384,14 @@ class NixlConnector(KVConnector):
         return None
 
     def load_blocks(self, meta: StepMetadata) -> None:
+        """Start this step's READs (asynchronous: `get_finished` reports them done)."""
         assert isinstance(meta, ConnectorMetadata) and self._transport is not None
-        failures: list[LoadFailure] = []
-        reads: list[tuple[RequestLoad, _Pull, ReadHandle]] = []
-        started = time.monotonic()  # the transfer's time: admit, READ, completion
         for load in meta.loads:
+            started = time.monotonic()
             pull = self._pulls.get(load.request_id)
             if pull is None or pull.peer is None:
                 reason = pull.error if pull is not None and pull.error else "no transfer"
-                failures.append(LoadFailure(load.request_id, load.first_token,
-                                            load.device_block_ids, reason))
+                self._fail(load, reason)
                 continue
             try:
                 reply = pull.peer.client.call(Admit(pull.params.epoch, pull.params.lease_id,
@@ -392,54 +405,57 @@ class NixlConnector(KVConnector):
                     pull.peer.agent_name, pull.remote_block_ids, pull.local_block_ids,
                     _DONE_PREFIX + pull.params.lease_id.encode())
             except (SideChannelError, ValueError, IndexError, RuntimeError) as error:
-                failures.append(LoadFailure(load.request_id, load.first_token,
-                                            load.device_block_ids, str(error)))
+                self._fail(load, str(error))
                 continue
-            reads.append((load, pull, read))
-        deadline = time.monotonic() + self.config.transfer_timeout_s
-        pending = list(reads)
-        while pending:
-            still = []
-            for load, pull, read in pending:
-                state = self._transport.poll(read)
-                if state == "PROC" and time.monotonic() < deadline:
-                    still.append((load, pull, read))
-                elif state == "DONE":
-                    pull.released = True  # the READ's notification ends the lease
-                    self._stats["loaded_blocks"] += len(load.device_block_ids)
-                    self._stats["loaded_bytes"] += read.num_bytes
-                else:
-                    if state == "PROC":
-                        self._transport.abandon(read)
-                    failures.append(LoadFailure(
-                        load.request_id, load.first_token, load.device_block_ids,
-                        "the READ timed out" if state == "PROC" else "the READ failed"))
-            pending = still
-            if pending:
-                time.sleep(0.0002)
-        self._stats["transfer_s"] += time.monotonic() - started
-        for failure in failures:
-            logger.warning("request %s: KV transfer failed (%s); %s", failure.request_id,
-                           failure.reason, "failing it (kv_load_failure_policy fail)"
-                           if self._fails else "recomputing its prompt")
-            self._stats["load_failed_blocks"] += len(failure.block_ids)
-            pull = self._pulls.get(failure.request_id)
-            if pull is not None:
-                self._release(pull)
-        self._failures = failures
-        self._failed_blocks = frozenset(b for f in failures for b in f.block_ids)
-        self._finished_loads = {load.request_id for load in meta.loads}
+            self._inflight[load.request_id] = _Read(
+                load, pull, read, started, started + self.config.transfer_timeout_s)
+
+    def _fail(self, load: RequestLoad, reason: str) -> None:
+        logger.warning("request %s: KV transfer failed (%s); %s", load.request_id, reason,
+                       "failing it (kv_load_failure_policy fail)" if self._fails
+                       else "recomputing its prompt")
+        self._stats["load_failed_blocks"] += len(load.device_block_ids)
+        self._failures.append(LoadFailure(load.request_id, load.first_token,
+                                          load.device_block_ids, reason))
+        self._recved.add(load.request_id)
+        pull = self._pulls.get(load.request_id) or self._finished_pulls.pop(load.request_id,
+                                                                             None)
+        if pull is not None:
+            self._release(pull)
+
+    def _poll_reads(self) -> None:
+        assert self._transport is not None
+        now = time.monotonic()
+        for request_id, flight in list(self._inflight.items()):
+            state = self._transport.poll(flight.read)
+            if state == "PROC" and now < flight.deadline:
+                continue
+            del self._inflight[request_id]
+            self._stats["transfer_s"] += now - flight.started
+            if state == "DONE":
+                flight.pull.released = True  # the READ's notification ends the lease
+                self._finished_pulls.pop(request_id, None)
+                self._stats["loaded_blocks"] += len(flight.load.device_block_ids)
+                self._stats["loaded_bytes"] += flight.read.num_bytes
+                self._recved.add(request_id)
+                continue
+            if state == "PROC":
+                self._transport.abandon(flight.read)
+            self._fail(flight.load, "the READ timed out" if state == "PROC"
+                       else "the READ failed")
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
-        return self._failed_blocks
+        return frozenset()  # asynchronous failures travel in get_finished()
 
     def get_finished(self) -> ConnectorOutput:
         self._heartbeats()
-        output = ConnectorOutput(frozenset(self._finished_loads), frozenset(),
-                                 tuple(self._failures),
-                                 finished_sending=self._finished_sending())
-        self._finished_loads, self._failures, self._failed_blocks = set(), [], frozenset()
-        return output
+        if self._inflight:
+            self._poll_reads()
+        recved, self._recved = frozenset(self._recved), set()
+        failures, self._failures = tuple(self._failures), []
+        return ConnectorOutput(finished_loads=recved, load_failures=failures,
+                               finished_recving=recved,
+                               finished_sending=self._finished_sending())
 
     # ---- control messages (a thread: never block a step on a dead peer) ---------------------
     def _release(self, pull: _Pull) -> None:

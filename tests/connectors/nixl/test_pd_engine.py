@@ -75,7 +75,8 @@ def test_the_decode_engines_transferred_kv_equals_a_cold_run(tiny_model, drafter
         params = prefill(p, prompt).kv_transfer_params
         request_id = d.add_request(prompt, SamplingParams(
             max_tokens=4, ignore_eos=True, kv_transfer_params=params))
-        d.step()
+        while not any(o.request_id == request_id and o.token_ids for o in d.step()):
+            pass  # the READ is asynchronous: the request's first step follows it
         request = d.get_request(request_id)
         length = request.num_external_cached_tokens
         assert length == request.num_cached_tokens == params["num_tokens"] > 0
