@@ -8,4 +8,6 @@ engine over NIXL, the transport vLLM's NixlConnector uses.
 | `lease.py`       | the prefill side's lease table (blocks kept for a decode engine) |
 | `side_channel.py`| the ZeroMQ handshake / admit / heartbeat / release service and client |
 | `transport.py`   | the NIXL agent, registered KV, block READs, notifications |
+| `config.py`      | `NixlConfig`: the `--kv-transfer-config` JSON |
+| `connector.py`   | `NixlConnector`: the prefill side (leases) and the decode side (pulls) |
 """

@@ -147,6 +147,7 @@ def processes(tmp_path_factory, tiny_chat_model):
             engine.stop()
 
 
+@pytest.mark.slow
 def test_greedy_output_through_pd_processes_equals_the_decode_engines_own(processes):
     prompt = "draft kv cache block " * 9
     client = openai.OpenAI(base_url=f"{processes.kv_consumer.url}/v1", api_key="x",
