@@ -245,5 +245,21 @@ def run(args: argparse.Namespace) -> int:
           f", {engine.hash_mode.label} block hashes"
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
           + ")", flush=True)
+    transfer = _transfer_connector(engine.connector)
+    if transfer is not None:
+        print(f"speckv serve: KV transfer over NIXL, {transfer.config.role}, engine "
+              f"{transfer.config.engine_id}"
+              + (f", side channel {transfer.config.host}:{transfer.side_channel_port}"
+                 if transfer.side_channel_port is not None else ""), flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)
+
+
+def _transfer_connector(connector: Any) -> Any:
+    """The engine's NixlConnector (alone or inside a MultiConnector), or None."""
+    from speckv.connectors.nixl.connector import NixlConnector
+
+    for child in getattr(connector, "children", (connector,)):
+        if isinstance(child, NixlConnector):
+            return child
+    return None
     return 0
