@@ -205,6 +205,27 @@ def build_pd_app(router: PDRouter) -> Starlette:
         return Response(response.content, status_code=response.status_code,
                         media_type="application/json")
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Sent on to every engine (so `speckv bench serve --base-url ROUTER` works)."""
+        check_bearer_key(request, config.api_key)
+        assert router.client is not None
+        urls = (*config.prefill_urls, *config.decode_urls)
+        answers = await asyncio.gather(*(router.client.post(
+            f"{url}/reset_prefix_cache", headers=router.headers()) for url in urls),
+            return_exceptions=True)
+        failed = [url for url, answer in zip(urls, answers)
+                  if isinstance(answer, BaseException) or answer.status_code != 200]
+        if failed:
+            return JSONResponse({"success": False, "failed": failed}, status_code=409)
+        return JSONResponse({"success": True})
+
+    async def metrics(request: Request) -> Response:
+        """The first decode engine's metrics: it serves the tokens (TTFT, hits, acceptance)."""
+        assert router.client is not None
+        response = await router.client.get(f"{config.decode_urls[0]}/metrics")
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type", "text/plain"))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         router.client = httpx.AsyncClient(timeout=config.timeout_s,
@@ -219,7 +240,9 @@ def build_pd_app(router: PDRouter) -> Starlette:
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                 Route("/v1/models", models, methods=["GET"]),
                 Route("/health", health, methods=["GET"]),
-                Route("/router/state", state, methods=["GET"])],
+                Route("/router/state", state, methods=["GET"]),
+                Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+                Route("/metrics", metrics, methods=["GET"])],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error},
         lifespan=lifespan,
     )

@@ -88,6 +88,9 @@ def test_concurrent_pd_requests_equal_a_single_engine_and_free_every_block(pd):
     for thread in (pd.prefill, pd.decode):
         engine = thread.server.engine
         assert wait_idle_and_check(thread) == engine.num_blocks - 1  # every block free
+    # what `speckv bench serve --base-url ROUTER` calls
+    assert httpx.post(f"{pd.router.url}/reset_prefix_cache", timeout=30).json()["success"]
+    assert "vllm:kv_cache_usage_perc" in httpx.get(f"{pd.router.url}/metrics", timeout=30).text
 
 
 def test_a_bad_transfer_field_is_named_and_a_rejected_request_releases_its_lease(pd):
