@@ -386,11 +386,21 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         num_total = num_computed + num_new_tokens + num_draft_slots
         managers = self.managers
-        num_needed = 0
-        for manager in managers:
-            num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, ())
-        if num_needed > self.pool.get_num_free_blocks():
-            return None
+        if not self.per_group_pools:
+            num_needed = 0
+            for manager in managers:
+                num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, ())
+            if num_needed > self.pool.get_num_free_blocks():
+                return None
+        else:  # per-group pools: each pool gives its own groups' blocks
+            needed: dict[int, int] = {}
+            for manager in managers:
+                key = id(manager.pool)
+                needed[key] = needed.get(key, 0) + manager.get_num_blocks_to_allocate(
+                    request_id, num_total, ())
+            if any(needed.get(id(pool), 0) > pool.get_num_free_blocks()
+                   for pool in self._distinct_pools):
+                return None
         new_block_ids = tuple([block.block_id for block in
                                manager.allocate_new_blocks(request_id, num_total)]
                               for manager in managers)
