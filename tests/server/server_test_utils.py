@@ -13,6 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from speckv.engine.config import EngineConfig
+from speckv.engine.engine_args import EngineArgs
 from speckv.engine.llm_engine import LLMEngine
 from speckv.models import LlamaForCausalLM
 from speckv.models.common.tokenizer import Tokenizer
@@ -50,9 +51,8 @@ TINY_CONFIG = tiny_model_config(vocab_size=TOKENIZER.vocab_size, max_position_em
 
 def make_server(model: LlamaForCausalLM, engine_config: EngineConfig | None = None,
                 **server_config) -> ServerThread:
-    engine = LLMEngine(model, engine_config or engine_config(block_size=4, num_blocks=512,
-                                                             max_num_seqs=16, hash_seed="0"),
-                       TOKENIZER)
+    default = EngineArgs(block_size=4, num_blocks=512, max_num_seqs=16, hash_seed="0")
+    engine = LLMEngine(model, engine_config or default.create_engine_config(), TOKENIZER)
     config = ServerConfig(served_model_name=MODEL_NAME, **server_config)
     return ServerThread(OpenAIServer(engine, config, model_path="tiny-random")).start()
 
