@@ -209,7 +209,7 @@ def test_the_decode_engine_composes_with_the_cpu_tier(tiny_model, drafters):
         expected = run(single, prompt, GREEDY)
     with make_engine(tiny_model, drafter, "kv_producer") as p, \
             make_engine(tiny_model, drafter, "kv_consumer", kv_connector="offload",
-                        kv_offload_gb=0.01) as d:
+                        kv_offload_gib=0.01) as d:
         params = prefill(p, prompt).kv_transfer_params
         got = decode(d, prompt, params)
         settle(p)
