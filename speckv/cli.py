@@ -53,6 +53,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "the store tier's load speed beside raw redis-py GETs of the same bytes"),
     (("bench", "kv-tiers"), "speckv.bench.kv_tiers",
      "load and store speed of the KV connector tiers beside a plain copy_"),
+    (("bench", "pd"), "speckv.bench.pd",
+     "prefill/decode over NIXL: decode TTFT vs a local hit, transfer GB/s, acceptance"),
     (("bench", "kv-connector"), "speckv.bench.kv_connector",
      "KV tiers on the built-in model: TTFT of a tier hit vs local vs cold, load GB/s, step "
      "time with stores running"),

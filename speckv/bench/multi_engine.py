@@ -55,7 +55,7 @@ def run_modes_multi_engine(model: Any, drafter: Any, spec: ModelSpec,
             built = [engine_config(model, drafter, mode, options, url)
                      for _ in range(options.num_engines)]
             opened = workers.open([config for config, _ in built], built[0][1],
-                                  reset_store=built[0][0].kv_transfer is not None)
+                                  reset_store=built[0][0].kv_connector is not None)
             (hash_mode, tier), *others = opened
             assert all(other == (hash_mode, tier) for other in others), opened
             progress = tqdm(total=len(workload), desc=f"{mode} x{options.num_engines}",

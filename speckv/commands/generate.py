@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     line = choose_speculation(args.model, args.speculative_method, args.speculative_model,
                               args.num_spec_tokens).summary
     engine_args = engine_args_from_cli(args)  # flag errors before the model loads
-    connector = engine_args.kv_transfer_config
+    connector = engine_args.kv_connector_config
     persistent = connector is not None and {"disk", "store"} & set(connector.names)
     if persistent and args.hash_seed is None and "PYTHONHASHSEED" not in os.environ:
         raise ValueError(f"--kv-connector {args.kv_connector} needs block hashes another process "

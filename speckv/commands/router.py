@@ -19,8 +19,14 @@ from speckv.server.cli import parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", action="append", required=True, metavar="NAME=URL",
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=URL",
                         help="an engine, e.g. a=http://10.0.0.1:8000 (repeat per engine)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="prefill/decode mode: a prefill engine (speckv serve "
+                        "--kv-transfer-config with kv_role kv_producer or kv_both); repeat")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="prefill/decode mode: a decode engine (kv_role kv_consumer or "
+                        "kv_both); repeat")
     parser.add_argument("--engine-api-key", action="append", default=[],
                         metavar="NAME=KEY|KEY",
                         help="the key sent to engine NAME (KEY alone: to every engine)")
@@ -89,6 +95,28 @@ def parse_engines(entries: list[str], keys: list[str]) -> list:
     return [EngineSpec(name, url, api_keys.get(name)) for name, url in urls.items()]
 
 
+def build_pd_router(args: argparse.Namespace):
+    """The P/D proxy of `--prefill URL --decode URL` (ValueError if the URLs are bad)."""
+    from speckv.router.pd import PDConfig, PDRouter, build_pd_app
+
+    if args.engine:
+        raise ValueError("--engine and --prefill / --decode are two modes: use one")
+    urls = []
+    for flag, values in (("--prefill", args.prefill), ("--decode", args.decode)):
+        checked = []
+        for url in values:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname \
+                    or parts.port is None:
+                raise ValueError(f"{flag} {url!r}: the URL must be http://HOST:PORT")
+            checked.append(url.rstrip("/"))
+        urls.append(tuple(checked))
+    key = next((k for k in args.engine_api_key if "=" not in k), None)
+    config = PDConfig(urls[0], urls[1], api_key=args.api_key, engine_api_key=key,
+                      max_request_body_bytes=args.max_request_body_bytes)
+    return build_pd_app(PDRouter(config))
+
+
 def build_router(args: argparse.Namespace):
     from speckv.router.app import Router, RouterConfig, fetch_contracts
     from speckv.router.fleet import Fleet, FleetConfig
@@ -116,6 +144,19 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # a busy port fails before anything else
     logging.basicConfig(level=logging.WARNING, format="speckv router: %(message)s")
     try:
+        if args.prefill or args.decode:
+            app = build_pd_router(args)
+            print(f"speckv router: prefill/decode mode, prefill {', '.join(args.prefill)}, "
+                  f"decode {', '.join(args.decode)}, on http://{args.host}:{args.port}",
+                  flush=True)
+            config = uvicorn.Config(app, log_level=args.uvicorn_log_level, lifespan="on",
+                                    timeout_graceful_shutdown=5)
+            with contextlib.suppress(KeyboardInterrupt):
+                uvicorn.Server(config).run(sockets=[sock])
+            return 0
+        if not args.engine:
+            raise ValueError("speckv router needs --engine NAME=URL (KV-aware routing) or "
+                             "--prefill URL --decode URL (prefill/decode disaggregation)")
         router = build_router(args)
         for name, link in router.fleet.links.items():
             c = link.contract

@@ -25,6 +25,7 @@ or `speckv.speculation`.
 | `shared_store.py` | `StoreConnector`: the shared tier over Valkey/Redis (Cluster) |
 | `multi.py`      | `MultiConnector` |
 | `config.py`     | `ConnectorConfig`, the CLI flags, `make_connector` |
+| `nixl/`         | prefill/decode transfer over NIXL (`--kv-transfer-config`): `NixlConnector` |
 """
 
 from speckv.connectors.base import (

@@ -72,6 +72,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, seed_flag: bool = T
                         help="answer replay requests on this ZeroMQ ROUTER endpoint")
     engine.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
+    engine.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='prefill/decode disaggregation over NIXL: {"kv_connector": "nixl", '
+                             '"kv_role": "kv_producer" | "kv_consumer" | "kv_both"} (also '
+                             'kv_port, kv_lease_s, kv_transfer_timeout_s, '
+                             'kv_load_failure_policy, engine_id); the side channel binds --host')
     add_connector_arguments(parser)
 
 
@@ -137,7 +142,11 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         adaptive_speculation=not args.no_adaptive_speculation,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        kv_transfer_config=connector_config_from_args(args), **optional, **speculative)
+        kv_connector_config=connector_config_from_args(args),
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_transfer_config=args.kv_transfer_config,
+        kv_transfer_host=getattr(args, "host", None) or "127.0.0.1",
+        **optional, **speculative)
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -155,13 +164,14 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
                 "--kv-events-endpoint": args.kv_events_endpoint,
                 "--kv-events-replay-endpoint": args.kv_events_replay_endpoint,
                 "--hash-seed": args.hash_seed, "--kv-connector": args.kv_connector,
-                "--kv-offload-dir": args.kv_offload_dir, "--kv-store-url": args.kv_store_url}
+                "--kv-offload-dir": args.kv_offload_dir, "--kv-store-url": args.kv_store_url,
+                "--kv-transfer-config": args.kv_transfer_config,
+                "--kv-load-failure-policy": args.kv_load_failure_policy}
     if args.kv_connector is not None:
         optional.update({"--kv-offload-gib": args.kv_offload_gib,
                          "--kv-offload-disk-gib": args.kv_offload_disk_gib,
                          "--kv-store-gib": args.kv_store_gib,
-                         "--kv-store-timeout": args.kv_store_timeout,
-                         "--kv-load-failure-policy": args.kv_load_failure_policy})
+                         "--kv-store-timeout": args.kv_store_timeout})
         flags += ["--kv-store-cluster"] * args.kv_store_cluster
         flags += ["--kv-store-optional"] * args.kv_store_optional
     for flag, value in optional.items():

@@ -8,9 +8,12 @@ validated part by part (each sub-config checks itself; `EngineConfig` checks how
       scheduler     SchedulerConfig      per-step token budget, running requests
       speculative   SpeculativeConfig | None    method, drafts per step, drafter, adaptive
                                                 (None: no speculation)
-      kv_transfer   ConnectorConfig | None      KV tiers beyond the local prefix cache
+      kv_connector  ConnectorConfig | None      KV tiers beyond the local prefix cache
+                                                (`--kv-connector`)
+      kv_transfer   NixlConfig | None           prefill/decode transfer over NIXL
+                                                (`--kv-transfer-config`)
       events        EventsConfig | None         where KV events are published
-      dtype, device, max_model_len, seed
+      kv_load_failure_policy, dtype, device, max_model_len, seed
 
 Users fill the flat `EngineArgs` (`speckv.engine.engine_args`, what `LLM(...)` keywords and
 the CLI flags set); `EngineArgs.create_engine_config()` builds this. Errors name the flat
@@ -23,8 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, ConnectorConfig
+from speckv.connectors.config import (
+    DEFAULT_LOAD_FAILURE_POLICY,
+    ConnectorConfig,
+    check_load_failure_policy,
+)
 from speckv.connectors.namespace import persistent_hash_seed
+from speckv.connectors.nixl.config import NixlConfig
 from speckv.hashing.functions import HASH_ALGOS
 
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle", "eagle3", "mtp")
@@ -164,8 +172,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculation
-    kv_transfer: ConnectorConfig | None = None  # None: the local prefix cache only
+    kv_connector: ConnectorConfig | None = None  # None: the local prefix cache only
+    kv_transfer: NixlConfig | None = None  # None: no prefill/decode transfer
     events: EventsConfig | None = None  # None: no KV events published
+    # what a failed KV load (a tier's, or a transfer's) does to its request: recompute from the
+    # first failed token, or end it with an error (vLLM's kv_load_failure_policy)
+    kv_load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": cuda when available, else cpu
     max_model_len: int | None = None  # tokens per sequence; None: the model's max positions
@@ -180,13 +192,20 @@ class EngineConfig:
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineArgs.seed must be an int, got {self.seed!r}")
+        check_load_failure_policy(self.kv_load_failure_policy)
+        if self.kv_connector is not None:
+            self._check_kv_connector(self.kv_connector)
         if self.kv_transfer is not None:
-            self._check_kv_transfer(self.kv_transfer)
+            if not self.cache.enable_prefix_caching:
+                raise ValueError("--kv-transfer-config needs prefix caching: a transfer is "
+                                 "checked against the decode engine's own block hashes")
+            persistent_hash_seed(self.cache.hash_seed, "--kv-transfer-config (a prefill and a "
+                                 "decode engine must hash blocks alike)")
         if self.scheduler.max_num_batched_tokens < 1 + self.num_spec_tokens:
             raise ValueError("EngineArgs.max_num_batched_tokens must fit one decode step "
                              f"(1 + num_spec_tokens = {1 + self.num_spec_tokens})")
 
-    def _check_kv_transfer(self, connector: ConnectorConfig) -> None:
+    def _check_kv_connector(self, connector: ConnectorConfig) -> None:
         if not self.cache.enable_prefix_caching:
             raise ValueError("EngineArgs.kv_connector needs enable_prefix_caching: tiers are "
                              "keyed by the prefix cache's block hashes")
@@ -197,14 +216,6 @@ class EngineConfig:
                 raise ValueError(f"EngineArgs.kv_connector: {error}") from None
 
     # ---- derived -------------------------------------------------------------------------------
-    @property
-    def kv_load_failure_policy(self) -> str:
-        """What a failed KV load does to its request ("recompute" or "fail"): the connector
-        config's, the default without one (a connector passed to the engine directly)."""
-        if self.kv_transfer is None:
-            return DEFAULT_LOAD_FAILURE_POLICY
-        return self.kv_transfer.load_failure_policy
-
     @property
     def num_spec_tokens(self) -> int:
         """Drafts per request per step (0: no speculation)."""

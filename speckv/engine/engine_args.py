@@ -9,8 +9,10 @@ place they become the nested, validated `EngineConfig`:
     max_num_batched_tokens, max_num_seqs                      -> EngineConfig.scheduler
     speculative_method (None: off), num_spec_tokens, speculative_model,
     adaptive_speculation, prompt_lookup_*                     -> EngineConfig.speculative
-    kv_connector + kv_offload_* / kv_store_* (or a whole kv_transfer_config)
-                                                              -> EngineConfig.kv_transfer
+    kv_connector + kv_offload_* / kv_store_* (or a whole kv_connector_config)
+                                                              -> EngineConfig.kv_connector
+    kv_transfer_config (the JSON) + kv_transfer_host         -> EngineConfig.kv_transfer
+    kv_load_failure_policy (or the JSON's key)                -> EngineConfig.kv_load_failure_policy
     kv_events_endpoint, kv_events_replay_endpoint             -> EngineConfig.events
 
 Sizes say their unit: `kv_offload_gib`, `kv_offload_disk_gib`, `kv_store_gib` are GiB.
@@ -24,6 +26,7 @@ from typing import Any
 
 from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, ConnectorConfig
 from speckv.connectors.disk import DEFAULT_DISK_GIB
+from speckv.connectors.nixl.config import NixlConfig
 from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB
 from speckv.connectors.redis_store import DEFAULT_TIMEOUT_S
 from speckv.connectors.shared_store import DEFAULT_STORE_GIB, EMBEDDED
@@ -74,11 +77,17 @@ class EngineArgs:
     kv_store_timeout_s: float = DEFAULT_TIMEOUT_S  # per store call, then a miss
     kv_load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY  # a failed load: recompute | fail
     # the connector settings whole (what the CLI parses); instead of kv_connector + kv_*
-    kv_transfer_config: ConnectorConfig | None = None
+    kv_connector_config: ConnectorConfig | None = None
+    # prefill/decode transfer over NIXL: the `--kv-transfer-config` JSON (text or dict;
+    # speckv.connectors.nixl.config); its side channel binds `kv_transfer_host`. None: off
+    kv_transfer_config: str | dict[str, Any] | None = None
+    kv_transfer_host: str = "127.0.0.1"
     mamba_block_size: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """The nested `EngineConfig` (ValueError naming the field that is wrong)."""
+        transfer = (None if self.kv_transfer_config is None else
+                    NixlConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host))
         return EngineConfig(
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_blocks,
@@ -90,8 +99,13 @@ class EngineArgs:
                 mamba_block_size=self.mamba_block_size),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             speculative=self._speculative(),
-            kv_transfer=self._kv_transfer(),
+            kv_connector=self._kv_connector(),
+            kv_transfer=transfer,
             events=self._events(),
+            kv_load_failure_policy=(
+                transfer.load_failure_policy  # the JSON's key, as vLLM's
+                if transfer is not None and transfer.load_failure_policy is not None
+                else self.kv_load_failure_policy),
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             seed=self.seed,
         )
@@ -119,11 +133,11 @@ class EngineArgs:
         return SpeculativeConfig(self.speculative_method, n, model, self.adaptive_speculation,
                                  self.prompt_lookup_min, self.prompt_lookup_max)
 
-    def _kv_transfer(self) -> ConnectorConfig | None:
-        if self.kv_transfer_config is not None:
+    def _kv_connector(self) -> ConnectorConfig | None:
+        if self.kv_connector_config is not None:
             if self.kv_connector is not None:
-                raise ValueError("EngineArgs: set kv_connector or kv_transfer_config, not both")
-            return self.kv_transfer_config
+                raise ValueError("EngineArgs: set kv_connector or kv_connector_config, not both")
+            return self.kv_connector_config
         if self.kv_connector is None:
             if self.kv_offload_dir is not None:
                 raise ValueError("EngineArgs.kv_offload_dir needs kv_connector='disk' (or "

@@ -37,8 +37,8 @@ def check_model_fits(model: TargetModel, config: EngineConfig) -> None:
 def check_engine(layout: KVCacheLayout, config: EngineConfig, *, num_draft_layers: int,
                  proposer: Proposer | None, connector: KVConnector | None) -> None:
     """ValueError when the drafter, the proposer or a connector cannot use `layout`.
-    `connector`: one passed to the engine directly (not built from `config.kv_transfer`)."""
-    if connector is not None and config.kv_transfer is not None:
+    `connector`: one passed to the engine directly (not built from `config.kv_connector`)."""
+    if connector is not None and config.kv_connector is not None:
         raise ValueError("pass a connector or set EngineArgs.kv_connector, not both")
     draft_group = layout.draft_group
     if num_draft_layers and draft_group is not None \
@@ -61,7 +61,7 @@ def check_connector_groups(connector: KVConnector | None, layout: KVCacheLayout,
     blocker = kv_group_blocker(connector, [spec.kind for spec in layout.specs])
     if blocker is None:
         return
-    name = ",".join(config.kv_transfer.names) if config.kv_transfer is not None else (
+    name = ",".join(config.kv_connector.names) if config.kv_connector is not None else (
         connector.name if connector is not None else "?")
     raise ValueError(f"--kv-connector {name}: {blocker} [{layout.describe()}]: a tier hit must "
                      "be one every group can serve; drop --kv-connector")

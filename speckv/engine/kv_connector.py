@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from speckv.connectors import (
@@ -50,11 +50,13 @@ from speckv.connectors import (
     FinishDecision,
     KVConnector,
     LoadFailure,
+    MultiConnector,
     RequestBlocks,
     StepMetadata,
     TierIdentity,
     fingerprint_tensors,
     make_connector,
+    persistent_hash_seed,
 )
 from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, check_load_failure_policy
 
@@ -75,13 +77,15 @@ GROUP_ID = 0  # the connector copies the one full-attention group the engine run
 # ---- start-up ----------------------------------------------------------------------------------
 def build_connector(config: EngineConfig, model: TargetModel, drafter: Any | None
                     ) -> KVConnector | None:
-    """The configured connector, not yet initialized (None: no `kv_transfer`).
+    """The configured connector, not yet initialized (None: no `kv_connector`, no
+    `kv_transfer`).
 
     A disk tier or a shared store is namespaced by a fingerprint of the target's and the
     drafter's weights: the draft KV it keeps depends on both."""
-    connector_config = config.kv_transfer
+    transfer = build_transfer_connector(config)
+    connector_config = config.kv_connector
     if connector_config is None:
-        return None
+        return transfer
     identity = None
     if {"disk", "store"} & set(connector_config.names):
         named = [(f"target.{name}", tensor) for name, tensor in model.named_parameters()]
@@ -89,7 +93,24 @@ def build_connector(config: EngineConfig, model: TargetModel, drafter: Any | Non
             named += [(f"draft.{name}", tensor) for name, tensor in drafter.named_parameters()]
         identity = TierIdentity(fingerprint_tensors(named), config.cache.hash_algo,
                                 config.cache.hash_seed)
-    return make_connector(connector_config, identity)
+    tiers = make_connector(connector_config, identity)
+    if transfer is None:
+        return tiers
+    # the tiers first: a request they can serve locally pulls nothing from the prefill engine
+    children = [*(tiers.children if isinstance(tiers, MultiConnector) else (tiers,)), transfer]
+    return MultiConnector(children, name=",".join(child.name for child in children))
+
+
+def build_transfer_connector(config: EngineConfig) -> KVConnector | None:
+    """The prefill/decode transfer connector of `--kv-transfer-config` (None: off)."""
+    transfer = config.kv_transfer
+    if transfer is None:
+        return None
+    from speckv.connectors.nixl.connector import NixlConnector
+
+    seed = persistent_hash_seed(config.cache.hash_seed, "--kv-transfer-config")
+    return NixlConnector(replace(transfer, load_failure_policy=config.kv_load_failure_policy),
+                         config.cache.hash_algo, seed)
 
 
 def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,

@@ -18,7 +18,7 @@ every group draws from: a block id costs the bytes of all layers whichever group
 from a memory budget a hybrid layout gets one pool per group instead (`kv_budget.py`: each
 group's tensors have the rows its pool has), reported as `kv_budget`.
 
-With `EngineConfig.kv_transfer`, the engine builds the connector (`kv_connector.py`), resolves
+With `EngineConfig.kv_connector`, the engine builds the connector (`kv_connector.py`), resolves
 its hash mode from the drafter AND the connector's lookahead capability (`hash_mode.reason`
 says why; logged at start-up), and binds the connector to the target's and drafter's caches.
 When the engine goes idle, the saves of the requests that just left are snapshotted (their
@@ -98,7 +98,7 @@ class LLMEngine:
         spec_clock: Clock | None = None,
         hash_mode: HashMode | None = None,
     ) -> None:
-        """`connector`: a KV connector to use instead of the one `config.kv_transfer` names
+        """`connector`: a KV connector to use instead of the one `config.kv_connector` names
         (not yet initialized; the engine initializes it and closes it).
 
         Cache-policy overrides (benches, tests): `layout` replaces the model's KV cache groups
@@ -305,6 +305,10 @@ class LLMEngine:
         finished in it (deltas since the previous output)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if self.scheduler.num_unfinished == 0 and self.scheduler.num_held_requests:
+            # only blocks kept for a transfer: a step just polls for their release, so do
+            # not spin the CPU doing it
+            time.sleep(0.001)
         outputs = self.output_processor.process(self.core.step())
         self._settle_if_idle()
         # taken every step, published or not: a tier's events pile up otherwise

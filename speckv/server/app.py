@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from speckv.connectors.nixl.side_channel import release_lease_soon
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.server import errors
@@ -205,10 +206,15 @@ def build_app(server: OpenAIServer) -> Starlette:
         arrival = time.perf_counter()
         _check_api_key(server, request)
         body = parse_json_object(await read_body(request, config.max_request_body_bytes))
-        generation = parse(body, server.limits, tokenizer)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = await server.client.submit(EngineRequest(
-            request_id, generation.prompt_token_ids, generation.params, arrival))
+        try:
+            generation = parse(body, server.limits, tokenizer)
+            stream = await server.client.submit(EngineRequest(
+                request_id, generation.prompt_token_ids, generation.params, arrival))
+        except APIError:
+            # rejected: a prefill engine keeping this request's KV need not wait for its lease
+            release_lease_soon(body.get("kv_transfer_params"))
+            raise
         header = ResponseHeader.new(request_id, config.served_model_name)
         if generation.stream:
             return EventStreamResponse(stream, ChunkWriter(generation.kind, header,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from speckv.engine.cli_args import add_engine_arguments, engine_args_from_cli, parse_size
 
@@ -84,4 +85,14 @@ def run(args: argparse.Namespace) -> int:
           + ")", flush=True)
     print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)
+
+
+def _transfer_connector(connector: Any) -> Any:
+    """The engine's NixlConnector (alone or inside a MultiConnector), or None."""
+    from speckv.connectors.nixl.connector import NixlConnector
+
+    for child in getattr(connector, "children", (connector,)):
+        if isinstance(child, NixlConnector):
+            return child
+    return None
     return 0

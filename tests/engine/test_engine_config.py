@@ -25,7 +25,7 @@ def test_flat_args_become_the_nested_config():
     assert config.cache == CacheConfig(block_size=8, num_blocks=64)
     assert config.scheduler == SchedulerConfig(max_num_seqs=5)
     assert config.speculative == SpeculativeConfig("ngram", 2)
-    assert config.kv_transfer == ConnectorConfig(("offload",), offload_gib=0.5)
+    assert config.kv_connector == ConnectorConfig(("offload",), offload_gib=0.5)
     assert config.events is not None and config.events.endpoint == "inproc://e"
     assert config.num_spec_tokens == 2
 
@@ -37,10 +37,10 @@ def test_no_speculation_is_none_and_defaults_are_the_default_config():
 
 def test_a_parsed_connector_config_is_taken_whole():
     connector = ConnectorConfig(("offload",), offload_gib=0.25)
-    config = EngineArgs(kv_transfer_config=connector).create_engine_config()
-    assert config.kv_transfer is connector
+    config = EngineArgs(kv_connector_config=connector).create_engine_config()
+    assert config.kv_connector is connector
     with pytest.raises(ValueError, match="not both"):
-        EngineArgs(kv_transfer_config=connector, kv_connector="offload").create_engine_config()
+        EngineArgs(kv_connector_config=connector, kv_connector="offload").create_engine_config()
 
 
 def test_sub_configs_validate_themselves():

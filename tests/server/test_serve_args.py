@@ -76,13 +76,13 @@ def test_kv_connector_flags_reach_the_engine_and_round_trip(tmp_path):
     args = _parse("--kv-connector", "offload,disk", "--kv-offload-dir", str(tmp_path),
                   "--kv-offload-gib", "0.5", "--hash-seed", "0")
     engine_args = engine_args_from_cli(args)
-    connector = engine_args.kv_transfer_config
+    connector = engine_args.kv_connector_config
     assert connector is not None and connector.names == ("offload", "disk")
     assert connector.offload_gib == 0.5 and connector.offload_dir == str(tmp_path)
     assert engine_args.hash_seed == "0"
     assert engine_args_from_cli(_parse(*engine_flags(args))) == engine_args
     config = engine_args.create_engine_config()
-    assert config.kv_transfer == connector
+    assert config.kv_connector == connector
     with pytest.raises(ValueError, match="--kv-connector"):
         engine_args_from_cli(_parse("--kv-connector", "tape"))
     with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-connector disk"):

@@ -1,0 +1,105 @@
+"""`--kv-transfer-config`: the JSON that turns an engine into a prefill or a decode engine.
+
+Owns `NixlConfig` (frozen, validated; errors name the JSON key) and its parsing:
+
+    {"kv_connector": "nixl",
+     "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+     "kv_port": 0,                        side channel port (0: any free port)
+     "kv_lease_s": 30.0,                  how long a prefill engine keeps unpulled blocks
+     "kv_transfer_timeout_s": 10.0,       a decode engine's wait for the handshake and a READ
+     "kv_load_failure_policy": "recompute" | "fail",
+     "engine_id": "prefill-0"}            default: a random id per start
+
+The side channel binds to `--host` (the same address the HTTP server listens on).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from speckv.connectors.nixl.lease import DEFAULT_LEASE_S
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+POLICIES = ("recompute", "fail")
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+_KEYS = ("kv_connector", "kv_role", "kv_port", "kv_lease_s", "kv_transfer_timeout_s",
+         "kv_load_failure_policy", "engine_id")
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_s: float = DEFAULT_LEASE_S
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    load_failure_policy: str | None = None  # None: the engine's --kv-load-failure-policy
+    engine_id: str = field(default_factory=lambda: f"speckv-{uuid.uuid4().hex[:12]}")
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(ROLES)}, "
+                             f"got {self.role!r}")
+        if self.load_failure_policy is not None and self.load_failure_policy not in POLICIES:
+            raise ValueError("--kv-transfer-config kv_load_failure_policy must be recompute or "
+                             f"fail, got {self.load_failure_policy!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) \
+                or not 0 <= self.port < 65536:
+            raise ValueError(f"--kv-transfer-config kv_port must be a TCP port, got "
+                             f"{self.port!r}")
+        for key, value in (("kv_lease_s", self.lease_s),
+                           ("kv_transfer_timeout_s", self.transfer_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"--kv-transfer-config {key} must be a number > 0, got "
+                                 f"{value!r}")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ValueError("--kv-transfer-config engine_id must be a non-empty string")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any], host: str = "127.0.0.1") -> NixlConfig:
+        """From the `--kv-transfer-config` JSON text (or its dict)."""
+        if isinstance(text, str):
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--kv-transfer-config is not JSON: {error}") from None
+        else:
+            obj = dict(text)
+        if not isinstance(obj, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        unknown = sorted(set(obj) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"--kv-transfer-config: unknown key(s) {unknown}; known: "
+                             f"{', '.join(_KEYS)}")
+        if obj.get("kv_connector") not in ("nixl", "NixlConnector"):
+            raise ValueError(f"--kv-transfer-config kv_connector must be \"nixl\", got "
+                             f"{obj.get('kv_connector')!r}")
+        if "kv_role" not in obj:
+            raise ValueError("--kv-transfer-config needs kv_role (kv_producer, kv_consumer or "
+                             "kv_both)")
+        options: dict[str, Any] = {"role": obj["kv_role"], "host": host}
+        for key, name in (("kv_port", "port"), ("kv_lease_s", "lease_s"),
+                          ("kv_transfer_timeout_s", "transfer_timeout_s"),
+                          ("kv_load_failure_policy", "load_failure_policy"),
+                          ("engine_id", "engine_id")):
+            if key in obj:
+                options[name] = obj[key]
+        return cls(**options)
+
+    def to_json(self) -> str:
+        return json.dumps({"kv_connector": "nixl", "kv_role": self.role, "kv_port": self.port,
+                           "kv_lease_s": self.lease_s,
+                           "kv_transfer_timeout_s": self.transfer_timeout_s,
+                           "kv_load_failure_policy": self.load_failure_policy,
+                           "engine_id": self.engine_id})

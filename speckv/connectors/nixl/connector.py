@@ -1,0 +1,533 @@
+"""`NixlConnector`: prefill/decode disaggregation, a request's target and draft KV moved from
+a prefill engine's blocks to a decode engine's blocks over NIXL.
+
+Owns both roles (an engine may play both, `kv_both`):
+
+prefill side (`kv_producer`), for a request whose `kv_transfer_params` say
+`do_remote_decode`: at its finish, the blocks whose target and draft KV are complete and
+provable (`rules.num_storable_blocks`, at most the (N - 1) // B a hit may cover) stay
+allocated (`FinishDecision.delay_free`) under a lease, and the request's final output carries
+the `KVTransferParams` naming them, with the block-hash manifest. The blocks are freed
+(`ConnectorOutput.finished_sending`) when the decode side's READ notification or release
+arrives, or when the lease expires.
+
+decode side (`kv_consumer`), for a request whose `kv_transfer_params` say
+`do_remote_prefill`: after the local hit `h`, the external hit is the run of blocks from
+`h / B` on whose manifest hash equals the hash this engine computes itself (the same lookup
+rule as every tier: at most (N - 1) // B blocks, one block less under the legacy drop), so it
+pulls only what a local hit does not cover, and only blocks provably holding the same
+content. The READ (every layer of the target and the drafter) runs in the worker phase after
+the step's saves are snapshotted; a READ that fails or outlasts `transfer_timeout_s`, a dead
+prefill engine or an expired lease is a `LoadFailure` of the whole range: the engine
+recomputes it (nothing of a partial transfer is cached: the pool caches the loaded range only
+at the next allocation). Every way out (pulled, failed, not needed, request finished early)
+releases the prefill side's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from speckv.connectors.base import ExternalHit, FinishDecision, KVConnector, RequestBlocks
+from speckv.connectors.layout import DeviceKV
+from speckv.connectors.metadata import (
+    ConnectorMetadata,
+    ConnectorOutput,
+    ConnectorStats,
+    LoadFailure,
+    RequestLoad,
+    StepMetadata,
+)
+from speckv.connectors.nixl.config import NixlConfig
+from speckv.connectors.nixl.layout_desc import KVLayoutDesc, check_peer_layout, describe_layout
+from speckv.connectors.nixl.params import (
+    HashContract,
+    KVTransferParams,
+    ParamsError,
+    parse_transfer_params,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+from speckv.connectors.nixl.side_channel import (
+    Admit,
+    Admitted,
+    Heartbeat,
+    Hello,
+    LeaseService,
+    Refused,
+    Release,
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+    Welcome,
+)
+from speckv.connectors.nixl.transport import NixlTransport, ReadHandle
+from speckv.connectors.rules import (
+    ConnectorMode,
+    ConnectorRequest,
+    describe_block,
+    num_lookup_candidates,
+    num_servable_blocks,
+    num_storable_blocks,
+)
+
+logger = logging.getLogger("speckv.connectors.nixl")
+
+MEDIUM_NIXL = "NIXL"
+_DONE_PREFIX = b"done:"
+
+
+def transfer_params_of(request: ConnectorRequest) -> Any:
+    """The request's `kv_transfer_params` (None when it has none)."""
+    return getattr(request, "kv_transfer_params", None)
+
+
+@dataclass
+class _Peer:
+    client: SideChannelClient
+    agent_name: str
+    layout: KVLayoutDesc
+
+
+@dataclass
+class _Pull:
+    """One decode-side request that names a prefill engine's lease."""
+
+    params: KVTransferParams
+    peer: _Peer | None = None
+    local_block_ids: tuple[int, ...] = ()
+    remote_block_ids: tuple[int, ...] = ()
+    first_token: int = 0
+    released: bool = False
+    error: str | None = None  # why the handshake failed (None: it did not)
+    load: RequestLoad | None = None  # what to READ, once the blocks are allocated
+
+
+@dataclass
+class _Read:
+    load: RequestLoad
+    pull: _Pull
+    read: ReadHandle
+    started: float
+    deadline: float
+
+
+class NixlConnector(KVConnector):
+    name = "nixl"
+
+    def __init__(self, config: NixlConfig, hash_algo: str, hash_seed: str | None) -> None:
+        self.config = config
+        self.hash_algo = hash_algo
+        self.hash_seed = hash_seed
+        self.epoch = ""
+        self._kv: DeviceKV | None = None
+        self._mode: ConnectorMode | None = None
+        self._transport: NixlTransport | None = None
+        self._layout: KVLayoutDesc | None = None
+        # prefill side
+        self._leases: LeaseService | None = None
+        self._server: SideChannelServer | None = None
+        self._leased_requests: dict[str, str] = {}  # request id -> lease id
+        # decode side
+        self._peers: dict[tuple[str, int, str], _Peer] = {}
+        self._pulls: dict[str, _Pull] = {}  # request id -> its pull (until released)
+        self._planned: list[str] = []  # request ids whose load the next metadata carries
+        self._failures: list[LoadFailure] = []
+        self._recved: set[str] = set()  # asynchronous loads settled since the last report
+        self._inflight: dict[str, _Read] = {}  # READs on the wire, by request id
+        self._finished_pulls: dict[str, _Pull] = {}  # finished while their READ runs
+        self._control: queue.Queue[tuple[SideChannelClient, Any, bool] | None] = queue.Queue(4096)
+        self._control_thread: threading.Thread | None = None
+        self._heartbeat_at = 0.0
+        self._step = 0
+        self._stats: dict[str, Any] = {"lookups": 0, "hit_blocks": 0, "loaded_blocks": 0,
+                                       "loaded_bytes": 0, "load_failed_blocks": 0,
+                                       "sent_leases": 0, "refused": 0, "transfer_s": 0.0}
+
+    @property
+    def supports_lookahead_block_hashes(self) -> bool:
+        # a transfer moves a request's own blocks, checked against hashes the decode engine
+        # computes itself: it stays exact under any hash mode both engines share
+        return True
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:
+        import uuid
+
+        self._kv, self._mode = kv, mode
+        self.epoch = uuid.uuid4().hex
+        contract = HashContract(self.hash_algo, self.hash_seed, mode.block_size,
+                                mode.lookahead_tokens, mode.drops_last_block)
+        agent_name = f"{self.config.engine_id}-{self.epoch[:8]}"
+        self._layout = describe_layout(kv, self.config.engine_id, self.epoch, agent_name,
+                                       contract)
+        self._transport = NixlTransport(kv, agent_name, self._layout)
+        if self.config.is_producer:
+            self._leases = LeaseService(self.config.lease_s)
+            self._server = SideChannelServer(
+                self.config.host, self.config.port, self.epoch,
+                Welcome(self._layout, self._transport.metadata()), self._leases,
+                max_pin_s=2 * self.config.transfer_timeout_s)
+            logger.info("nixl: prefill side channel on %s:%d (engine %s)", self.config.host,
+                        self._server.port, self.config.engine_id)
+        self._control_thread = threading.Thread(target=self._control_loop, daemon=True,
+                                                name="speckv-nixl-control")
+        self._control_thread.start()
+
+    @property
+    def side_channel_port(self) -> int | None:
+        return self._server.port if self._server is not None else None
+
+    @property
+    def hash_contract(self) -> HashContract:
+        assert self._layout is not None
+        return self._layout.hash_contract
+
+    # ---- decode side: scheduler --------------------------------------------------------------
+    def _pull_of(self, request: ConnectorRequest) -> _Pull | None:
+        pull = self._pulls.get(request.request_id)
+        if pull is not None or not self.config.is_consumer:
+            return pull
+        raw = transfer_params_of(request)
+        if not wants_remote_prefill(raw):
+            return None
+        try:
+            params = parse_transfer_params(raw)
+        except ParamsError as error:
+            logger.warning("request %s: %s; prefilling locally", request.request_id, error)
+            return None
+        pull = self._pulls[request.request_id] = _Pull(params)
+        try:
+            pull.peer = self._peer(params)
+        except (ParamsError, SideChannelError, ValueError, RuntimeError) as error:
+            self._stats["refused"] += 1
+            pull.error = str(error)
+            logger.warning("request %s: the transfer from %s:%d is refused (%s)%s",
+                           request.request_id, params.host, params.port, error,
+                           "" if self._fails else "; prefilling locally")
+        return pull
+
+    @property
+    def _fails(self) -> bool:
+        return self.config.load_failure_policy == "fail"
+
+    def _peer(self, params: KVTransferParams) -> _Peer:
+        key = (params.host, params.port, params.epoch)
+        peer = self._peers.get(key)
+        if peer is not None:
+            return peer
+        assert self._transport is not None and self._layout is not None
+        client = SideChannelClient(params.host, params.port, self.config.transfer_timeout_s)
+        reply = client.call(Hello(self.config.engine_id, self.epoch))
+        if isinstance(reply, Refused):
+            client.close()
+            raise ParamsError(reply.field, reply.reason)
+        if not isinstance(reply, Welcome):
+            client.close()
+            raise SideChannelError(f"unexpected answer {type(reply).__name__} to a handshake")
+        layout = reply.layout
+        if (layout.engine_id, layout.epoch) != (params.engine_id, params.epoch):
+            client.close()
+            field = "engine_id" if layout.engine_id != params.engine_id else "epoch"
+            raise ParamsError(field, f"the engine at {params.host}:{params.port} is "
+                              f"{layout.engine_id} epoch {layout.epoch}, the params name "
+                              f"{params.engine_id} epoch {params.epoch}")
+        if params.hash_contract != layout.hash_contract:
+            client.close()
+            raise ParamsError("hash_contract", "differs from the prefill engine's own")
+        check_peer_layout(self._layout, layout)
+        if self._transport.has_peer(layout.agent_name):
+            agent_name = layout.agent_name
+        else:
+            agent_name = self._transport.add_peer(reply.agent_metadata, layout)
+        peer = self._peers[key] = _Peer(client, agent_name, layout)
+        return peer
+
+    def _servable(self, request: ConnectorRequest, pull: _Pull, num_local_hit_tokens: int
+                  ) -> int:
+        assert self._mode is not None
+        mode = self._mode
+        if pull.released:
+            return 0  # pulled (or given up) already: a preempted request recomputes locally
+        if pull.peer is None and not self._fails:
+            return 0  # prefill it locally
+        # under policy "fail" a refused transfer still claims its range: the load fails it
+        params = pull.params
+        size = mode.block_size
+        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        limit = min(num_lookup_candidates(request.num_tokens, len(hashes), size),
+                    params.num_blocks)
+        first = num_local_hit_tokens // size
+        end = first
+        while end < limit and bytes(hashes[end]) == params.manifest[end]:
+            end += 1
+        if end < limit:
+            logger.warning("request %s: kv_transfer_params.manifest[%d] differs from this "
+                           "engine's block hash; pulling %d blocks, computing the rest",
+                           request.request_id, end, end - first)
+        return num_servable_blocks(max(0, end - first), mode)
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_local_hit_tokens: int) -> ExternalHit:
+        pull = self._pull_of(request)
+        if pull is None:
+            return ExternalHit(0)
+        self._stats["lookups"] += 1
+        blocks = self._servable(request, pull, num_local_hit_tokens)
+        self._stats["hit_blocks"] += blocks
+        assert self._mode is not None
+        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None,
+                           load_async=bool(blocks))
+
+    def peek_num_matched_tokens(self, request: ConnectorRequest,
+                                num_local_hit_tokens: int) -> ExternalHit:
+        pull = self._pull_of(request)
+        if pull is None:
+            return ExternalHit(0)
+        assert self._mode is not None
+        blocks = self._servable(request, pull, num_local_hit_tokens)
+        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None,
+                           load_async=bool(blocks))
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
+                                 num_local_hit_tokens: int, num_external_tokens: int) -> None:
+        pull = self._pulls.get(request.request_id)
+        if pull is None:
+            return
+        if not num_external_tokens:
+            self._release(pull)  # nothing to pull (a local hit covers it, or refused)
+            return
+        assert self._mode is not None
+        size = self._mode.block_size
+        first = num_local_hit_tokens // size
+        end = (num_local_hit_tokens + num_external_tokens) // size
+        pull.local_block_ids = tuple(block_ids[first:end])
+        pull.remote_block_ids = tuple(pull.params.block_ids[0][first:end])
+        pull.first_token = num_local_hit_tokens
+        hashes = request.get_block_hashes(self._mode.lookahead_tokens)
+        pull.load = RequestLoad(
+            request.request_id, num_local_hit_tokens, size,
+            tuple(describe_block(request, hashes, index, self._mode)
+                  for index in range(first, end)), pull.local_block_ids)
+        self._planned.append(request.request_id)
+
+    def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
+        self._step += 1
+        loads = [pull.load for pull in (self._pulls.get(request_id)
+                                        for request_id in self._planned)
+                 if pull is not None and pull.load is not None]
+        self._planned = []
+        return ConnectorMetadata(self._step, tuple(loads))
+
+    def request_finished(self, blocks: RequestBlocks) -> FinishDecision:
+        request = blocks.request
+        pull = self._pulls.pop(request.request_id, None)
+        if pull is not None and request.request_id in self._inflight:
+            # its READ runs: the READ's end settles the lease (and finished_recving)
+            self._finished_pulls[request.request_id] = pull
+        elif pull is not None:
+            if request.request_id in self._planned:  # accepted, never started
+                self._planned.remove(request.request_id)
+                self._recved.add(request.request_id)
+            self._release(pull)
+        if self.config.is_producer and wants_remote_decode(transfer_params_of(request)):
+            return self._lease(blocks)
+        return FinishDecision()
+
+    def request_preempted(self, blocks: RequestBlocks) -> None:
+        return None
+
+    # ---- prefill side ------------------------------------------------------------------------
+    def _lease(self, blocks: RequestBlocks) -> FinishDecision:
+        assert self._mode is not None and self._leases is not None and self._server is not None
+        request, mode = blocks.request, self._mode
+        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        num_prompt = getattr(request, "num_prompt_tokens", request.num_tokens)
+        limit = num_lookup_candidates(num_prompt, len(hashes), mode.block_size)
+        count = min(limit, num_storable_blocks(len(hashes), blocks.num_written_tokens,
+                                               request.num_tokens, mode))
+        block_ids = [int(b) for b in blocks.block_ids[:count]]
+        tokens = request.all_token_ids
+        first_token = int(tokens[num_prompt]) if len(tokens) > num_prompt else 0
+        lease_id = self._leases.issue(request.request_id, [block_ids]) if count else ""
+        if count:
+            self._leased_requests[request.request_id] = lease_id
+            self._stats["sent_leases"] += 1
+        params = KVTransferParams(
+            engine_id=self.config.engine_id, epoch=self.epoch, host=self.config.host,
+            port=self._server.port, lease_id=lease_id or "none", block_ids=[block_ids],
+            num_tokens=count * mode.block_size, first_token_id=first_token,
+            hash_contract=self.hash_contract,
+            manifest=[bytes(h) for h in hashes[:count]])
+        return FinishDecision(delay_free=bool(count), kv_transfer_params=params.to_json_obj())
+
+    def _finished_sending(self) -> frozenset[str]:
+        if self._leases is None or self._transport is None:
+            return frozenset()
+        for _peer, messages in self._transport.take_notifs().items():
+            for message in messages:
+                if message.startswith(_DONE_PREFIX):
+                    self._leases.release(message[len(_DONE_PREFIX):].decode(errors="replace"))
+        ended = set(self._leases.take_ended())
+        for request_id in ended:
+            self._leased_requests.pop(request_id, None)
+        return frozenset(ended)
+
+    # ---- decode side: worker -----------------------------------------------------------------
+    def snapshot_saves(self, meta: StepMetadata) -> None:
+        return None
+
+    def load_blocks(self, meta: StepMetadata) -> None:
+        """Start this step's READs (asynchronous: `get_finished` reports them done)."""
+        assert isinstance(meta, ConnectorMetadata) and self._transport is not None
+        for load in meta.loads:
+            started = time.monotonic()
+            pull = self._pulls.get(load.request_id)
+            if pull is None or pull.peer is None:
+                reason = pull.error if pull is not None and pull.error else "no transfer"
+                self._fail(load, reason)
+                continue
+            try:
+                reply = pull.peer.client.call(Admit(pull.params.epoch, pull.params.lease_id,
+                                                    [list(pull.remote_block_ids)],
+                                                    self.config.transfer_timeout_s))
+                if not isinstance(reply, Admitted):
+                    reason = (f"{reply.field}: {reply.reason}" if isinstance(reply, Refused)
+                              else "unexpected answer")
+                    raise SideChannelError(f"the prefill engine refused the READ ({reason})")
+                read = self._transport.start_read(
+                    pull.peer.agent_name, pull.remote_block_ids, pull.local_block_ids,
+                    _DONE_PREFIX + pull.params.lease_id.encode())
+            except (SideChannelError, ValueError, IndexError, RuntimeError) as error:
+                self._fail(load, str(error))
+                continue
+            self._inflight[load.request_id] = _Read(
+                load, pull, read, started, started + self.config.transfer_timeout_s)
+
+    def _fail(self, load: RequestLoad, reason: str) -> None:
+        logger.warning("request %s: KV transfer failed (%s); %s", load.request_id, reason,
+                       "failing it (kv_load_failure_policy fail)" if self._fails
+                       else "recomputing its prompt")
+        self._stats["load_failed_blocks"] += len(load.device_block_ids)
+        self._failures.append(LoadFailure(load.request_id, load.first_token,
+                                          load.device_block_ids, reason))
+        self._recved.add(load.request_id)
+        pull = self._pulls.get(load.request_id) or self._finished_pulls.pop(load.request_id,
+                                                                             None)
+        if pull is not None:
+            self._release(pull)
+
+    def _poll_reads(self) -> None:
+        assert self._transport is not None
+        now = time.monotonic()
+        for request_id, flight in list(self._inflight.items()):
+            state = self._transport.poll(flight.read)
+            if state == "PROC" and now < flight.deadline:
+                continue
+            del self._inflight[request_id]
+            self._stats["transfer_s"] += now - flight.started
+            if state == "DONE":
+                flight.pull.released = True  # the READ's notification ends the lease
+                self._finished_pulls.pop(request_id, None)
+                self._stats["loaded_blocks"] += len(flight.load.device_block_ids)
+                self._stats["loaded_bytes"] += flight.read.num_bytes
+                self._recved.add(request_id)
+                continue
+            if state == "PROC":
+                self._transport.abandon(flight.read)
+            self._fail(flight.load, "the READ timed out" if state == "PROC"
+                       else "the READ failed")
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        return frozenset()  # asynchronous failures travel in get_finished()
+
+    def get_finished(self) -> ConnectorOutput:
+        self._heartbeats()
+        if self._inflight:
+            self._poll_reads()
+        recved, self._recved = frozenset(self._recved), set()
+        failures, self._failures = tuple(self._failures), []
+        return ConnectorOutput(finished_loads=recved, load_failures=failures,
+                               finished_recving=recved,
+                               finished_sending=self._finished_sending())
+
+    # ---- control messages (a thread: never block a step on a dead peer) ---------------------
+    def _release(self, pull: _Pull) -> None:
+        if pull.released:
+            return
+        pull.released = True
+        if pull.peer is not None:
+            self._send_control(pull.peer.client, Release(pull.params.epoch,
+                                                         pull.params.lease_id))
+        else:  # never shook hands (refused or unreachable): tell it anyway, best effort
+            client = SideChannelClient(pull.params.host, pull.params.port,
+                                       self.config.transfer_timeout_s)
+            self._send_control(client, Release(pull.params.epoch, pull.params.lease_id),
+                               close=True)
+
+    def _send_control(self, client: SideChannelClient, message: Any, close: bool = False
+                      ) -> None:
+        try:
+            self._control.put_nowait((client, message, close))
+        except queue.Full:
+            logger.warning("nixl: control queue full; a lease is left to expire")
+
+    def _heartbeats(self) -> None:
+        now = time.monotonic()
+        if now < self._heartbeat_at or not self._pulls:
+            return
+        self._heartbeat_at = now + self.config.lease_s / 3
+        by_peer: dict[int, tuple[_Peer, list[str]]] = {}
+        for pull in self._pulls.values():
+            if pull.peer is not None and not pull.released:
+                by_peer.setdefault(id(pull.peer), (pull.peer, []))[1].append(
+                    pull.params.lease_id)
+        for peer, lease_ids in by_peer.values():
+            self._send_control(peer.client, Heartbeat(peer.layout.epoch, lease_ids))
+
+    def _control_loop(self) -> None:
+        while True:
+            item = self._control.get()
+            if item is None:
+                return
+            client, message, close = item
+            try:
+                client.call(message)
+            except SideChannelError as error:
+                logger.info("nixl: %s not delivered (%s)", type(message).__name__, error)
+            finally:
+                if close:
+                    client.close()
+
+    # ---- both --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, ConnectorStats]:
+        s = self._stats
+        held = len(self._leases) if self._leases is not None else 0
+        return {self.name: ConnectorStats(
+            self.name, MEDIUM_NIXL, lookups=s["lookups"], hit_blocks=s["hit_blocks"],
+            loaded_blocks=s["loaded_blocks"], loaded_bytes=s["loaded_bytes"],
+            load_failed_blocks=s["load_failed_blocks"],
+            extra={"leases_held": held, "leases_issued": s["sent_leases"],
+                   "transfers_refused": s["refused"], "transfer_s": s["transfer_s"],
+                   "pulls_open": len(self._pulls)})}
+
+    def shutdown(self) -> None:
+        if self._control_thread is not None:
+            self._control.put(None)
+            self._control_thread.join(timeout=2.0)
+            self._control_thread = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for peer in self._peers.values():
+            peer.client.close()
+        self._peers.clear()
+        if self._transport is not None:
+            self._transport.shutdown()
+            self._transport = None

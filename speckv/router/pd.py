@@ -1,0 +1,248 @@
+"""`speckv router --prefill URL --decode URL`: the prefill/decode proxy.
+
+Owns the P/D flow of vLLM's disaggregated proxy, over engines started with
+`--kv-transfer-config` (`speckv.connectors.nixl`):
+
+    1. the request goes to a prefill engine with `kv_transfer_params: {"do_remote_decode":
+       true}`, `max_tokens: 1`, not streamed; its response carries `kv_transfer_params`
+       (the lease on the prompt's blocks, target and draft KV)
+    2. the original request goes to a decode engine with those params; its answer (streamed
+       or not) is passed through to the client unchanged
+
+A prefill engine that fails or answers without params is not fatal: the decode engine then
+gets the request without params and prefills it itself. Engines of each kind are used in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from speckv.server.errors import APIError
+from speckv.server.http_guard import (
+    check_bearer_key,
+    on_api_error,
+    on_http_error,
+    read_body,
+    wait_disconnect,
+)
+from speckv.server.protocol import parse_json_object
+
+logger = logging.getLogger("speckv.router")
+
+PD_HEADER = "x-speckv-pd"  # "prefill=NAME;decode=NAME" or "decode=NAME" (local prefill)
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    api_key: str | None = None
+    engine_api_key: str | None = None
+    max_request_body_bytes: int = 8 << 20
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls:
+            raise ValueError("--prefill: at least one prefill engine URL")
+        if not self.decode_urls:
+            raise ValueError("--decode: at least one decode engine URL")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The body the prefill engine gets: one output token, not streamed, KV kept. Pure."""
+    sent = {k: v for k, v in body.items()
+            if k not in ("stream", "stream_options", "max_completion_tokens")}
+    sent["max_tokens"] = 1
+    sent["kv_transfer_params"] = {"do_remote_decode": True}
+    return sent
+
+
+class PDRouter:
+    def __init__(self, config: PDConfig) -> None:
+        self.config = config
+        self._prefill = itertools.cycle(config.prefill_urls)
+        self._decode = itertools.cycle(config.decode_urls)
+        self.client: httpx.AsyncClient | None = None
+        self.counts = {"requests": 0, "transferred": 0, "local_prefill": 0}
+
+    def headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        if self.config.engine_api_key:
+            headers["authorization"] = f"Bearer {self.config.engine_api_key}"
+        return headers
+
+    async def prefill(self, path: str, body: dict[str, Any]) -> tuple[str, Any]:
+        """(prefill URL, its kv_transfer_params or None when it failed)."""
+        url = next(self._prefill)
+        assert self.client is not None
+        try:
+            response = await self.client.post(f"{url}{path}", json=prefill_body(body),
+                                               headers=self.headers())
+        except httpx.HTTPError as error:
+            logger.warning("prefill engine %s failed (%s); the decode engine prefills", url,
+                           error)
+            return url, None
+        if response.status_code != 200:
+            if response.status_code < 500:  # the request itself is bad: say so
+                raise _passthrough_error(response)
+            logger.warning("prefill engine %s answered %d; the decode engine prefills", url,
+                           response.status_code)
+            return url, None
+        with contextlib.suppress(ValueError, AttributeError):
+            return url, json.loads(response.content).get("kv_transfer_params")
+        return url, None
+
+
+def _passthrough_error(response: httpx.Response) -> APIError:
+    try:
+        body = json.loads(response.content)["error"]
+        return APIError(response.status_code, body.get("message", ""),
+                        body.get("type", "invalid_request_error"), body.get("param"),
+                        body.get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return APIError(response.status_code, response.text[:500], "invalid_request_error")
+
+
+class _Stream:
+    """The decode engine's SSE answer, passed through; a client that leaves closes it."""
+
+    def __init__(self, response: httpx.Response, header: str) -> None:
+        self.response = response
+        self.header = header
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.response.status_code,
+                    "headers": [(b"content-type", self.response.headers.get(
+                        "content-type", "text/event-stream").encode()),
+                        (b"cache-control", b"no-cache"),
+                        (PD_HEADER.encode(), self.header.encode())]})
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watcher):
+                task.cancel()
+            await asyncio.gather(pump, watcher, return_exceptions=True)
+            await self.response.aclose()
+
+    async def _pump(self, send: Send) -> None:
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            async for data in self.response.aiter_raw():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def build_pd_app(router: PDRouter) -> Starlette:
+    config = router.config
+
+    async def forward(request: Request, path: str) -> Any:
+        check_bearer_key(request, config.api_key)
+        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
+        router.counts["requests"] += 1
+        prefill_url, params = await router.prefill(path, body)
+        decode_url = next(router._decode)
+        sent = dict(body)
+        if isinstance(params, dict):
+            sent["kv_transfer_params"] = params
+            router.counts["transferred"] += 1
+            header = f"prefill={prefill_url};decode={decode_url}"
+        else:
+            sent.pop("kv_transfer_params", None)
+            router.counts["local_prefill"] += 1
+            header = f"decode={decode_url}"
+        assert router.client is not None
+        upstream = router.client.build_request("POST", f"{decode_url}{path}", json=sent,
+                                               headers=router.headers())
+        try:
+            response = await router.client.send(upstream, stream=True)
+        except httpx.HTTPError as error:
+            raise APIError(502, f"The decode engine {decode_url} failed: "
+                           f"{type(error).__name__}: {error}", "server_error", None,
+                           "upstream_failed") from None
+        if body.get("stream") and response.status_code == 200:
+            return _Stream(response, header)
+        content = await response.aread()
+        await response.aclose()
+        return Response(content, status_code=response.status_code,
+                        headers={PD_HEADER: header},
+                        media_type=response.headers.get("content-type", "application/json"))
+
+    async def completions(request: Request) -> Any:
+        return await forward(request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Any:
+        return await forward(request, "/v1/chat/completions")
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def state(request: Request) -> JSONResponse:
+        return JSONResponse({"mode": "pd", "prefill": list(config.prefill_urls),
+                             "decode": list(config.decode_urls), **router.counts})
+
+    async def models(request: Request) -> Response:
+        check_bearer_key(request, config.api_key)
+        assert router.client is not None
+        response = await router.client.get(f"{config.decode_urls[0]}/v1/models",
+                                           headers=router.headers())
+        return Response(response.content, status_code=response.status_code,
+                        media_type="application/json")
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Sent on to every engine (so `speckv bench serve --base-url ROUTER` works)."""
+        check_bearer_key(request, config.api_key)
+        assert router.client is not None
+        urls = (*config.prefill_urls, *config.decode_urls)
+        answers = await asyncio.gather(*(router.client.post(
+            f"{url}/reset_prefix_cache", headers=router.headers()) for url in urls),
+            return_exceptions=True)
+        failed = [url for url, answer in zip(urls, answers)
+                  if isinstance(answer, BaseException) or answer.status_code != 200]
+        if failed:
+            return JSONResponse({"success": False, "failed": failed}, status_code=409)
+        return JSONResponse({"success": True})
+
+    async def metrics(request: Request) -> Response:
+        """The first decode engine's metrics: it serves the tokens (TTFT, hits, acceptance)."""
+        assert router.client is not None
+        response = await router.client.get(f"{config.decode_urls[0]}/metrics")
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type", "text/plain"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        router.client = httpx.AsyncClient(timeout=config.timeout_s,
+                                          limits=httpx.Limits(max_connections=512))
+        try:
+            yield
+        finally:
+            await router.client.aclose()
+
+    return Starlette(
+        routes=[Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),
+                Route("/router/state", state, methods=["GET"]),
+                Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+                Route("/metrics", metrics, methods=["GET"])],
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error},
+        lifespan=lifespan,
+    )
