@@ -238,9 +238,15 @@ class _Stream:
 
     async def _pump(self, send: Send) -> None:
         usage = _SSEUsage()
+        reported = False
         try:
             async for data in self.response.aiter_raw():
                 usage.feed(data)
+                if usage.usage is not None and not reported:
+                    # counted as soon as it passes: a client may leave right after [DONE],
+                    # before the engine closes its stream, and cancel this pump
+                    self._report(usage.usage)
+                    reported = True
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         except httpx.HTTPError as error:
             self.router.metrics.stream_errors.labels(self.engine).inc()
@@ -252,9 +258,13 @@ class _Stream:
                         "more_body": True})
         except OSError:
             return  # the client went away mid-send
-        self.router.metrics.report(self.engine, self.plan.predicted_cached_tokens, usage.usage,
-                                   self.plan.num_prompt_tokens)
+        if not reported:
+            self._report(usage.usage)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _report(self, usage: Any) -> None:
+        self.router.metrics.report(self.engine, self.plan.predicted_cached_tokens, usage,
+                                   self.plan.num_prompt_tokens)
 
 
 def _check_api_key(router: Router, request: Request) -> None:
