@@ -25,9 +25,9 @@ from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
 from speckv.hashing.functions import get_hash_algo
 from speckv.models.common.decoder import ModelOutput
 from speckv.models.llama.model import LlamaForCausalLM
+from speckv.models.llama.tiny import tiny_model as build_tiny_model
 from speckv.server.launch import ServerThread
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
-from speckv.testing.tiny_model import tiny_model as build_tiny_model
 
 # a CPU tier that declares no lookahead capability: the connector tests' fallback case
 register_connector("offload-nolookahead", ConnectorEntry(
@@ -58,7 +58,7 @@ def run_prefill() -> Callable[..., ModelOutput]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaForCausalLM:
-    """The shared tiny random Llama (`speckv.testing.tiny_model`); tests must not change it."""
+    """The shared tiny random Llama (`speckv.models.llama.tiny`); tests must not change it."""
     return build_tiny_model()
 
 

@@ -33,7 +33,7 @@ from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
 from speckv.router.index import EngineHashConfig, RouterIndex
-from speckv.testing.event_sample import SampleEngine, SampleEngineConfig, run_sample_workload
+from speckv.simulation.event_sample import SampleEngine, SampleEngineConfig, run_sample_workload
 
 BLOCKS_PER_EVENT = 32
 

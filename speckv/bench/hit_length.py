@@ -25,8 +25,8 @@ from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.specs import KVCacheSpec, format_group_specs, parse_group_specs
 from speckv.engine.request import Request
+from speckv.simulation import run_to_completion, toy_core
 from speckv.speculation.policy import DRAFTER_NAMES, drafter_policy, resolve_hash_mode
-from speckv.testing import run_to_completion, toy_core
 
 NUM_SPEC_TOKENS = 3
 NUM_DECODE_TOKENS = 12

@@ -36,8 +36,8 @@ from speckv.cache import KVCacheManager
 from speckv.cache.retention import TailWidening
 from speckv.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from speckv.engine.request import Request
+from speckv.simulation import run_to_completion, toy_core
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
-from speckv.testing import run_to_completion, toy_core
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.common.kv_layout import KVCacheGroup, KVCacheLayout
-from speckv.testing.group_kv import max_abs_diff, read_group_kv
+from speckv.simulation.group_kv import max_abs_diff, read_group_kv
 
 FULL_BLOCK = 32
 SWA_BLOCK = 16

@@ -3,7 +3,7 @@
 The cache state machine of the tests, at scale and outside pytest: random requests over a few
 shared prefixes, drafts accepted and rejected, chunked prefill under a small token budget,
 preemption under block pressure, aborts (waiting, running, mid-speculation) and prefix-cache
-resets, driven through `EngineCore` with the toy runner (`speckv.testing`). After every
+resets, driven through `EngineCore` with the toy runner (`speckv.simulation`). After every
 operation the pool's integrity is checked (`KVCacheManager.check_integrity`); on every hit the
 toy runner checks that each hit slot holds the target KV and draft KV a cold run would write.
 Hits are also checked for shape (at most N - 1 tokens, whole alignment units). The first
@@ -49,9 +49,9 @@ from speckv.connectors.host_pool import GIB
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
 from speckv.engine.speculative import resolve_connector_hash_mode
+from speckv.simulation import HitMismatch, PagedSymbolicKV, SymbolicKV, instrument_tiers, toy_core
+from speckv.simulation.tiers import CheckedStore
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
-from speckv.testing import HitMismatch, PagedSymbolicKV, SymbolicKV, instrument_tiers, toy_core
-from speckv.testing.tiers import CheckedStore
 
 VOCAB_SIZE = 50  # small: drafts from the toy model are often right, prefixes repeat
 OPERATIONS = ("add", "step", "abort", "reset")

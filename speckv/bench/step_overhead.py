@@ -128,7 +128,7 @@ def _prompts(batch_size: int, prompt_len: int, seed: int) -> tuple[list[int], li
 
 
 def _toy_model() -> Any:
-    from speckv.testing.tiny_model import tiny_model
+    from speckv.models.llama.tiny import tiny_model
 
     return tiny_model(1234, 0.2, vocab_size=VOCAB_SIZE, num_hidden_layers=1,
                       max_position_embeddings=MAX_MODEL_LEN)

@@ -193,7 +193,7 @@ def add_publish_sample_arguments(parser: argparse.ArgumentParser) -> None:
 def run_publish_sample(args: argparse.Namespace) -> int:
     """Publish a synthetic workload's events and keep the sockets up."""
     from speckv.events.publisher import PublisherConfig, ZmqEventPublisher
-    from speckv.testing.event_sample import (
+    from speckv.simulation.event_sample import (
         SAMPLE_LORA,
         SampleEngine,
         SampleEngineConfig,

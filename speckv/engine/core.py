@@ -10,7 +10,7 @@ Owns the order of a step and nothing else:
     EngineCoreOutputs = scheduler.update_from_output(..., cuts)   real tokens, finish, cache
 
 `LLMEngine` runs it over the real `ModelRunner` (its `OutputProcessor` finds the stop strings);
-`speckv.testing` runs it over a toy runner (a fixed next-token rule and a symbolic KV store) in
+`speckv.simulation` runs it over a toy runner (a fixed next-token rule and a symbolic KV store) in
 the property tests, the cache benchmarks and the samples, so there is exactly one scheduler
 lifecycle.
 """

@@ -2,7 +2,7 @@
 
 Owns the shapes of one step's traffic:
 
-    Scheduler ──SchedulerOutput──► runner (ModelRunner, or speckv.testing.ToyRunner)
+    Scheduler ──SchedulerOutput──► runner (ModelRunner, or speckv.simulation.ToyRunner)
         ▲                              │ keeps its own per-request state: token ids, block
         │                              │ table (from the deltas below), sampling seed
         └───────ModelRunnerOutput──────┘ sampled tokens (verified, cut at a stop) + next drafts

@@ -4,7 +4,7 @@ each process holds the same weights."""
 from __future__ import annotations
 
 from speckv.drafters.loaders import random_drafter
-from speckv.testing.tiny_model import tiny_model
+from speckv.models.llama.tiny import tiny_model
 
 
 def tiny_eagle():

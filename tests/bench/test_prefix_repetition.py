@@ -11,7 +11,7 @@ from speckv.bench.prefix_repetition import (
     write_chart,
 )
 from speckv.drafters.loaders import random_drafter
-from speckv.testing.tiny_model import tiny_model
+from speckv.models.llama.tiny import tiny_model
 from speckv.workloads import PrefixRepetitionConfig, prefix_repetition
 
 

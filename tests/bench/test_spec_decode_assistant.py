@@ -15,7 +15,7 @@ from speckv import cli
 from speckv.drafters.gemma4_assistant import save_gemma4_assistant
 from speckv.models.gemma.gemma4 import Gemma4ForCausalLM
 from speckv.models.gemma.loader import gemma_config_of, hf_state_items
-from speckv.testing.assistant import echo_assistant
+from tests.doubles.assistant import echo_assistant
 
 transformers = pytest.importorskip("transformers")
 from transformers import Gemma4TextConfig  # noqa: E402

@@ -106,7 +106,7 @@ def test_a_hash_cached_again_this_step_is_not_a_copy_source(world_factory):
 
 
 def test_a_sibling_arriving_with_its_source_waits_one_step_for_the_copy(world_factory):
-    from speckv.testing import SymbolicKV, run_to_completion, toy_core
+    from speckv.simulation import SymbolicKV, run_to_completion, toy_core
 
     world = world_factory(block_size=B)
     core = toy_core(world.manager, 2, vocab_size=50, kv=SymbolicKV(64, B, 1))

@@ -12,8 +12,8 @@ from speckv.cache import KVCacheManager
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec, parse_group_specs
 from speckv.engine.request import Request
+from speckv.simulation import run_to_completion, toy_core
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
-from speckv.testing import run_to_completion, toy_core
 
 
 def build(specs, drafter="none", legacy=False, num_blocks=400, **kwargs):

@@ -12,8 +12,8 @@ from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.events import BlockStored
 from speckv.cache.hash_mode import HashMode
 from speckv.engine.request import Request
+from speckv.simulation import HitMismatch, SymbolicKV, run_to_completion, toy_core
 from speckv.speculation.policy import DRAFTER_NAMES
-from speckv.testing import HitMismatch, SymbolicKV, run_to_completion, toy_core
 
 
 def _prompt(length, seed=0):

@@ -1,6 +1,6 @@
 """Hypothesis state machine over the real scheduler, the cache manager and a symbolic KV store.
 
-The real `Scheduler` runs through `EngineCore` with the toy runner (`speckv.testing`), so the
+The real `Scheduler` runs through `EngineCore` with the toy runner (`speckv.simulation`), so the
 lifecycle under test is the engine's own. Random interleavings of new requests (sharing
 prefixes), steps with drafts accepted or rejected, chunked prefill under a small token budget,
 preemption under block pressure, aborts (waiting, running, mid-speculation) and prefix-cache
@@ -34,8 +34,8 @@ from speckv.cache.events import BlockStored, KVEventSink
 from speckv.cache.specs import MambaSpec, SlidingWindowSpec
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
+from speckv.simulation import SymbolicKV, toy_core
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
-from speckv.testing import SymbolicKV, toy_core
 
 GROUP_MIXES = {
     "full": lambda b: [FullAttentionSpec(b)],

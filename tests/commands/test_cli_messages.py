@@ -149,7 +149,7 @@ def test_a_prompt_over_max_model_len_is_refused_in_flag_words(capsys):
 def tiny_dir(tmp_path_factory) -> Path:
     """The tiny random Llama as an HF directory (config.json + model.safetensors)."""
     from speckv.models.llama.loader import save_hf_dir
-    from speckv.testing.tiny_model import tiny_model
+    from speckv.models.llama.tiny import tiny_model
 
     path = tmp_path_factory.mktemp("tiny-hf")
     model = tiny_model()

@@ -15,7 +15,7 @@ from speckv.connectors.copy_schedule import (
     ScriptedCopySchedule,
     SeededCopySchedule,
 )
-from speckv.testing.tiers import tiers_of
+from speckv.simulation.tiers import tiers_of
 from tests.connectors.connector_helpers import Driver, KVWorld, Req, bit_equal, tier_gib
 
 

@@ -1,6 +1,6 @@
 """Hypothesis state machine: the real scheduler and cache manager over real KV tiers.
 
-The toy runner (`speckv.testing`) keeps its symbolic KV in real paged tensors that the real
+The toy runner (`speckv.simulation`) keeps its symbolic KV in real paged tensors that the real
 connector (CPU pool, disk directory, or both) stores on its copy thread, evicts (tiny tiers) and
 loads back, with load failures injected at random. Random interleavings of new requests
 (sharing prefixes), steps with drafts accepted or rejected, chunked prefill, preemption under
@@ -32,8 +32,8 @@ from speckv.connectors.host_pool import GIB
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
 from speckv.engine.speculative import resolve_connector_hash_mode
+from speckv.simulation import PagedSymbolicKV, instrument_tiers, toy_core
 from speckv.speculation.policy import drafter_policy
-from speckv.testing import PagedSymbolicKV, instrument_tiers, toy_core
 
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]
 

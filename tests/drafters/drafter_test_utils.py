@@ -9,7 +9,7 @@ import torch
 from speckv.attention import PagedKVCache
 from speckv.drafters import CatchUpRequest, Drafter, TargetStates, random_drafter
 from speckv.models.llama.model import LlamaForCausalLM
-from speckv.testing.tiny_model import tiny_model
+from speckv.models.llama.tiny import tiny_model
 
 # (method, kwargs) of every drafter flavour the tests cover; MTP in both checkpoint layouts.
 FLAVOURS: list[tuple[str, dict[str, object]]] = [

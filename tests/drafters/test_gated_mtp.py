@@ -13,7 +13,7 @@ from speckv.drafters.gated_mtp import GatedMTPDrafter, load_gated_mtp, random_ga
 from speckv.engine.llm import LLM
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.hybrid.loader import load_hybrid_dir
-from tests.models.hybrid_test_utils import hf_hybrid
+from tests.models.hybrid.hybrid_test_utils import hf_hybrid
 
 pytest.importorskip("transformers")
 

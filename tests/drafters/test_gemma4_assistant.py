@@ -33,7 +33,7 @@ from transformers import (  # noqa: E402
 # attention reduce in another order: fp32 rounding only (measured ~3e-6).
 ASSISTANT_ATOL = 1e-5
 # From transformers' own target: its KV and hidden state differ from ours by the target's
-# rounding (tests/models/test_gemma4_parity.py: 1e-4), then pass through the assistant.
+# rounding (tests/models/gemma/test_gemma4_parity.py: 1e-4), then pass through the assistant.
 END_TO_END_ATOL = 1e-4
 W, B, VOCAB, STEPS = 6, 4, 64, 3
 TARGET = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

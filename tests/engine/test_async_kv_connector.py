@@ -1,6 +1,6 @@
 """The scheduler's asynchronous KV connector seams, over the toy runner and a fake remote engine.
 
-`FakeRemoteConnector` (speckv.testing) keeps its blocks in real paged tensors: a prefill engine
+`FakeRemoteConnector` (speckv.simulation) keeps its blocks in real paged tensors: a prefill engine
 sends a finished request's blocks with `delay_free`, a decode engine loads them asynchronously
 (WAITING_FOR_REMOTE_KVS) on a seeded schedule. Checked: an async hit holds what a cold run
 writes (the toy runner checks every hit slot), the step serves other requests meanwhile, load
@@ -20,8 +20,9 @@ from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request, RequestStatus
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import resolve_connector_hash_mode
+from speckv.simulation import PagedSymbolicKV, toy_core
 from speckv.speculation.policy import drafter_policy
-from speckv.testing import FakeRemoteConnector, PagedSymbolicKV, RemoteBlocks, toy_core
+from tests.doubles.remote import FakeRemoteConnector, RemoteBlocks
 
 B = 4
 POLICY = drafter_policy("eagle", 1)

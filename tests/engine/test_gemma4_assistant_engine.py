@@ -20,8 +20,8 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.gemma.gemma4 import Gemma4ForCausalLM
 from speckv.models.gemma.loader import gemma_config_of, hf_state_items
-from speckv.testing.assistant import echo_assistant
-from speckv.testing.group_kv import max_abs_diff, read_group_kv
+from speckv.simulation.group_kv import max_abs_diff, read_group_kv
+from tests.doubles.assistant import echo_assistant
 
 transformers = pytest.importorskip("transformers")
 from transformers import Gemma4TextConfig  # noqa: E402

@@ -23,7 +23,7 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.request import Request
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import speculative_args
-from speckv.testing import instrument_tiers
+from speckv.simulation import instrument_tiers
 
 B = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

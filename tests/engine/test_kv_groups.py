@@ -13,7 +13,7 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.common.generate import greedy_generate
 from speckv.models.common.kv_layout import KVCacheGroup, KVCacheLayout, attention_layout
-from speckv.testing.tiny_model import tiny_model
+from speckv.models.llama.tiny import tiny_model
 from tests.engine.engine_test_utils import run_engine
 
 B = 4

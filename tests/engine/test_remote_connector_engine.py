@@ -20,7 +20,7 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.request import RequestStatus
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import speculative_args
-from speckv.testing import FakeRemoteConnector, RemoteBlocks
+from tests.doubles.remote import FakeRemoteConnector, RemoteBlocks
 
 B = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -1,6 +1,6 @@
 """The scheduler through its public messages: token budget, chunked prefill, preemption order,
 aborts while waiting / running / mid-speculation, block-id deltas, a request that no longer
-fits. Driven by the toy runner (`speckv.testing`) so each step's outcome is exact."""
+fits. Driven by the toy runner (`speckv.simulation`) so each step's outcome is exact."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.hash_mode import HashMode
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request, RequestStatus
-from speckv.testing import SymbolicKV, toy_core
+from speckv.simulation import SymbolicKV, toy_core
 
 
 def _prompt(length: int, seed: int = 0) -> list[int]:

@@ -12,7 +12,7 @@ from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.messages import FinishReason
 from speckv.engine.sampling_params import SamplingParams
-from speckv.testing.toy_runner import toy_core
+from speckv.simulation.toy_runner import toy_core
 from tests.engine.engine_test_utils import StillClock
 from tests.server.server_test_utils import TOKENIZER
 

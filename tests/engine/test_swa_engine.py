@@ -16,7 +16,7 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.common.generate import greedy_generate
 from speckv.models.gemma.gemma3 import GemmaForCausalLM, tiny_gemma_config
-from speckv.testing.group_kv import max_abs_diff, read_group_kv
+from speckv.simulation.group_kv import max_abs_diff, read_group_kv
 from tests.engine.engine_test_utils import run_engine
 
 B = 4

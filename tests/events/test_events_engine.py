@@ -10,8 +10,8 @@ from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
+from speckv.models.llama.tiny import tiny_model
 from speckv.router.index import EngineHashConfig, RouterIndex
-from speckv.testing.tiny_model import tiny_model
 from tests.events.events_helpers import collect
 
 

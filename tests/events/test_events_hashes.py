@@ -12,7 +12,7 @@ from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.hashing.extra_keys import HashInputs, LoRARef, MultiModalItem
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.router.index import recompute_block_hashes
-from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
+from speckv.simulation.event_sample import SampleEngine, SampleEngineConfig
 from tests.events.events_helpers import collect
 
 B = 8

@@ -7,9 +7,9 @@ import torch
 from speckv.attention import AttentionMetadata
 from speckv.models.common.decoder import ModelOutput
 from speckv.models.llama.model import LlamaForCausalLM
-from speckv.testing.tiny_model import tiny_model_config
+from speckv.models.llama.tiny import tiny_model_config
 
-# The shared tiny shape (speckv.testing.tiny_model) with a larger vocabulary and 3 layers, as
+# The shared tiny shape (speckv.models.llama.tiny) with a larger vocabulary and 3 layers, as
 # keyword arguments both our ModelConfig and the transformers configs take.
 _SHAPE = tiny_model_config(vocab_size=128, intermediate_size=96, num_hidden_layers=3)
 TINY = {name: getattr(_SHAPE, name) for name in (

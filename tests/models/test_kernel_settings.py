@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from speckv.models.hybrid.loader import tiny_hybrid
-from tests.models.hybrid_test_utils import OneRequest
+from tests.models.hybrid.hybrid_test_utils import OneRequest
 
 pytestmark = [
     pytest.mark.exactness,

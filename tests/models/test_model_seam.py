@@ -12,8 +12,8 @@ from speckv.attention import bytes_per_block
 from speckv.models.base import has_state_group
 from speckv.models.gemma.gemma3 import GemmaForCausalLM, tiny_gemma_config
 from speckv.models.hybrid.loader import tiny_hybrid
+from speckv.models.llama.tiny import tiny_model
 from speckv.models.registry import BUILTIN_MODELS, family_of, load_model, random_init_note
-from speckv.testing.tiny_model import tiny_model
 
 SEAM = ("config", "dtype", "device", "kv_cache_layout", "kv_cache_bytes_per_block",
         "make_layout_kv_cache", "forward", "compute_logits", "embed_tokens", "lm_head")

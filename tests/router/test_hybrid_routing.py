@@ -17,8 +17,8 @@ from speckv.engine.request import Request
 from speckv.events.schema import to_wire_batch
 from speckv.router.contract import ContractError, parse_contract
 from speckv.router.index import RouterIndex
+from speckv.simulation import SymbolicKV, toy_core
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
-from speckv.testing import SymbolicKV, toy_core
 from tests.router.test_contract import URL, contract_body
 
 

@@ -15,7 +15,7 @@ from speckv.events.schema import HashEncoding, decode_batch, encode_batch, to_wi
 from speckv.hashing.extra_keys import HashInputs, LoRARef
 from speckv.router.index import EngineHashConfig, RouterIndex
 from speckv.router.service import EngineEndpoint, RouterService, make_app
-from speckv.testing.event_sample import SampleEngine, SampleEngineConfig
+from speckv.simulation.event_sample import SampleEngine, SampleEngineConfig
 
 B = 8
 LORA = LoRARef("ad", "/srv/ad")

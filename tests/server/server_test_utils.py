@@ -17,9 +17,9 @@ from speckv.engine.engine_args import engine_config as make_engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.models import LlamaForCausalLM
 from speckv.models.common.tokenizer import Tokenizer
+from speckv.models.llama.tiny import tiny_model_config
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
-from speckv.testing.tiny_model import tiny_model_config
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (

@@ -11,7 +11,7 @@ import httpx
 import openai
 
 from speckv.engine.engine_args import engine_config
-from speckv.testing import FakeRemoteConnector, RemoteBlocks
+from tests.doubles.remote import FakeRemoteConnector, RemoteBlocks
 from tests.server.server_test_utils import MODEL_NAME, make_server
 
 CONFIG = engine_config(block_size=4, num_blocks=64, max_num_seqs=4, hash_seed="0")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speckv.models.hybrid.loader import tiny_hybrid
-from tests.models.hybrid_test_utils import OneRequest
+from tests.models.hybrid.hybrid_test_utils import OneRequest
 
 # fp32 rounding of one forward over a different number of rows: CPU GEMM kernels block a
 # 5-row and a 37-row matmul differently (seen: 3e-6 on logits of magnitude ~4)

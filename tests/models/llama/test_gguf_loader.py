@@ -18,7 +18,7 @@ from speckv.models.common.decoder import ModelOutput
 from speckv.models.common.tokenizer import Tokenizer
 from speckv.models.llama.loader import load_gguf
 from speckv.models.llama.model import LlamaForCausalLM
-from speckv.testing.tiny_model import tiny_model_config
+from speckv.models.llama.tiny import tiny_model_config
 from tests.models.speckv_model_test_utils import widen_init
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from speckv.models.hybrid.loader import load_hybrid_dir
-from tests.models.hybrid_test_utils import OneRequest, hf_hybrid
+from tests.models.hybrid.hybrid_test_utils import OneRequest, hf_hybrid
 
 pytest.importorskip("transformers")
 

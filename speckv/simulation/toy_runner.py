@@ -43,7 +43,7 @@ from speckv.engine.messages import (
 from speckv.engine.request import Request
 from speckv.engine.scheduler import Scheduler
 from speckv.engine.stopping import first_stop
-from speckv.testing.symbolic_groups import SymbolicGroups, SymbolicState
+from speckv.simulation.symbolic_groups import SymbolicGroups, SymbolicState
 
 
 def next_token(context: Sequence[int], vocab_size: int) -> int:

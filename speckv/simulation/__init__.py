@@ -6,14 +6,13 @@ rule decides which drafts are accepted, and `SymbolicKV` records what every KV s
 computed from, so a cache hit can be checked against what a cold run would write.
 `PagedSymbolicKV` keeps those facts in real paged tensors so real KV connectors can move them
 (`tiers.py` checks every block a tier stores or serves, and injects load failures).
-`FakeRemoteConnector` (`remote.py`) is a remote engine in process: asynchronous loads and
-delayed frees on a seeded schedule.
+The cache benchmarks, the soak and `speckv events publish-sample` run on it as a model-free
+engine; the test doubles (a fake remote engine, an echo assistant) live in `tests/doubles/`.
 """
 
-from speckv.testing.paged_kv import PagedSymbolicKV
-from speckv.testing.remote import FakeRemoteConnector, RemoteBlocks
-from speckv.testing.tiers import CheckedStore, instrument_tiers
-from speckv.testing.toy_runner import (
+from speckv.simulation.paged_kv import PagedSymbolicKV
+from speckv.simulation.tiers import CheckedStore, instrument_tiers
+from speckv.simulation.toy_runner import (
     HitMismatch,
     SymbolicKV,
     ToyRunner,
@@ -24,10 +23,8 @@ from speckv.testing.toy_runner import (
 
 __all__ = [
     "CheckedStore",
-    "FakeRemoteConnector",
     "HitMismatch",
     "PagedSymbolicKV",
-    "RemoteBlocks",
     "SymbolicKV",
     "ToyRunner",
     "instrument_tiers",

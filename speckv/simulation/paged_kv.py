@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from speckv.attention import PagedKVCache
-from speckv.testing.toy_runner import SymbolicKV
+from speckv.simulation.toy_runner import SymbolicKV
 
 
 class PagedSymbolicKV(SymbolicKV):

@@ -6,7 +6,7 @@ import pytest
 
 from speckv.models.hybrid.config import HybridConfig
 from speckv.models.hybrid.loader import tiny_hybrid_config
-from tests.models.hybrid_test_utils import TINY_HF
+from tests.models.hybrid.hybrid_test_utils import TINY_HF
 
 
 def _next(**kw):

@@ -28,7 +28,7 @@ from speckv.connectors.layout import BlockLayout, BlockTensors
 from speckv.connectors.metadata import BlockDescriptor
 from speckv.connectors.store import BlockStore, PutResult, StoreUsage
 from speckv.connectors.tier import TierConnector
-from speckv.testing.paged_kv import decode_draft, decode_target
+from speckv.simulation.paged_kv import decode_draft, decode_target
 
 FailLoad = Callable[[BlockDescriptor], bool]
 

@@ -21,7 +21,7 @@ from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
 from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs, LoRARef, MultiModalItem
 from speckv.hashing.functions import get_hash_algo
-from speckv.testing.toy_runner import toy_core
+from speckv.simulation.toy_runner import toy_core
 
 SAMPLE_LORA = LoRARef("sample-adapter", "/adapters/sample-adapter")
 Publish = Callable[[Sequence[KVCacheEvent]], object]
