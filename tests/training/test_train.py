@@ -19,13 +19,8 @@ from speckv.training.distill import (
     draft_vocabulary,
     generate_sequences,
 )
-from speckv.training.train import (
-    expected_acceptance_length,
-    fold_aux_scale,
-    init_from_head,
-    init_from_target,
-    ttt_outputs,
-)
+from speckv.training.head_init import fold_aux_scale, init_from_head, init_from_target
+from speckv.training.ttt import expected_acceptance_length, ttt_outputs
 from tests.drafters.drafter_test_utils import make_drafter, tiny_target
 
 AUX = (0, 2, 3)  # low, mid, and the last layer's input of the 5-layer tiny target
