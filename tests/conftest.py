@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
-from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVEventSink
+from speckv.cache.hit_check import hit_check_for
 from speckv.connectors.config import ConnectorEntry, register_connector
 from speckv.connectors.offload import NoLookaheadOffloadConnector
 from speckv.engine.config import EngineConfig

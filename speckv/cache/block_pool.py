@@ -25,13 +25,12 @@ dropped when the map outgrows the pool.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from speckv.cache.block import (
     NULL_BLOCK_ID,
-    BlockContent,
     CacheKey,
     FreeBlockQueue,
     KVCacheBlock,
@@ -39,20 +38,9 @@ from speckv.cache.block import (
     split_cache_key,
 )
 from speckv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
-from speckv.hashing.extra_keys import HashInputs, untag
-from speckv.hashing.functions import HashAlgo
-
-
-class CachingRequest(Protocol):
-    """What the pool reads of a request when it caches the request's blocks."""
-
-    request_id: str
-    all_token_ids: Sequence[int]
-    num_prompt_tokens: int
-    hash_inputs: HashInputs
-
-    @property
-    def lora_name(self) -> str | None: ...
+from speckv.cache.hit_check import CachingRequest, HitCheck, TrustHashes, content_of
+from speckv.cache.successor_runs import SuccessorRun
+from speckv.hashing.extra_keys import untag
 
 
 @dataclass(frozen=True)
@@ -64,78 +52,6 @@ class GroupInfo:
     lookahead_tokens: int  # L of this group's hash chain
     kind: str = "full_attention"
     sliding_window: int | None = None
-
-
-class HitCheck(Protocol):
-    """Decides whether a block found under a hash really holds the request's content."""
-
-    stores_content: bool
-
-    def accepts(self, block: KVCacheBlock, expected: Callable[[], BlockContent]) -> bool: ...
-
-
-class TrustHashes:
-    """Cryptographic hashes: a matching hash is the proof."""
-
-    stores_content = False
-
-    def accepts(self, block: KVCacheBlock, expected: Callable[[], BlockContent]) -> bool:
-        return True
-
-
-class CompareContent:
-    """Fast non-cryptographic hashes: a hit is served only if the content matches too."""
-
-    stores_content = True
-
-    def accepts(self, block: KVCacheBlock, expected: Callable[[], BlockContent]) -> bool:
-        return block.content == expected()
-
-
-def hit_check_for(algo: HashAlgo) -> HitCheck:
-    """Trust cryptographic hashes; verify hits of fast non-cryptographic ones by content."""
-    return TrustHashes() if algo.cryptographic else CompareContent()
-
-
-def content_of(
-    request: CachingRequest, parent: bytes, start: int, end: int, lookahead_tokens: int
-) -> BlockContent:
-    """The content a block `[start, end)` of `request` is hashed over. Pure."""
-    tokens = request.all_token_ids
-    return BlockContent(
-        parent_hash=parent,
-        token_ids=tuple(tokens[start:end]),
-        lookahead_token_ids=tuple(tokens[end : end + lookahead_tokens]),
-        extra_keys=request.hash_inputs.extra_keys(start, end + lookahead_tokens),
-    )
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Blocks `[start, end)` of one request's chain, cached together (successor index)."""
-
-    group_id: int
-    block_size: int
-    lookahead_tokens: int
-    token_ids: Sequence[int]  # the request's real tokens (they only grow)
-    block_hashes: Sequence[bytes]  # the request's chain for this group (it only grows)
-    start: int
-    end: int
-
-    def successors(self, index: int) -> Any:
-        """Block `index`'s L successor tokens: an int for L = 1, else a tuple."""
-        first = (index + 1) * self.block_size
-        if self.lookahead_tokens == 1:
-            return self.token_ids[first]
-        return tuple(self.token_ids[first : first + self.lookahead_tokens])
-
-    def successor_slice(self, start: int, end: int) -> Sequence[Any]:
-        """`successors(i)` for i in [start, end), by C-level strided slices."""
-        size, lookahead, tokens = self.block_size, self.lookahead_tokens, self.token_ids
-        first, stop = (start + 1) * size, end * size + 1
-        if lookahead == 1:
-            return tokens[first:stop:size]
-        return list(zip(*(tokens[first + m : stop + m : size] for m in range(lookahead))))
 
 
 class BlockPool:
@@ -164,8 +80,8 @@ class BlockPool:
         # int for L = 1, else an L-tuple
         self._successors: dict[int, dict[bytes, tuple[bytes, Any]]] = {}
         self._first_successor: dict[int, tuple[bytes, Any]] = {}
-        self._pending_runs: list[_Run] = []  # noted this step
-        self._runs: deque[_Run] = deque()  # committed, not folded into `_successors` yet
+        self._pending_runs: list[SuccessorRun] = []  # noted this step
+        self._runs: deque[SuccessorRun] = deque()  # committed, not folded into `_successors` yet
         self._num_run_blocks = 0  # blocks in `_runs`
         # NULL_BLOCK_ID stands for "no KV here" (e.g. outside a sliding window); never freed.
         self.null_block = self.free_queue.popleft()
@@ -370,7 +286,7 @@ class BlockPool:
         the request's tokens must only ever grow (a request's chain and real tokens do).
         Mutates, O(1)."""
         if self.enable_caching and end > start:
-            self._pending_runs.append(_Run(group.group_id, group.block_size,
+            self._pending_runs.append(SuccessorRun(group.group_id, group.block_size,
                                            group.lookahead_tokens, request.all_token_ids,
                                            block_hashes, start, end))
 

@@ -48,9 +48,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from speckv.cache.block import KVCacheBlock
-from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, HitCheck
+from speckv.cache.block_pool import BlockPool, GroupInfo
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
+from speckv.cache.hit_check import CachingRequest, HitCheck
 from speckv.cache.results import Allocation, BlockCopy, CacheHit
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.single_type import (

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from speckv.cache.block import BlockContent, KVCacheBlock
-from speckv.cache.block_pool import BlockPool, CachingRequest, GroupInfo, content_of
+from speckv.cache.block_pool import BlockPool, GroupInfo
+from speckv.cache.hit_check import CachingRequest, content_of
 from speckv.cache.retention import RetentionPolicy
 from speckv.cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 

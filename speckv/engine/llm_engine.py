@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from speckv.cache import KVCacheManager
-from speckv.cache.block_pool import hit_check_for
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
+from speckv.cache.hit_check import hit_check_for
 from speckv.cache.retention import TailWidening
 from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig

@@ -112,7 +112,7 @@ def test_draft_model_is_a_deprecated_alias_of_speculative_model():
 
 
 def test_fast_hash_hits_are_verified_by_content(tiny_model):
-    from speckv.cache.block_pool import CompareContent
+    from speckv.cache.hit_check import CompareContent
 
     engine = LLMEngine(tiny_model, engine_config(num_blocks=32, block_size=4,
                                                  hash_algo="xxhash"))
