@@ -7,15 +7,9 @@ chat prompts (`prompts.py`); the shipped trained head (`builtin.py`). Training i
 engine, so it lives above it, in `speckv.training`.
 """
 
-from speckv.drafters.base import (
-    CatchUpRequest,
-    DraftCarry,
-    Drafter,
-    DraftModule,
-    DraftState,
-    TargetStates,
-)
+from speckv.drafters.base import Drafter
 from speckv.drafters.builtin import load_builtin_drafter
+from speckv.drafters.draft_state import CatchUpRequest, DraftCarry, DraftState, TargetStates
 from speckv.drafters.eagle import EagleDrafter
 from speckv.drafters.eagle3 import Eagle3Drafter
 from speckv.drafters.loaders import (
@@ -27,6 +21,7 @@ from speckv.drafters.loaders import (
     random_drafter,
     save_drafter,
 )
+from speckv.drafters.modules import DraftModule
 from speckv.drafters.mtp import MTPDrafter
 
 __all__ = [

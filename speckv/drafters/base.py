@@ -48,7 +48,6 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,160 +55,17 @@ import torch
 from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache
-from speckv.drafters.layers import dense_attention
-from speckv.models.llama.model import LlamaDecoderLayer
+from speckv.drafters.draft_state import (
+    CatchUpRequest,
+    DraftCarry,
+    DraftState,
+    TargetStates,
+    _ModuleRows,
+)
 from speckv.speculation.policy import DrafterPolicy
 
 if TYPE_CHECKING:
     from speckv.speculation.proposer import Proposer
-
-
-@dataclass(frozen=True)
-class TargetStates:
-    """What the target computed at the catch-up positions (flattened over requests)."""
-
-    hidden_states: torch.Tensor  # [num_tokens, hidden] after the final norm (LM-head input)
-    # One [num_tokens, hidden] per aux layer the drafter asked for (EAGLE3), else ().
-    aux_hidden_states: tuple[torch.Tensor, ...] = ()
-
-    def select(self, rows: torch.Tensor) -> TargetStates:
-        """The rows `rows` ([m] int64) of every tensor (e.g. the accepted prefix per request)."""
-        return TargetStates(
-            self.hidden_states.index_select(0, rows),
-            tuple(a.index_select(0, rows) for a in self.aux_hidden_states),
-        )
-
-
-@dataclass
-class DraftCarry:
-    """Per-request state between passes: hidden states a lagging module still has to consume.
-
-    pending[j] holds h_j rows (j = 1..k-1, index j-1 here) at positions
-    [start[j], start[j] + rows) that module j + 1 has not written yet.
-    """
-
-    start: list[int]  # [k - 1] first pending position per module 2..k
-    pending: list[torch.Tensor]  # k - 1 tensors, each [num_pending, hidden]
-    next_position: int = 0  # where the next pass must start for this carry to apply
-
-
-@dataclass(frozen=True)
-class CatchUpRequest:
-    """One request's slice of a catch-up pass.
-
-    The target rows of this request are `num_positions` consecutive rows of `TargetStates`
-    (requests in order), at positions `start_position .. start_position + num_positions - 1`.
-    `next_token_ids` are the REAL tokens t[start_position + 1 ...] known now; at least
-    `num_positions` of them (a non-final prefill chunk may pass up to `L - 1` more so that
-    MTP modules keep up; drafts never go here).
-    """
-
-    start_position: int
-    num_positions: int
-    next_token_ids: Sequence[int]
-    block_table: Sequence[int]
-    carry: DraftCarry | None = None
-
-
-@dataclass
-class _ModuleRows:
-    """Hidden inputs available to one module for one request: rows at consecutive positions."""
-
-    start: int
-    rows: torch.Tensor  # [num_rows, hidden]
-
-
-@dataclass
-class DraftState:
-    """Result of `write_draft_kv`: the carries to store and what `propose` starts from."""
-
-    carries: list[DraftCarry]  # one per request: store on the request, pass back next pass
-    num_real_tokens: list[int]  # per request: tokens t[0 .. n-1] known
-    block_tables: list[list[int]]
-    # Per request: module 1's output [hidden] at its last written position, which is
-    # carries[i].next_position - 1; propose needs it at n - 2 (all known real tokens consumed).
-    _last_h1: list[torch.Tensor] = field(default_factory=list, repr=False)
-
-    def subset(self, rows: Sequence[int]) -> DraftState:
-        """The state of the requests `rows` only (e.g. those that want drafts)."""
-        return DraftState(
-            carries=[self.carries[i] for i in rows],
-            num_real_tokens=[self.num_real_tokens[i] for i in rows],
-            block_tables=[self.block_tables[i] for i in rows],
-            _last_h1=[self._last_h1[i] for i in rows],
-        )
-
-
-class DraftModule(nn.Module, ABC):
-    """One link of the chain: (token t[p+j], hidden h_{j-1}[p]) -> h_j[p], KV written at p."""
-
-    @abstractmethod
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64, t[p + j]
-        hidden: torch.Tensor,  # [num_tokens, hidden] h_{j-1}[p]
-        positions: torch.Tensor,  # [num_tokens] int64
-        kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor: ...  # [num_tokens, hidden] h_j[p] (pre final norm)
-
-    @abstractmethod
-    def dense_forward(
-        self,
-        input_ids: torch.Tensor,  # [batch, seq] int64
-        hidden: torch.Tensor,  # [batch, seq, hidden]
-        positions: torch.Tensor,  # [seq] int64
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dense causal reference / training path: (h_j [b, s, hidden], k, v [b, s, kv, d])."""
-
-    @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, target_vocab] fp32 logits over the TARGET vocabulary."""
-
-    def write_kv(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64, t[p + j]
-        hidden: torch.Tensor,  # [num_tokens, hidden] h_{j-1}[p]
-        positions: torch.Tensor,  # [num_tokens] int64
-        kv_cache: PagedKVCache,
-        metadata: AttentionMetadata,
-    ) -> None:
-        """Write the draft KV `forward` writes, without computing its output (a catch-up
-        whose outputs nobody reads: the last module of a chain, or no drafts wanted)."""
-        self.forward(input_ids, hidden, positions, kv_cache, metadata)
-
-    def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n] int64 greedy draft (target ids); a module with a reduced draft
-        vocabulary overrides this to skip the target-vocabulary logits."""
-        return self.compute_logits(hidden).argmax(-1)
-
-
-class FuseThenLayerModule(DraftModule):
-    """A module whose inputs are fused into one vector (`fuse`) that a plain Llama decoder
-    layer (`self.layer`) then reads: EAGLE and MTP. EAGLE3 feeds its layer differently."""
-
-    layer: LlamaDecoderLayer
-
-    @abstractmethod
-    def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """(t[p + j], h_{j-1}[p]) -> the layer's input, [..., hidden]."""
-
-    def forward(self, input_ids, hidden, positions, kv_cache, metadata):
-        return self.layer(self.fuse(input_ids, hidden), positions, kv_cache, metadata)
-
-    def write_kv(self, input_ids, hidden, positions, kv_cache, metadata):
-        attn = self.layer.self_attn
-        cos_sin = self.layer._rotary.cos_sin(positions, hidden.dtype)
-        x = self.layer.input_layernorm(self.fuse(input_ids, hidden))
-        attn.write_kv(x, cos_sin, kv_cache, metadata)
-
-    def dense_forward(self, input_ids, hidden, positions):
-        x = self.fuse(input_ids, hidden)  # [b, s, hidden]
-        a, k, v = dense_attention(
-            self.layer.self_attn, self.layer.input_layernorm(x), positions, self.layer._rotary
-        )
-        r = x + a
-        return r + self.layer.mlp(self.layer.post_attention_layernorm(r)), k, v
 
 
 class Drafter(nn.Module, ABC):

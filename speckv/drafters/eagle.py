@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speckv.drafters.base import Drafter, FuseThenLayerModule, TargetStates
+from speckv.drafters.base import Drafter
+from speckv.drafters.draft_state import TargetStates
 from speckv.drafters.layers import SharedTarget, drafter_layer_config
+from speckv.drafters.modules import FuseThenLayerModule
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.layers import Linear
 from speckv.models.llama.model import LlamaDecoderLayer

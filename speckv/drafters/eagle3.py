@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache
-from speckv.drafters.base import Drafter, DraftModule, TargetStates
+from speckv.drafters.base import Drafter
+from speckv.drafters.draft_state import TargetStates
 from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_config
+from speckv.drafters.modules import DraftModule
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.layers import Linear, RMSNorm
 from speckv.models.llama.model import LlamaDecoderLayer

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache, get_attention_backend
-from speckv.drafters.base import Drafter, DraftModule, TargetStates
+from speckv.drafters.base import Drafter
+from speckv.drafters.draft_state import TargetStates
 from speckv.drafters.layers import SharedTarget
+from speckv.drafters.modules import DraftModule
 from speckv.models.common.rope import RotaryEmbedding
 from speckv.models.hybrid.config import HybridConfig
 from speckv.models.hybrid.model import HybridDecoderLayer, ZeroCenteredRMSNorm

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
+from speckv.drafters.base import Drafter
+from speckv.drafters.draft_state import CatchUpRequest, DraftCarry, TargetStates
 from speckv.speculation.policy import DrafterPolicy
 from speckv.speculation.proposer import ProposerInput, ProposeTiming
 

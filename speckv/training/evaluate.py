@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.drafters.base import CatchUpRequest, DraftCarry, Drafter, TargetStates
+from speckv.drafters.base import Drafter
+from speckv.drafters.draft_state import CatchUpRequest, DraftCarry, TargetStates
 from speckv.models.base import TargetModel
 
 
