@@ -31,7 +31,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from speckv.connectors.base import ExternalHit, FinishDecision, KVConnector, RequestBlocks
@@ -54,6 +53,7 @@ from speckv.connectors.nixl.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from speckv.connectors.nixl.pulls import PeerLink, Pull, ReadInFlight
 from speckv.connectors.nixl.side_channel import (
     Admit,
     Admitted,
@@ -67,7 +67,7 @@ from speckv.connectors.nixl.side_channel import (
     SideChannelServer,
     Welcome,
 )
-from speckv.connectors.nixl.transport import NixlTransport, ReadHandle
+from speckv.connectors.nixl.transport import NixlTransport
 from speckv.connectors.rules import (
     ConnectorMode,
     ConnectorRequest,
@@ -81,41 +81,6 @@ logger = logging.getLogger("speckv.connectors.nixl")
 
 MEDIUM_NIXL = "NIXL"
 _DONE_PREFIX = b"done:"
-
-
-def transfer_params_of(request: ConnectorRequest) -> Any:
-    """The request's `kv_transfer_params` (None when it has none)."""
-    return getattr(request, "kv_transfer_params", None)
-
-
-@dataclass
-class _Peer:
-    client: SideChannelClient
-    agent_name: str
-    layout: KVLayoutDesc
-
-
-@dataclass
-class _Pull:
-    """One decode-side request that names a prefill engine's lease."""
-
-    params: KVTransferParams
-    peer: _Peer | None = None
-    local_block_ids: tuple[int, ...] = ()
-    remote_block_ids: tuple[int, ...] = ()
-    first_token: int = 0
-    released: bool = False
-    error: str | None = None  # why the handshake failed (None: it did not)
-    load: RequestLoad | None = None  # what to READ, once the blocks are allocated
-
-
-@dataclass
-class _Read:
-    load: RequestLoad
-    pull: _Pull
-    read: ReadHandle
-    started: float
-    deadline: float
 
 
 class NixlConnector(KVConnector):
@@ -135,13 +100,13 @@ class NixlConnector(KVConnector):
         self._server: SideChannelServer | None = None
         self._leased_requests: dict[str, str] = {}  # request id -> lease id
         # decode side
-        self._peers: dict[tuple[str, int, str], _Peer] = {}
-        self._pulls: dict[str, _Pull] = {}  # request id -> its pull (until released)
+        self._peers: dict[tuple[str, int, str], PeerLink] = {}
+        self._pulls: dict[str, Pull] = {}  # request id -> its pull (until released)
         self._planned: list[str] = []  # request ids whose load the next metadata carries
         self._failures: list[LoadFailure] = []
         self._recved: set[str] = set()  # asynchronous loads settled since the last report
-        self._inflight: dict[str, _Read] = {}  # READs on the wire, by request id
-        self._finished_pulls: dict[str, _Pull] = {}  # finished while their READ runs
+        self._inflight: dict[str, ReadInFlight] = {}  # READs on the wire, by request id
+        self._finished_pulls: dict[str, Pull] = {}  # finished while their READ runs
         self._control: queue.Queue[tuple[SideChannelClient, Any, bool] | None] = queue.Queue(4096)
         self._control_thread: threading.Thread | None = None
         self._heartbeat_at = 0.0
@@ -190,11 +155,11 @@ class NixlConnector(KVConnector):
         return self._layout.hash_contract
 
     # ---- decode side: scheduler --------------------------------------------------------------
-    def _pull_of(self, request: ConnectorRequest) -> _Pull | None:
+    def _pull_of(self, request: ConnectorRequest) -> Pull | None:
         pull = self._pulls.get(request.request_id)
         if pull is not None or not self.config.is_consumer:
             return pull
-        raw = transfer_params_of(request)
+        raw = request.kv_transfer_params
         if not wants_remote_prefill(raw):
             return None
         try:
@@ -202,7 +167,7 @@ class NixlConnector(KVConnector):
         except ParamsError as error:
             logger.warning("request %s: %s; prefilling locally", request.request_id, error)
             return None
-        pull = self._pulls[request.request_id] = _Pull(params)
+        pull = self._pulls[request.request_id] = Pull(params)
         try:
             pull.peer = self._peer(params)
         except (ParamsError, SideChannelError, ValueError, RuntimeError) as error:
@@ -217,7 +182,7 @@ class NixlConnector(KVConnector):
     def _fails(self) -> bool:
         return self.config.load_failure_policy == "fail"
 
-    def _peer(self, params: KVTransferParams) -> _Peer:
+    def _peer(self, params: KVTransferParams) -> PeerLink:
         key = (params.host, params.port, params.epoch)
         peer = self._peers.get(key)
         if peer is not None:
@@ -246,10 +211,10 @@ class NixlConnector(KVConnector):
             agent_name = layout.agent_name
         else:
             agent_name = self._transport.add_peer(reply.agent_metadata, layout)
-        peer = self._peers[key] = _Peer(client, agent_name, layout)
+        peer = self._peers[key] = PeerLink(client, agent_name, layout)
         return peer
 
-    def _servable(self, request: ConnectorRequest, pull: _Pull, num_local_hit_tokens: int
+    def _servable(self, request: ConnectorRequest, pull: Pull, num_local_hit_tokens: int
                   ) -> int:
         assert self._mode is not None
         mode = self._mode
@@ -336,7 +301,7 @@ class NixlConnector(KVConnector):
                 self._planned.remove(request.request_id)
                 self._recved.add(request.request_id)
             self._release(pull)
-        if self.config.is_producer and wants_remote_decode(transfer_params_of(request)):
+        if self.config.is_producer and wants_remote_decode(request.kv_transfer_params):
             return self._lease(blocks)
         return FinishDecision()
 
@@ -407,7 +372,7 @@ class NixlConnector(KVConnector):
             except (SideChannelError, ValueError, IndexError, RuntimeError) as error:
                 self._fail(load, str(error))
                 continue
-            self._inflight[load.request_id] = _Read(
+            self._inflight[load.request_id] = ReadInFlight(
                 load, pull, read, started, started + self.config.transfer_timeout_s)
 
     def _fail(self, load: RequestLoad, reason: str) -> None:
@@ -458,7 +423,7 @@ class NixlConnector(KVConnector):
                                finished_sending=self._finished_sending())
 
     # ---- control messages (a thread: never block a step on a dead peer) ---------------------
-    def _release(self, pull: _Pull) -> None:
+    def _release(self, pull: Pull) -> None:
         if pull.released:
             return
         pull.released = True
@@ -483,7 +448,7 @@ class NixlConnector(KVConnector):
         if now < self._heartbeat_at or not self._pulls:
             return
         self._heartbeat_at = now + self.config.lease_s / 3
-        by_peer: dict[int, tuple[_Peer, list[str]]] = {}
+        by_peer: dict[int, tuple[PeerLink, list[str]]] = {}
         for pull in self._pulls.values():
             if pull.peer is not None and not pull.released:
                 by_peer.setdefault(id(pull.peer), (pull.peer, []))[1].append(
