@@ -69,7 +69,7 @@ from speckv.speculation.adaptive import (
     AdaptiveSpecConfig,
     AdaptiveSpeculation,
     Clock,
-    SpecDecodeStats,
+    SpeculationReport,
     default_clock,
 )
 from speckv.speculation.policy import NO_DRAFTER
@@ -291,7 +291,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def spec_decode_stats(self) -> SpecDecodeStats | None:
+    def spec_decode_stats(self) -> SpeculationReport | None:
         """Speculation so far: per-position acceptance, draft lengths chosen (None: off)."""
         return self.spec_policy.stats() if self.spec_policy is not None else None
 

@@ -33,6 +33,9 @@ class PrefixCacheStats:
 
 @dataclass(frozen=True)
 class SpecDecodingStats:
+    """One step's drafts and acceptances (vLLM's per-step spec-decoding stats); the engine's
+    lifetime figures and the adaptive policy's belief are `SpeculationReport`."""
+
     num_drafts: int  # verification steps that had at least one draft
     num_draft_tokens: int  # drafts verified, tokens
     num_accepted_tokens: int  # drafts accepted (kept in the output), tokens

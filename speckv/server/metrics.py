@@ -49,7 +49,7 @@ from speckv.engine.kv_budget import KVBudget
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.stats import SchedulerStats
 from speckv.server.engine_loop import EngineRequest
-from speckv.speculation.adaptive import SpecDecodeStats
+from speckv.speculation.adaptive import SpeculationReport
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -130,7 +130,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, hash_mode: HashMode, num_spec_tokens: int,
                  engine_index: int = 0,
-                 spec_stats: Callable[[], SpecDecodeStats | None] | None = None,
+                 spec_stats: Callable[[], SpeculationReport | None] | None = None,
                  kv_budget: KVBudget | None = None) -> None:
         """`spec_stats`: the engine's `spec_decode_stats` (None: no draft-length gauges);
         `kv_budget`: the engine's blocks and bytes per KV cache group (None: no gauges)."""

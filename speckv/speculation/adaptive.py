@@ -115,8 +115,10 @@ class Verification:
 
 
 @dataclass(frozen=True)
-class SpecDecodeStats:
-    """What speculation did so far (engine-wide), and what the policy believes now."""
+class SpeculationReport:
+    """What speculation did over the engine's life, and what the policy believes now (read by
+    `/metrics` and `generate`'s summary). Not a step's counts: those are
+    `engine.stats.SpecDecodingStats`, in each step's `SchedulerStats`, as in vLLM."""
 
     max_spec_tokens: int
     num_drafts_by_position: tuple[int, ...]  # steps that verified a draft at position j
@@ -357,8 +359,8 @@ class AdaptiveSpeculation:
         return self._current
 
     # ---- reporting ----------------------------------------------------------------------------
-    def stats(self) -> SpecDecodeStats:
-        return SpecDecodeStats(
+    def stats(self) -> SpeculationReport:
+        return SpeculationReport(
             max_spec_tokens=self.config.max_spec_tokens,
             num_drafts_by_position=tuple(self._drafts),
             num_accepted_by_position=tuple(self._accepted),
