@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from speckv.cache.block import NULL_BLOCK_ID
+# Tables are padded with the null block's id, 0 (`speckv.cache.NULL_BLOCK_ID`, named there:
+# attention sits beside the cache and reads block ids as plain ints, it imports nothing of it).
+_PAD_BLOCK_ID = 0
 
 # up to this many requests, lists beat array ops (their fixed cost dominates)
 _SMALL_BATCH = 8
@@ -86,7 +88,7 @@ class AttentionMetadata:
         if len(block_tables) <= _SMALL_BATCH:
             return cls._from_lists(query_lens, seq_lens, block_tables, table_lens, width,
                                    block_size, device)
-        table = np.full((len(block_tables), width), NULL_BLOCK_ID, dtype=np.int64)
+        table = np.full((len(block_tables), width), _PAD_BLOCK_ID, dtype=np.int64)
         if table_lens:
             flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
                                count=sum(table_lens))
@@ -182,7 +184,7 @@ class AttentionMetadata:
             positions.extend(new_positions)
             slots.extend(bt[pos // block_size] * block_size + pos % block_size
                          for pos in new_positions)
-        table = [[*bt[:n], *[NULL_BLOCK_ID] * (width - n)]
+        table = [[*bt[:n], *[_PAD_BLOCK_ID] * (width - n)]
                  for bt, n in zip(block_tables, table_lens)]
         md = cls(
             query_start_loc=torch.tensor(

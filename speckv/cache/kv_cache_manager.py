@@ -344,16 +344,11 @@ class KVCacheManager:
         num_cacheable = request.num_computed_tokens + num_hit_tokens
         num_computed = num_cacheable + num_external_tokens
         num_total = num_computed + num_new_tokens + num_draft_slots
-        needed: dict[int, int] = {}  # id(pool) -> free blocks it must give
-        for manager, blocks in zip(managers, hit_blocks):
-            key = id(manager.pool)
-            needed[key] = needed.get(key, 0) + manager.get_num_blocks_to_allocate(
-                request_id, num_total, blocks)
+        needed = self._blocks_needed(request_id, num_total, hit_blocks)
         for manager, source in zip(managers, sources):
             key = id(manager.pool)  # touching a free source takes it off the queue
             needed[key] = needed.get(key, 0) + manager.pool.num_free_among((source,))
-        if any(needed.get(id(pool), 0) > pool.get_num_free_blocks()
-               for pool in self._distinct_pools):
+        if not self._pools_can_give(needed):
             return None
         if sources:  # held before anything is allocated, which could evict them
             for manager, source in zip(managers, sources):
@@ -399,15 +394,9 @@ class KVCacheManager:
                 num_needed += manager.get_num_blocks_to_allocate(request_id, num_total, ())
             if num_needed > self.pool.get_num_free_blocks():
                 return None
-        else:  # per-group pools: each pool gives its own groups' blocks
-            needed: dict[int, int] = {}
-            for manager in managers:
-                key = id(manager.pool)
-                needed[key] = needed.get(key, 0) + manager.get_num_blocks_to_allocate(
-                    request_id, num_total, ())
-            if any(needed.get(id(pool), 0) > pool.get_num_free_blocks()
-                   for pool in self._distinct_pools):
-                return None
+        elif not self._pools_can_give(
+                self._blocks_needed(request_id, num_total, self._no_hit_blocks)):
+            return None  # per-group pools: each pool gives its own groups' blocks
         new_block_ids = tuple([block.block_id for block in
                                manager.allocate_new_blocks(request_id, num_total)]
                               for manager in managers)
@@ -418,6 +407,21 @@ class KVCacheManager:
         for manager in self._managers_that_skip:
             manager.remove_skipped_blocks(request_id, num_computed)
         return Allocation(new_block_ids)
+
+    def _blocks_needed(self, request_id: str, num_total: int,
+                       hit_blocks: Sequence[Sequence[KVCacheBlock]]) -> dict[int, int]:
+        """Free blocks each pool must give (by `id(pool)`) for the request to hold
+        `num_total` tokens in every group, after `hit_blocks`."""
+        needed: dict[int, int] = {}
+        for manager, blocks in zip(self.managers, hit_blocks):
+            key = id(manager.pool)
+            needed[key] = needed.get(key, 0) + manager.get_num_blocks_to_allocate(
+                request_id, num_total, blocks)
+        return needed
+
+    def _pools_can_give(self, needed: dict[int, int]) -> bool:
+        return all(needed.get(id(pool), 0) <= pool.get_num_free_blocks()
+                   for pool in self._distinct_pools)
 
     def step_executed(self) -> None:
         """The runner has carried out a step: release the copy sources it has copied, and let

@@ -52,8 +52,8 @@ from speckv.server.http_guard import (
     check_bearer_key,
     on_api_error,
     on_http_error,
+    race_disconnect,
     read_body,
-    wait_disconnect,
 )
 from speckv.server.protocol import (
     SSE_DONE,
@@ -225,14 +225,9 @@ class _Stream:
                         "content-type", "text/event-stream").encode()),
                    (b"cache-control", b"no-cache"), (ENGINE_HEADER.encode(), self.engine.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        pump = asyncio.ensure_future(self._pump(send))
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
-            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await race_disconnect(self._pump(send), receive)
         finally:
-            for task in (pump, watcher):
-                task.cancel()
-            await asyncio.gather(pump, watcher, return_exceptions=True)
             await self.response.aclose()
             self.done()
 

@@ -37,8 +37,8 @@ from speckv.server.http_guard import (
     check_bearer_key,
     on_api_error,
     on_http_error,
+    race_disconnect,
     read_body,
-    wait_disconnect,
 )
 from speckv.server.protocol import parse_json_object
 
@@ -131,14 +131,9 @@ class _Stream:
                         "content-type", "text/event-stream").encode()),
                         (b"cache-control", b"no-cache"),
                         (PD_HEADER.encode(), self.header.encode())]})
-        pump = asyncio.ensure_future(self._pump(send))
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
-            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await race_disconnect(self._pump(send), receive)
         finally:
-            for task in (pump, watcher):
-                task.cancel()
-            await asyncio.gather(pump, watcher, return_exceptions=True)
             await self.response.aclose()
 
     async def _pump(self, send: Send) -> None:

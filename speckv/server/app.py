@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -49,8 +49,8 @@ from speckv.server.http_guard import (
     error_response,
     on_api_error,
     on_http_error,
+    race_disconnect,
     read_body,
-    wait_disconnect,
 )
 from speckv.server.metrics import CONTENT_TYPE, ServerMetrics
 from speckv.server.protocol import (
@@ -134,24 +134,6 @@ def _check_api_key(server: OpenAIServer, request: Request) -> None:
     check_bearer_key(request, server.config.api_key)
 
 
-async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> tuple[bool, Any]:
-    """(True, result) if `work` finished first; (False, None) if the client left first (the
-    work is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, watcher):
-            pending.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.done() and not task.cancelled() and task.exception() is None:
-        return True, task.result()
-    if task.done() and not task.cancelled():
-        raise task.exception()  # type: ignore[misc]
-    return False, None
-
-
 class EventStreamResponse:
     """SSE for one request: a chunk per engine output, `[DONE]` last; stops (and aborts the
     request) as soon as the client disconnects, whether or not a token is due."""
@@ -165,7 +147,7 @@ class EventStreamResponse:
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache")]})
         try:
-            await _race_disconnect(self._pump(send), receive)
+            await race_disconnect(self._pump(send), receive)
         except OSError:  # the socket went away mid-send
             pass
         finally:
@@ -220,7 +202,7 @@ def build_app(server: OpenAIServer) -> Starlette:
             return EventStreamResponse(stream, ChunkWriter(generation.kind, header,
                                                            generation.include_usage))
         try:
-            finished, output = await _race_disconnect(_last_output(stream), request.receive)
+            finished, output = await race_disconnect(_last_output(stream), request.receive)
         finally:
             stream.close()
         if not finished:

@@ -4,7 +4,10 @@ One copy, so both fronts refuse alike."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+from collections.abc import Awaitable
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -46,6 +49,24 @@ async def wait_disconnect(receive: Receive) -> None:
     """Returns when the client has gone (after the body, `receive` only reports that)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def race_disconnect(work: Awaitable[Any], receive: Receive) -> tuple[bool, Any]:
+    """(True, result) if `work` finished first; (False, None) if the client left first (the
+    work is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return True, task.result()
+    if task.done() and not task.cancelled():
+        raise task.exception()  # type: ignore[misc]
+    return False, None
 
 
 def error_response(error: APIError) -> JSONResponse:

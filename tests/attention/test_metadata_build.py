@@ -59,3 +59,15 @@ def test_bad_lengths_are_refused_on_both_paths(num_reqs: int) -> None:
     query_lens[-1] = seq_lens[-1] + 1
     with pytest.raises(ValueError, match="query_lens must be in"):
         AttentionMetadata.build(query_lens, seq_lens, tables, 4)
+
+
+@pytest.mark.parametrize("num_reqs", [2, 40])  # the list path and the array path
+def test_short_tables_are_padded_with_the_null_block(num_reqs):
+    from speckv.cache import NULL_BLOCK_ID
+
+    query_lens, seq_lens, tables = _batch(num_reqs, seed=7)
+    tables[0] = tables[0][:1]  # one short table: the rest of its row is padding
+    seq_lens[0] = query_lens[0] = min(seq_lens[0], 4)
+    md = AttentionMetadata.build(query_lens, seq_lens, tables, 4)
+    assert md.block_tables.shape[1] > 1
+    assert (md.block_tables[0, 1:] == NULL_BLOCK_ID).all()
