@@ -11,7 +11,7 @@
 
 Owns the request path: the API key (`--api-key`, as `Authorization: Bearer` on every `/v1`
 route and the state), the body limit (413), the in-flight bound (503 + Retry-After), prompt
-parsing with the server's own code (`speckv.server.protocol`: the engine's tokenizer and chat
+parsing with the server's own code (`speckv.api.protocol`: the engine's tokenizer and chat
 template, and the engine's errors for bad input), the policy's choice, one retry on another
 engine for a request that failed before any byte was sent back (connection refused, 5xx), an
 error chunk + `[DONE]` for a stream that breaks mid-way, and checking each reported
@@ -41,21 +41,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from speckv.router.contract import ContractError
-from speckv.router.fleet import EngineLink, EnginePlan, Fleet
-from speckv.router.metrics import RouterMetrics
-from speckv.router.policy import Decision, Policy
-from speckv.server import errors
-from speckv.server.contract import CONTRACT_PATH
-from speckv.server.errors import APIError
-from speckv.server.http_guard import (
+from speckv.api import errors
+from speckv.api.contract import CONTRACT_PATH
+from speckv.api.errors import APIError
+from speckv.api.http_guard import (
     check_bearer_key,
     on_api_error,
     on_http_error,
     race_disconnect,
     read_body,
 )
-from speckv.server.protocol import (
+from speckv.api.protocol import (
     SSE_DONE,
     GenerationRequest,
     ModelLimits,
@@ -64,6 +60,10 @@ from speckv.server.protocol import (
     parse_completion,
     parse_json_object,
 )
+from speckv.router.contract import ContractError
+from speckv.router.fleet import EngineLink, EnginePlan, Fleet
+from speckv.router.metrics import RouterMetrics
+from speckv.router.policy import Decision, Policy
 
 logger = logging.getLogger("speckv.router")
 ENGINE_HEADER = "x-speckv-engine"  # which engine answered (debugging, tests)

@@ -1,7 +1,7 @@
 """An engine's cache contract as the router reads it, and the check that the router can
 reproduce it.
 
-Owns turning the JSON of `GET /kv_cache_contract` (`speckv.server.contract`) into an
+Owns turning the JSON of `GET /kv_cache_contract` (`speckv.api.contract`) into an
 `EngineContract`, refusing, with the field named, every contract whose hits the router could
 not predict exactly: another contract version, a random hash seed, an unknown hash algorithm,
 several KV cache groups (a sliding-window or state group makes a hit depend on more than one

@@ -32,15 +32,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from speckv.server.errors import APIError
-from speckv.server.http_guard import (
+from speckv.api.errors import APIError
+from speckv.api.http_guard import (
     check_bearer_key,
     on_api_error,
     on_http_error,
     race_disconnect,
     read_body,
 )
-from speckv.server.protocol import parse_json_object
+from speckv.api.protocol import parse_json_object
 
 logger = logging.getLogger("speckv.router")
 

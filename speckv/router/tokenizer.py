@@ -4,7 +4,7 @@ Owns finding the tokenizer of a `speckv serve` MODEL argument (the built-in mode
 random-init demo models: the built-in tokenizer; an HF directory: its tokenizer.json; a .gguf
 file: its embedded vocabulary) and checking it against the engine's contract digest, so the
 router's token ids are the engine's (prompts then go through the server's own parsing,
-`speckv.server.protocol`, chat template included).
+`speckv.api.protocol`, chat template included).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from speckv.api.contract import tokenizer_digest
 from speckv.models.common.tokenizer import Tokenizer
-from speckv.server.contract import tokenizer_digest
 
 BUILTIN_TOKENIZER_MODELS = ("builtin", "hybrid-swa", "hybrid-gdn")
 

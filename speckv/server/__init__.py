@@ -1,7 +1,8 @@
 """`speckv serve`: an OpenAI-compatible HTTP server over the engine.
 
-    errors.py       the OpenAI error shape and the HTTP status of each failure
-    protocol.py     request bodies -> validated prompts + SamplingParams; response / chunk shapes
+Request parsing, errors, the HTTP guard and the cache contract live in `speckv.api`,
+shared with the router.
+
     engine_loop.py  the one thread that owns the `LLMEngine` (continuous batching over HTTP)
     async_client.py the asyncio side: per-request queues, acceptance, streams, aborts
     metrics.py      Prometheus metrics under vLLM's names (+ the hash mode in force)

@@ -36,15 +36,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from speckv.connectors.nixl.side_channel import release_lease_soon
-from speckv.engine.llm_engine import LLMEngine
-from speckv.engine.outputs import RequestOutput
-from speckv.server import errors
-from speckv.server.async_client import AsyncEngineClient, RequestStream
-from speckv.server.contract import CONTRACT_PATH, engine_contract, new_epoch, tokenizer_digest
-from speckv.server.engine_loop import EngineRequest
-from speckv.server.errors import APIError
-from speckv.server.http_guard import (
+from speckv.api import errors
+from speckv.api.contract import CONTRACT_PATH, engine_contract, new_epoch, tokenizer_digest
+from speckv.api.errors import APIError
+from speckv.api.http_guard import (
     check_bearer_key,
     error_response,
     on_api_error,
@@ -52,8 +47,7 @@ from speckv.server.http_guard import (
     race_disconnect,
     read_body,
 )
-from speckv.server.metrics import CONTENT_TYPE, ServerMetrics
-from speckv.server.protocol import (
+from speckv.api.protocol import (
     SSE_DONE,
     ChunkWriter,
     GenerationRequest,
@@ -66,6 +60,12 @@ from speckv.server.protocol import (
     parse_completion,
     parse_json_object,
 )
+from speckv.connectors.nixl.side_channel import release_lease_soon
+from speckv.engine.llm_engine import LLMEngine
+from speckv.engine.outputs import RequestOutput
+from speckv.server.async_client import AsyncEngineClient, RequestStream
+from speckv.server.engine_loop import EngineRequest
+from speckv.server.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("speckv.server")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from speckv.api.errors import bad_request, engine_dead, engine_failed, queue_full
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.server.engine_loop import (
@@ -27,7 +28,6 @@ from speckv.server.engine_loop import (
     Output,
     Rejected,
 )
-from speckv.server.errors import bad_request, engine_dead, engine_failed, queue_full
 
 
 class RequestStream:

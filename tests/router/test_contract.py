@@ -8,10 +8,10 @@ import copy
 import httpx
 import pytest
 
+from speckv.api.contract import tokenizer_digest
 from speckv.engine.engine_args import engine_config
 from speckv.events.endpoints import loopback_endpoint
 from speckv.router.contract import ContractError, HitRule, connect_endpoint, parse_contract
-from speckv.server.contract import tokenizer_digest
 from tests.server.server_test_utils import TOKENIZER
 
 URL = "http://10.0.0.7:8000"

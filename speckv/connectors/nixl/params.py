@@ -52,7 +52,7 @@ class HashContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_contract(cls, contract: Mapping[str, Any]) -> HashContract:
-        """From the JSON of `speckv.server.contract.engine_contract`."""
+        """From the JSON of `speckv.api.contract.engine_contract`."""
         mode = contract["hash_mode"]
         return cls(contract["hash_algo"], contract["hash_seed"], int(contract["block_size"]),
                    int(mode["lookahead_tokens"]), bool(mode["drops_last_unit"]))

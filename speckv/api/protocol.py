@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from speckv.api.errors import APIError, bad_request, model_not_found, not_supported
 from speckv.connectors.nixl.params import (
     ParamsError,
     parse_transfer_params,
@@ -28,7 +29,6 @@ from speckv.connectors.nixl.params import (
 )
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
-from speckv.server.errors import APIError, bad_request, model_not_found, not_supported
 
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from speckv.server import errors
-from speckv.server.errors import APIError
+from speckv.api import errors
+from speckv.api.errors import APIError
 
 
 def check_bearer_key(request: Request, key: str | None) -> None:
