@@ -34,7 +34,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from speckv.models.common.rope import RotaryEmbedding, apply_rope
 from speckv.models.gemma.gemma3 import GemmaMLP
 from speckv.models.gemma.gemma4 import Gemma4Config, Gemma4RMSNorm, _proportional_inv_freq
 from speckv.speculation.policy import DrafterPolicy, drafter_policy
+
+if TYPE_CHECKING:  # the assistant builds its proposer (`make_proposer`), which binds TargetKV
+    from speckv.drafters.gemma4_assistant_proposer import TargetKV
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 RANDOM_ASSISTANT = "random-assistant"  # the speculative_model name of a random-init one
@@ -188,15 +191,6 @@ class MaskedEmbedder(nn.Module):
         out = torch.full((hidden.shape[0], self.vocab_size), logits.min().item() - 1.0,
                          dtype=logits.dtype, device=logits.device)
         return out.scatter_(-1, ids, logits)
-
-
-@dataclass(frozen=True)
-class TargetKV:
-    """Per attention type, the target layer whose paged KV the assistant's layers read."""
-
-    caches: Mapping[str, LayerKVCache]  # kind -> [num_blocks, block_size, kv_heads, head_dim]
-    groups: Mapping[str, int]  # kind -> the target's KV cache group of that layer
-    block_sizes: Mapping[str, int]  # kind -> that group's block size
 
 
 class Gemma4Assistant(nn.Module):

@@ -10,14 +10,28 @@ no per-request state, no drafter cache (so the KV budget and the connectors see 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from speckv.attention import AttentionMetadata
-from speckv.drafters.gemma4_assistant import Gemma4Assistant, TargetKV
+from speckv.attention.kv_cache import LayerKVCache
 from speckv.speculation.policy import DrafterPolicy
 from speckv.speculation.proposer import ProposerInput, ProposeTiming
+
+if TYPE_CHECKING:  # the assistant builds this proposer (`Gemma4Assistant.make_proposer`)
+    from speckv.drafters.gemma4_assistant import Gemma4Assistant
+
+
+@dataclass(frozen=True)
+class TargetKV:
+    """Per attention type, the target layer whose paged KV the assistant's layers read."""
+
+    caches: Mapping[str, LayerKVCache]  # kind -> [num_blocks, block_size, kv_heads, head_dim]
+    groups: Mapping[str, int]  # kind -> the target's KV cache group of that layer
+    block_sizes: Mapping[str, int]  # kind -> that group's block size
 
 
 class Gemma4AssistantProposer:

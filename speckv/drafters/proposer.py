@@ -24,14 +24,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from speckv.drafters.base import Drafter
 from speckv.drafters.draft_state import CatchUpRequest, DraftCarry, TargetStates
 from speckv.speculation.policy import DrafterPolicy
 from speckv.speculation.proposer import ProposerInput, ProposeTiming
+
+if TYPE_CHECKING:  # the drafter builds this proposer (`Drafter.make_proposer`)
+    from speckv.drafters.base import Drafter
 
 
 def _target_states(items: Sequence[ProposerInput], num_aux: int) -> TargetStates:
