@@ -13,7 +13,9 @@ so a step costs O(new tokens), not O(output). The text is the same as decoding t
 output: the first window starts at the output's first token, later windows begin a chunk
 earlier, and a decoder whose output for a window does not extend its previous chunk's (one
 that rewrites text across the boundary) sends that request back to whole-output decoding.
-Requests with stop strings decode the whole output as before (a stop string may span chunks).
+Requests with stop strings decode the whole output as before (a stop string may span chunks),
+and their stream holds back any end of the text that begins a stop string, so no delta ever
+sends characters the stop string later cuts.
 """
 
 from __future__ import annotations
@@ -213,6 +215,8 @@ class OutputProcessor:
         text = state.text
         # hold back an incomplete UTF-8 sequence until the next token completes it
         visible = len(text) if finished or not text.endswith("\ufffd") else len(text) - 1
+        if not finished and state.params.stop:
+            visible -= _stop_prefix_length(text[:visible], state.params.stop)
         visible = max(visible, state.num_sent_chars)
         delta_text = text[state.num_sent_chars : visible]
         delta_ids = state.output_token_ids[state.num_sent_tokens :]
@@ -237,6 +241,19 @@ class OutputProcessor:
             else (),
             state.kv_transfer_params if finished else None,
         )
+
+
+def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins a stop string: those characters
+    are held back from the stream until the next tokens show whether the stop string
+    completes (then they are cut with it) or not (then they are sent)."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
 
 
 def _count_positions(counts: list[int], num_positions: int) -> None:
