@@ -20,6 +20,8 @@ import random
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 from speckv.cache.block import CacheKey
 from speckv.connectors import KVConnector
 from speckv.connectors.codec import CodecMiss, MissReason
@@ -37,6 +39,36 @@ def block_violation(block: BlockDescriptor, tensors: BlockTensors, draft_depth: 
                     check_draft: bool = True) -> str | None:
     """Why `tensors` (a block of a `PagedSymbolicKV`: target, draft) is not the KV its header
     names; None when it is."""
+    if _holds_header_kv(block, tensors, draft_depth, check_draft):
+        return None
+    # the slot-by-slot reading says where and what; it is also the verdict, since the whole-
+    # block comparison is the stricter one (exact values; the reading truncates to integers)
+    return _first_violation(block, tensors, draft_depth, check_draft)
+
+
+def _holds_header_kv(block: BlockDescriptor, tensors: BlockTensors, draft_depth: int,
+                     check_draft: bool) -> bool:
+    """Whether the block holds exactly the values a `PagedSymbolicKV` writes for its header
+    (one comparison per cache, not one per slot: this runs on every store and load)."""
+    target, draft = (tensor.numpy() for tensor in tensors)  # [1, 2, B, 1, 1], [.., 1 + depth]
+    num_tokens = len(block.token_ids)
+    if num_tokens > target.shape[2]:
+        return False
+    known = np.array((*block.token_ids, *block.lookahead_token_ids), dtype=np.float32) + 1
+    if not (target[0, :, :num_tokens, 0, 0] == known[:num_tokens]).all():
+        return False
+    # draft KV where the header proves what it was computed from: depth known tokens after
+    num_proven = max(0, min(num_tokens, len(known) - draft_depth)) if check_draft else 0
+    if num_proven == 0:
+        return True
+    want = np.empty((num_proven, 1 + draft_depth), dtype=np.float32)
+    want[:, 0] = draft_depth + 1
+    want[:, 1:] = known[np.arange(num_proven)[:, None] + np.arange(1, 1 + draft_depth)]
+    return bool((draft[0, :, :num_proven, 0] == want).all())
+
+
+def _first_violation(block: BlockDescriptor, tensors: BlockTensors, draft_depth: int,
+                     check_draft: bool) -> str | None:
     target, draft = tensors  # [1, 2, B, 1, 1], [1, 2, B, 1, 1 + depth]
     known = (*block.token_ids, *block.lookahead_token_ids)
     for offset, token in enumerate(block.token_ids):

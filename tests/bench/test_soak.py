@@ -1,6 +1,7 @@
 """`speckv bench soak`: short runs stay clean over group mixes and drafters, and through real
 KV tiers with injected load failures; a run whose cache serves stale draft KV, whose tier
-stores a block before it is written, serves a failed load or drops draft KV is caught."""
+stores a block before it is written, serves a failed load, drops draft KV or loads a block
+into the wrong slots is caught."""
 
 from __future__ import annotations
 
@@ -108,6 +109,26 @@ def test_a_tier_that_keeps_only_target_kv_is_caught(monkeypatch):
     result = soak.run_soak(soak.SoakConfig(num_ops=3000, seed=0, kv_connector="offload"),
                            progress=False)
     assert result.violation is not None and "draft KV" in result.violation
+
+
+@pytest.mark.parametrize("segment,what", [(0, "target KV"), (1, "draft KV")])
+def test_a_tier_load_landing_one_slot_off_is_caught_at_the_hit(monkeypatch, segment, what):
+    # the tier serves the right block (its load check passes) but the copy into the device
+    # shifts one cache's slots by one: only the whole-request check of the hit can see it
+    from speckv.connectors.layout import BlockWriter
+
+    add = BlockWriter.add
+
+    def shifted(self, block_id, block):
+        block = tuple(torch.roll(t, 1, dims=2) if i == segment else t
+                      for i, t in enumerate(block))
+        add(self, block_id, block)
+
+    monkeypatch.setattr(BlockWriter, "add", shifted)
+    result = soak.run_soak(soak.SoakConfig(num_ops=3000, seed=0, drafter="mtp", num_modules=2,
+                                           kv_connector="offload,disk"), progress=False)
+    assert result.violation is not None and "HitMismatch" in result.violation
+    assert what in result.violation
 
 
 def test_tier_arguments_are_checked():
