@@ -129,7 +129,7 @@ class DrafterProposer:
         return min([start, *carry.start])
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
-        start = self.clock()
+        began = self.clock()
         self.last_timing = ProposeTiming()
         L = self.drafter.draft_kv_lookahead_tokens
         block_size = self.kv_cache.block_size
@@ -139,11 +139,11 @@ class DrafterProposer:
             if x.end <= x.start:
                 continue
             rows = self._with_deferred(x)
-            start = x.start if rows is None else rows.start
+            first = x.start if rows is None else rows.start
             # Draft only for requests whose catch-up reaches their last real token.
             drafts = x.wants_drafts and x.max_drafts > 0 and x.end == len(x.token_ids) - 1
             first_open_block = len(x.token_ids) // block_size * block_size
-            if not drafts and self._first_unwritten(x.request_id, start) >= first_open_block:
+            if not drafts and self._first_unwritten(x.request_id, first) >= first_open_block:
                 # no hash can name these positions yet: write them later, in one pass
                 self._deferred[x.request_id] = (
                     _Deferred(x.start, x.end, x.hidden_states.clone(),
@@ -156,18 +156,18 @@ class DrafterProposer:
                 want.append(len(items))
             items.append((x, rows))
         if not items:
-            self.last_timing = ProposeTiming(self.clock() - start, 0.0)
+            self.last_timing = ProposeTiming(self.clock() - began, 0.0)
             return {}
         reqs = []
         carries = self._carries
         for x, rows in items:
-            start, end = (x.start, x.end) if rows is None else (rows.start, rows.end)
+            first, end = (x.start, x.end) if rows is None else (rows.start, rows.end)
             carry = carries.get(x.request_id)
-            if carry is not None and carry.next_position != start:
-                carry = None  # prefix hit / preemption: positions below start are complete
+            if carry is not None and carry.next_position != first:
+                carry = None  # prefix hit / preemption: positions below first are complete
             # Real tokens after each final position, plus up to L - 1 more known ones (prefill).
-            nxt = list(x.token_ids[start + 1 : end + L])
-            reqs.append(CatchUpRequest(start, end - start, nxt, x.block_table, carry))
+            nxt = list(x.token_ids[first + 1 : end + L])
+            reqs.append(CatchUpRequest(first, end - first, nxt, x.block_table, carry))
         if all(rows is None for _, rows in items):
             # nothing deferred joined these rows: one gather from the step's shared rows
             states = _target_states([x for x, _ in items], len(self.aux_layers))
@@ -185,12 +185,12 @@ class DrafterProposer:
         for (x, _), c in zip(items, state.carries):
             self._carries[x.request_id] = c
         caught_up = self.clock()
-        self.last_timing = ProposeTiming(caught_up - start, 0.0)
+        self.last_timing = ProposeTiming(caught_up - began, 0.0)
         if not want:
             return {}
         asked = [items[i][0] for i in want]
         # Greedy drafts are a prefix of longer runs: draft no more than any request may take.
         num = min(self.num_spec_tokens, max(x.max_drafts for x in asked))
         drafts = self.drafter.propose(state.subset(want), num, self.kv_cache).tolist()
-        self.last_timing = ProposeTiming(caught_up - start, self.clock() - caught_up)
+        self.last_timing = ProposeTiming(caught_up - began, self.clock() - caught_up)
         return {x.request_id: d[: x.max_drafts] for x, d in zip(asked, drafts)}

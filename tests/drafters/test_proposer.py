@@ -95,3 +95,32 @@ def test_proposer_caps_drafts_at_max_drafts(fmt, kw, target):
         got[max_drafts] = prop.propose([x])["r"]
     assert len(got[S]) == S
     assert got[2] == got[S][:2] and got[1] == got[S][:1]
+
+
+def test_proposer_times_its_step_on_its_clock(target):
+    """last_timing is the catch-up's and the drafts' span on the proposer's clock, whatever
+    the positions: the adaptive policy divides by these (a negative cost makes every draft
+    length look free)."""
+    bs, S = 4, 2
+    prompt = [1, 4, 2, 2, 5, 0, 3, 1, 4, 4, 2, 1, 3]  # 13 tokens: position 12 opens block 3
+    d = make_drafter("eagle3", {}, target)
+    table = list(range(1, 8))
+    kv = target.make_kv_cache(8, bs)
+    md = AttentionMetadata.build([len(prompt)], [len(prompt)], [table], bs)
+    out = target(torch.tensor(prompt), md.positions(), kv, md, d.target_aux_layers)
+    tokens = [*prompt, int(target.compute_logits(out.hidden_states[-1:]).argmax())]
+    ticks = iter(100.0 + 0.25 * i for i in range(100))  # exact in binary floating point
+    prop = DrafterProposer(d, S, 8, bs, clock=lambda: next(ticks))
+
+    def item(start, wants):
+        return ProposerInput(
+            "r", tokens, start, len(prompt), out.hidden_states[start:], out.prenorm_hidden[start:],
+            tuple(a[start:] for a in out.aux_hidden_states), table, torch.empty(0), wants, S,
+        )  # fmt: skip
+
+    assert len(prop.propose([item(0, True)])["r"]) == S  # catch-up, then the drafts
+    assert (prop.last_timing.catch_up_s, prop.last_timing.draft_s) == (0.25, 0.25)
+    prop = DrafterProposer(d, S, 8, bs, clock=lambda: next(ticks))
+    assert prop.propose([item(12, False)]) == {}  # open block only: deferred, no drafter pass
+    assert prop.num_deferred_positions("r") == 1
+    assert (prop.last_timing.catch_up_s, prop.last_timing.draft_s) == (0.25, 0.0)
