@@ -50,7 +50,7 @@ from speckv.models.base import TargetModel
 from speckv.models.common.decoder import ModelOutput
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
-from speckv.speculation.proposer import Proposer, ProposerInput, TargetRows
+from speckv.speculation.proposer import Proposer, ProposerBatch, TargetRows
 
 
 @dataclass
@@ -75,6 +75,10 @@ class _Forward:
     slot_mapping: torch.Tensor
     # linear-attention layers' plan (hybrid models only): recorded verification windows
     state_plan: StatePlan | None = None
+    # the drafter's group's block tables of the batch: [num_reqs, width] int32 0-padded, and
+    # blocks per request [num_reqs] (what the proposer's forwards address its KV with)
+    draft_table: np.ndarray | None = None
+    draft_table_lens: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -246,8 +250,10 @@ class ModelRunner:
             num_tokens += num_new
         rows_array = np.asarray(batch_rows, dtype=np.int64)
         groups = []
+        gathered = []
         for batch_table, block_size in zip(self._tables, self.group_block_sizes):
             table, lens = batch_table.gather(rows_array)
+            gathered.append((table, lens))
             groups.append(AttentionMetadata.from_block_table(
                 query_lens, seq_lens, table, block_size, self.device, lens))
         metadata = (groups[0] if len(groups) == 1
@@ -263,8 +269,10 @@ class ModelRunner:
                                 self.aux_layers, state=state_plan)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(output.hidden_states.index_select(0, rows))
+        draft_table, draft_lens = gathered[self.draft_group]
         return _Forward(output, token_offsets, logits, logit_offsets,
-                        groups[self.draft_group].slot_mapping, state_plan)
+                        groups[self.draft_group].slot_mapping, state_plan, draft_table,
+                        draft_lens)
 
     def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """The state group's block table of each scheduled request (hybrid models)."""
@@ -334,31 +342,46 @@ class ModelRunner:
         num_spec = self.num_spec_tokens
         if self.spec_policy is not None:
             num_spec = self.spec_policy.decide(num_decode)
-        inputs: list[ProposerInput] = []
         target_rows = TargetRows(output.hidden_states, output.prenorm_hidden,
                                  tuple(output.aux_hidden_states), forward.slot_mapping)
-        requests, token_offsets, draft_group = self.requests, forward.token_offsets, \
-            self.draft_group
-        for index, item in enumerate(scheduled):
+        requests = self.requests
+        n = len(scheduled)
+        request_ids: list[str] = []
+        token_ids: list[list[int]] = []
+        block_ids: list[list[list[int]]] = []
+        ends: list[int] = []
+        wants: list[bool] = []
+        rooms: list[int] = []
+        for item in scheduled:
             request_id = item.request_id
             state = requests[request_id]
             sampled = sampled_by_id.get(request_id)
-            start = item.start
-            end = start + item.num_new_tokens
+            end = item.start + item.num_new_tokens
             if sampled is not None:
                 # rejected drafts' KV is garbage
                 end -= len(item.draft_token_ids) - (len(sampled) - 1)
             limits = state.data.stop_limits
-            num_tokens = len(state.token_ids)
-            num_output = num_tokens - len(state.data.prompt_token_ids)
-            room = min(num_spec, limits.max_tokens - num_output - 1,
-                       limits.max_model_len - num_tokens - 1)
-            inputs.append(ProposerInput.from_rows(
-                request_id, state.token_ids, start, end, target_rows, token_offsets[index],
-                state.block_ids[draft_group],
-                sampled is not None and request_id not in stopped, max(0, room),
-                block_tables=tuple(state.block_ids),
-            ))
+            tokens = state.token_ids
+            num_tokens = len(tokens)
+            request_ids.append(request_id)
+            token_ids.append(tokens)
+            block_ids.append(state.block_ids)
+            ends.append(end)
+            wants.append(sampled is not None and request_id not in stopped)
+            rooms.append(min(num_spec, limits.max_tokens - num_tokens
+                             + len(state.data.prompt_token_ids) - 1,
+                             limits.max_model_len - num_tokens - 1))
+        if forward.draft_table is None or forward.draft_table_lens is None:
+            raise RuntimeError("the forward kept no block table of the drafter's group")
+        inputs = ProposerBatch(
+            request_ids, token_ids,
+            np.fromiter((item.start for item in scheduled), np.int64, n),
+            np.asarray(ends, dtype=np.int64),
+            np.asarray(forward.token_offsets, dtype=np.int64),
+            np.asarray(wants, dtype=bool),
+            np.maximum(np.asarray(rooms, dtype=np.int64), 0),
+            target_rows, forward.draft_table, forward.draft_table_lens, block_ids,
+            self.draft_group)
         drafts = self.proposer.propose(inputs)
         if self.spec_policy is not None:
             timing = self.proposer.last_timing
@@ -366,8 +389,11 @@ class ModelRunner:
             self.spec_policy.observe_step(StepCost(
                 sum(item.num_new_tokens for item in scheduled), target_s, num_decode, proposed,
                 timing.catch_up_s, timing.draft_s))
-        return {
-            item.request_id: [int(token) for token in drafts[item.request_id][: item.max_drafts]]
-            for item in inputs
-            if item.wants_drafts and drafts.get(item.request_id)
-        }
+        max_drafts = inputs.max_drafts.tolist()
+        out: dict[str, list[int]] = {}
+        for index, (request_id, want) in enumerate(zip(request_ids, wants)):
+            if want:
+                proposed_ids = drafts.get(request_id)
+                if proposed_ids:
+                    out[request_id] = [int(token) for token in proposed_ids[: max_drafts[index]]]
+        return out
