@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from speckv.attention.metadata import pad_block_tables
+
 
 @dataclass(frozen=True)
 class TargetStates:
@@ -75,8 +77,6 @@ class CatchUpBatch:
     @classmethod
     def from_requests(cls, requests: Sequence[CatchUpRequest]) -> CatchUpBatch:
         """The arrays of list-shaped requests (their tables padded once)."""
-        from speckv.attention.metadata import pad_block_tables
-
         table, lens = pad_block_tables([r.block_table for r in requests])
         counts = np.fromiter((r.num_positions for r in requests), np.int64, len(requests))
         ids = np.fromiter((t for r in requests for t in r.next_token_ids[: r.num_positions]),

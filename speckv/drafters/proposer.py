@@ -247,7 +247,7 @@ class DrafterProposer:
                 tokens[i][a + 1 : b + 1]
                 for i, a, b in zip(keep.tolist(), first_k.tolist(), ends_k.tolist())),
             np.int64, int(counts.sum()))
-        if any(i in joined for i in keep.tolist()):
+        if joined and any(i in joined for i in keep.tolist()):
             joined_rows = [self._joined_rows(batch, i, joined.get(i), clone=False)
                            for i in keep.tolist()]
             states = TargetStates(
