@@ -25,6 +25,21 @@ _PAD_BLOCK_ID = 0
 _SMALL_BATCH = 8
 
 
+def pad_block_tables(block_tables: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(table [n, width] int64 padded with the null block, blocks per row [n] int64); width
+    is the longest table's length (at least 1)."""
+    lens = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+    width = max(1, int(lens.max())) if lens.shape[0] else 1
+    table = np.full((len(block_tables), width), _PAD_BLOCK_ID, dtype=np.int64)
+    if lens.shape[0]:
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
+                           count=int(lens.sum()))
+        rows = np.repeat(np.arange(lens.shape[0]), lens)
+        cols = np.arange(flat.shape[0]) - np.repeat(np.cumsum(lens) - lens, lens)
+        table[rows, cols] = flat
+    return table, lens
+
+
 @dataclass
 class AttentionMetadata:
     """Tensors for one batched forward (all on the model's device)."""
@@ -83,21 +98,13 @@ class AttentionMetadata:
             )
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        table_lens = [len(bt) for bt in block_tables]
-        width = max(1, max(table_lens, default=0))
         if len(block_tables) <= _SMALL_BATCH:
+            table_lens = [len(bt) for bt in block_tables]
+            width = max(1, max(table_lens, default=0))
             return cls._from_lists(query_lens, seq_lens, block_tables, table_lens, width,
                                    block_size, device)
-        table = np.full((len(block_tables), width), _PAD_BLOCK_ID, dtype=np.int64)
-        if table_lens:
-            flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
-                               count=sum(table_lens))
-            lens = np.asarray(table_lens, dtype=np.int64)
-            rows = np.repeat(np.arange(len(table_lens)), lens)
-            cols = np.arange(flat.shape[0]) - np.repeat(np.cumsum(lens) - lens, lens)
-            table[rows, cols] = flat
-        return cls.from_block_table(query_lens, seq_lens, table, block_size, device,
-                                    table_lens)
+        table, lens = pad_block_tables(block_tables)
+        return cls.from_block_table(query_lens, seq_lens, table, block_size, device, lens)
 
     @classmethod
     def from_block_table(

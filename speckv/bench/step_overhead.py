@@ -12,7 +12,8 @@ decode, split by phase:
     propose    the drafter's host work (its module calls excluded: `draft fwd`)
     update     Scheduler.update_from_output: real tokens, block hashes, finishes
     output     OutputProcessor.process: detokenization (the built-in tokenizer when installed),
-               RequestOutputs
+               RequestOutputs. The requests ask for their final output only, as
+               `LLM.generate` does (`--stream`: an output every step, as a streaming server's)
     stats      Scheduler.take_stats
 
 host = step - forward - draft fwd, per request-step in microseconds. Beside it, vLLM 0.33's
@@ -45,7 +46,7 @@ from rich.table import Table
 
 from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
-from speckv.engine.sampling_params import SamplingParams
+from speckv.engine.sampling_params import RequestOutputKind, SamplingParams
 
 PHASES = ("schedule", "prepare", "forward", "sample", "propose", "draft_fwd", "update",
           "output", "stats")
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM column")
     parser.add_argument("--no-detokenize", action="store_true",
                         help="no tokenizer (output processing without text)")
+    parser.add_argument("--stream", action="store_true",
+                        help="requests get an output (text decoded) every step, as streamed "
+                             "ones do (default: the final output only, as LLM.generate's)")
     parser.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
                         help="cpu: this thread's CPU time (robust on a shared machine: time "
                              "spent waiting for a core is not counted); wall: perf_counter")
@@ -152,7 +156,7 @@ class SpeckvSide:
     def __init__(self, model: Any, tokenizer: Any, drafter_name: str, batch_size: int,
                  prompts: list[list[int]], primer: list[int], num_spec_tokens: int,
                  max_tokens: int, num_blocks: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], stream: bool = False) -> None:
         drafter = _drafter(drafter_name, model)
         spec: dict[str, Any] = {}
         if drafter is not None:
@@ -169,7 +173,8 @@ class SpeckvSide:
         engine.add_request(primer, SamplingParams(max_tokens=1, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=(
+            RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY))
         for prompt in prompts:
             engine.add_request(prompt, params)
         self.timer = timer = PhaseTimer(clock)
@@ -210,7 +215,7 @@ def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[st
     primer, prompts = _prompts(batch_size, args.prompt_len, seed=batch_size)
     clock = CLOCKS[args.clock]
     ours = SpeckvSide(model, tokenizer, drafter_name, batch_size, prompts, primer, k,
-                      max_tokens, num_blocks, max_batched, clock)
+                      max_tokens, num_blocks, max_batched, clock, args.stream)
     peer = None
     if vllm is not None:
         from speckv.bench.vllm_scheduler_peer import VllmSchedulerPeer
@@ -348,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
                           f"host {row.host_us:.1f} µs per request-step")
     title = (f"step overhead, µs per request-step (phases), one-layer toy model, prefix caching "
              f"on, {args.threads} thread(s), {args.clock} time; medians of {args.rounds} rounds "
-             f"x {args.steps} steps"
+             f"x {args.steps} steps, "
+             + ("an output every step" if args.stream else "final outputs only")
              + (f"; vLLM {vllm['version']} scheduler in the same process" if vllm else ""))
     console.print(_table(rows, title))
     return 0

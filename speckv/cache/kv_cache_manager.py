@@ -388,6 +388,22 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         num_total = num_computed + num_new_tokens + num_draft_slots
         managers = self.managers
+        # Draft positions are not real tokens: their KV may be rejected.
+        num_to_cache = min(num_computed + num_new_tokens - len(request.spec_token_ids),
+                           request.num_tokens)
+        if not self._managers_that_skip:
+            caching = self.enable_caching
+            for manager in managers:
+                block_size = manager.block_size
+                held = len(manager.req_to_blocks.get(request_id, ()))
+                if -(-num_total // block_size) > held or (
+                        caching and num_to_cache // block_size
+                        > manager.num_cached_blocks.get(request_id, 0)):
+                    break
+            else:
+                # most steps: the request's blocks hold the tokens and no block filled up,
+                # so nothing is allocated or cached (what the path below would find)
+                return Allocation(tuple([] for _ in managers))
         if not self.per_group_pools:
             num_needed = 0
             for manager in managers:
@@ -400,9 +416,7 @@ class KVCacheManager:
         new_block_ids = tuple([block.block_id for block in
                                manager.allocate_new_blocks(request_id, num_total)]
                               for manager in managers)
-        # Draft positions are not real tokens: their KV may be rejected.
-        self._cache_blocks(request, min(num_computed + num_new_tokens
-                                        - len(request.spec_token_ids), request.num_tokens))
+        self._cache_blocks(request, num_to_cache)
         # only after caching: a block leaving the window may be one a later hit needs
         for manager in self._managers_that_skip:
             manager.remove_skipped_blocks(request_id, num_computed)

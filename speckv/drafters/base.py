@@ -55,13 +55,17 @@ import torch
 from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache
+from speckv.attention.metadata import pad_block_tables
 from speckv.drafters.draft_state import (
+    BatchDraftState,
+    CatchUpBatch,
     CatchUpRequest,
     DraftCarry,
     DraftState,
     TargetStates,
     _ModuleRows,
 )
+from speckv.drafters.one_module import catch_up_one_module, draft_autoregressive
 from speckv.speculation.policy import DrafterPolicy
 
 if TYPE_CHECKING:
@@ -224,55 +228,45 @@ class Drafter(nn.Module, ABC):
         the module writes every catch-up position (a next token is known for each), nothing
         is carried, and only each request's last output feeds `propose`. The same forwards
         on the same rows as the general path (`_run_module` with `last_only`), built from
-        whole-batch index arrays instead of per-request slices."""
-        module = self.modules_chain[0]
-        device = self.device
-        block_size = kv_cache.block_size
-        counts = [r.num_positions for r in requests]
-        starts = [r.start_position for r in requests]
-        ids = [t for r in requests for t in r.next_token_ids[: r.num_positions]]
-        seq_lens = [a + n for a, n in zip(starts, counts)]
-        tables = [r.block_table for r in requests]
-        count_arr = np.asarray(counts, dtype=np.int64)
-        ends = np.cumsum(count_arr)  # one past each request's last row of h0
-        # [total] position of every row: start + 0 .. count - 1 per request
-        positions = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - count_arr),
-                              count_arr) + np.arange(int(ends[-1]))
+        whole-batch index arrays (`one_module.catch_up_one_module`)."""
+        seq_lens = [r.start_position + r.num_positions for r in requests]
         state = DraftState(
             carries=[DraftCarry([], [], end) for end in seq_lens],
-            num_real_tokens=[a + 1 + len(r.next_token_ids) for a, r in zip(starts, requests)],
-            block_tables=[list(table) for table in tables],
+            num_real_tokens=[r.start_position + 1 + len(r.next_token_ids) for r in requests],
+            block_tables=[list(r.block_table) for r in requests],
         )
-
-        ids_arr = np.asarray(ids, dtype=np.int64)
-
-        def run(fn, rows, q_lens, s_lens, which):
-            """`fn` over the rows `rows` of h0 (None: all) for the requests `which`."""
-            md = AttentionMetadata.build(q_lens, s_lens, tables if which is None
-                                         else [tables[i] for i in which], block_size, device)
-            if rows is None:
-                return fn(torch.from_numpy(ids_arr).to(device), h0,
-                          torch.from_numpy(positions).to(device), kv_cache, md)
-            return fn(torch.from_numpy(ids_arr[rows]).to(device),
-                      h0.index_select(0, torch.from_numpy(rows).to(h0.device)),
-                      torch.from_numpy(positions[rows]).to(device), kv_cache, md)
-
-        if not will_propose:
-            run(module.write_kv, None, counts, seq_lens, None)
-            return state
-        if int(count_arr.max()) > 1:
-            # KV of every row but each request's last, then the last rows in full (their
-            # attention reads the KV just written)
-            head = np.flatnonzero(count_arr > 1)
-            is_last = np.zeros(int(ends[-1]), dtype=bool)
-            is_last[ends - 1] = True
-            run(module.write_kv, np.flatnonzero(~is_last), [counts[i] - 1 for i in head],
-                [seq_lens[i] - 1 for i in head], head.tolist())
-            out = run(module, ends - 1, [1] * len(counts), seq_lens, None)
-        else:
-            out = run(module, None, counts, seq_lens, None)  # one row per request
-        state._last_h1 = list(out.unbind(0))  # [hidden] per request
+        out = catch_up_one_module(self.modules_chain[0], h0, CatchUpBatch.from_requests(requests),
+                                  kv_cache, self.device, will_propose)
+        if out is not None:
+            state._last_h1 = list(out.unbind(0))  # [hidden] per request
         return state
+
+    @torch.inference_mode()
+    def write_draft_kv_batch(self, target_states: TargetStates, batch: CatchUpBatch,
+                             kv_cache: PagedKVCache, will_propose: bool = True
+                             ) -> BatchDraftState | None:
+        """`write_draft_kv` of a one-module chain from whole-batch arrays (the runner's
+        step); its state feeds `propose` like a `DraftState` (None with
+        `will_propose=False`)."""
+        if len(self.modules_chain) != 1:
+            raise ValueError("write_draft_kv_batch is for one-module chains; this drafter has "
+                             f"{len(self.modules_chain)} modules (use write_draft_kv)")
+        total = int(batch.counts.sum())
+        if target_states.hidden_states.shape[0] != total:
+            raise ValueError(
+                f"target_states has {target_states.hidden_states.shape[0]} rows, requests "
+                f"declare {total}"
+            )
+        if batch.counts.shape[0] and int(batch.counts.min()) < 1:
+            raise ValueError("each request needs >= 1 position")
+        h0 = self.first_hidden(target_states)  # [total, hidden]
+        out = catch_up_one_module(self.modules_chain[0], h0, batch, kv_cache, self.device,
+                                  will_propose)
+        if out is None:
+            return None
+        # the catch-up ends at each request's last real token: n = starts + counts + 1
+        return BatchDraftState(out, batch.starts + batch.counts + 1, batch.block_table,
+                               batch.block_table_lens)
 
     def _run_module(
         self,
@@ -368,7 +362,7 @@ class Drafter(nn.Module, ABC):
     @torch.inference_mode()
     def propose(
         self,
-        state: DraftState,
+        state: DraftState | BatchDraftState,
         num_spec_tokens: int,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
@@ -381,6 +375,13 @@ class Drafter(nn.Module, ABC):
         if num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
         k = len(self.modules_chain)
+        if isinstance(state, BatchDraftState):
+            # a one-module chain's arrays: module 1 again, one position further per draft
+            module = self.modules_chain[0]
+            return draft_autoregressive(
+                module, [module.draft_token_ids(state.last_hidden)], state.last_hidden,
+                state.num_real_tokens - 2, num_spec_tokens, state.block_table,
+                state.block_table_lens, kv_cache, self.device)
         n = state.num_real_tokens
         nreq = len(n)
         if len(state._last_h1) != nreq and nreq:
@@ -421,19 +422,12 @@ class Drafter(nn.Module, ABC):
             drafts.append(self.modules_chain[d - 1].draft_token_ids(h_last))
         # Beyond k modules: module k autoregressively, one position further per draft, fed the
         # previous draft straight from the device (no host round trip).
-        mk = self.modules_chain[k - 1]
-        for d in range(len(drafts) + 1, num_spec_tokens + 1):
-            pos = [x + (d - k) for x in last_real]
-            md = AttentionMetadata.build(
-                [1] * nreq,
-                [p + 1 for p in pos],
-                state.block_tables,
-                kv_cache.block_size,
-                device,
-            )
-            h_last = mk(drafts[-1], h_last, torch.tensor(pos, device=device), kv_cache, md)
-            drafts.append(mk.draft_token_ids(h_last))
-        return torch.stack(drafts, dim=1)  # [num_reqs, num_spec_tokens]
+        if len(drafts) == num_spec_tokens:
+            return torch.stack(drafts, dim=1)  # [num_reqs, num_spec_tokens]
+        table, lens = pad_block_tables(state.block_tables)
+        return draft_autoregressive(self.modules_chain[k - 1], drafts, h_last,
+                                    np.asarray(last_real, dtype=np.int64) + (len(drafts) - k),
+                                    num_spec_tokens, table, lens, kv_cache, device)
 
 
 def _carried(carry: DraftCarry | None, j: int) -> _ModuleRows | None:

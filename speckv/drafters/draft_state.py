@@ -1,6 +1,7 @@
 """What a drafter reads and carries between steps: the target's hidden states of the step
 (`TargetStates`), a request's carried module outputs (`DraftCarry`), one request's catch-up
-(`CatchUpRequest`) and the rows each module may write.
+(`CatchUpRequest`; a one-module chain's whole pass as arrays: `CatchUpBatch`) and the rows
+each module may write.
 """
 
 from __future__ import annotations
@@ -8,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from speckv.attention.metadata import pad_block_tables
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,29 @@ class CatchUpRequest:
     carry: DraftCarry | None = None
 
 
+@dataclass(frozen=True)
+class CatchUpBatch:
+    """A one-module chain's catch-up pass as whole-batch arrays: request i's rows are
+    `counts[i]` consecutive rows of `TargetStates` (requests in order) at positions
+    `starts[i] ..`; the module reads the real token after each row's position."""
+
+    starts: np.ndarray  # [n] int64 first position per request
+    counts: np.ndarray  # [n] int64 rows per request, each >= 1
+    next_token_ids: np.ndarray  # [sum(counts)] int64: t[p + 1] of every row's position p
+    block_table: np.ndarray  # [n, width] int, 0-padded physical block ids (the target's)
+    block_table_lens: np.ndarray  # [n] int64 blocks per row
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[CatchUpRequest]) -> CatchUpBatch:
+        """The arrays of list-shaped requests (their tables padded once)."""
+        table, lens = pad_block_tables([r.block_table for r in requests])
+        counts = np.fromiter((r.num_positions for r in requests), np.int64, len(requests))
+        ids = np.fromiter((t for r in requests for t in r.next_token_ids[: r.num_positions]),
+                          np.int64, int(counts.sum()))
+        return cls(np.fromiter((r.start_position for r in requests), np.int64, len(requests)),
+                   counts, ids, table, lens)
+
+
 @dataclass
 class _ModuleRows:
     """Hidden inputs available to one module for one request: rows at consecutive positions."""
@@ -85,3 +112,22 @@ class DraftState:
             block_tables=[self.block_tables[i] for i in rows],
             _last_h1=[self._last_h1[i] for i in rows],
         )
+
+
+@dataclass(frozen=True)
+class BatchDraftState:
+    """`Drafter.write_draft_kv_batch`'s result (a one-module chain): what `propose` drafts
+    from, as whole-batch arrays."""
+
+    last_hidden: torch.Tensor  # [n, hidden] module 1's output at position num_real_tokens - 2
+    num_real_tokens: np.ndarray  # [n] int64 tokens t[0 .. n-1] known
+    block_table: np.ndarray  # [n, width] int, 0-padded
+    block_table_lens: np.ndarray  # [n] int64
+
+    def subset(self, rows: np.ndarray) -> BatchDraftState:
+        """The state of the requests `rows` ([m] int64, in order) only."""
+        if rows.shape[0] == self.num_real_tokens.shape[0]:
+            return self
+        return BatchDraftState(
+            self.last_hidden.index_select(0, torch.from_numpy(rows).to(self.last_hidden.device)),
+            self.num_real_tokens[rows], self.block_table[rows], self.block_table_lens[rows])

@@ -21,6 +21,7 @@ step without drafts this skips the drafter entirely for most requests.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from speckv.drafters.draft_state import CatchUpRequest, DraftCarry, TargetStates
+from speckv.drafters.draft_state import CatchUpBatch, CatchUpRequest, DraftCarry, TargetStates
 from speckv.speculation.policy import DrafterPolicy
-from speckv.speculation.proposer import ProposerInput, ProposeTiming
+from speckv.speculation.proposer import ProposerBatch, ProposerInput, ProposeTiming
 
 if TYPE_CHECKING:  # the drafter builds this proposer (`Drafter.make_proposer`)
     from speckv.drafters.base import Drafter
@@ -129,6 +130,9 @@ class DrafterProposer:
         return min([start, *carry.start])
 
     def propose(self, inputs: Sequence[ProposerInput]) -> dict[str, list[int]]:
+        if (isinstance(inputs, ProposerBatch) and inputs and len(self.drafter.modules_chain) == 1
+                and self.drafter.draft_kv_lookahead_tokens == 1):
+            return self._propose_batch(inputs)
         began = self.clock()
         self.last_timing = ProposeTiming()
         L = self.drafter.draft_kv_lookahead_tokens
@@ -194,3 +198,110 @@ class DrafterProposer:
         drafts = self.drafter.propose(state.subset(want), num, self.kv_cache).tolist()
         self.last_timing = ProposeTiming(caught_up - began, self.clock() - caught_up)
         return {x.request_id: d[: x.max_drafts] for x, d in zip(asked, drafts)}
+
+    def _propose_batch(self, batch: ProposerBatch) -> dict[str, list[int]]:
+        """`propose` of a one-module chain over the runner's whole-batch arrays: the same
+        catch-up rows, deferrals and drafts as the per-request path above (a one-module chain
+        carries nothing between passes), decided with array ops."""
+        begin = self.clock()
+        self.last_timing = ProposeTiming()
+        n = len(batch)
+        starts, ends = batch.start, batch.end
+        num_tokens = np.fromiter(map(len, batch.token_ids), np.int64, n)
+        live = ends > starts
+        rows = batch.target_rows
+        num_aux = len(self.aux_layers)
+        # rows that continue positions deferred before them (popped either way, as above)
+        joined: dict[int, _Deferred] = {}
+        if self._deferred:
+            deferred_map = self._deferred
+            for i in np.flatnonzero(live).tolist():
+                deferred = deferred_map.pop(batch.request_ids[i], None)
+                if deferred is not None and deferred.end == int(starts[i]):
+                    joined[i] = deferred
+        first = starts
+        if joined:
+            first = starts.copy()
+            for i, deferred in joined.items():
+                first[i] = deferred.start
+        # Draft only for requests whose catch-up reaches their last real token.
+        drafts = live & batch.wants_drafts & (batch.max_drafts > 0) & (ends == num_tokens - 1)
+        block_size = self.kv_cache.block_size
+        # no hash can name these positions yet: write them later, in one pass
+        defer = live & ~drafts & (first >= num_tokens // block_size * block_size)
+        for i in np.flatnonzero(defer).tolist():
+            self._deferred[batch.request_ids[i]] = self._joined_rows(batch, i, joined.get(i),
+                                                                     clone=True)
+        keep = np.flatnonzero(live & ~defer)
+        if keep.shape[0] == 0:
+            self.last_timing = ProposeTiming(self.clock() - begin, 0.0)
+            return {}
+        whole = keep.shape[0] == n
+        first_k, ends_k = first[keep], ends[keep]
+        if bool((ends_k >= num_tokens[keep]).any()):
+            raise ValueError("each request needs >= 1 position and a known next token for each")
+        counts = ends_k - first_k
+        tokens = batch.token_ids
+        next_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                tokens[i][a + 1 : b + 1]
+                for i, a, b in zip(keep.tolist(), first_k.tolist(), ends_k.tolist())),
+            np.int64, int(counts.sum()))
+        if joined and any(i in joined for i in keep.tolist()):
+            joined_rows = [self._joined_rows(batch, i, joined.get(i), clone=False)
+                           for i in keep.tolist()]
+            states = TargetStates(
+                torch.cat([r.hidden_states for r in joined_rows]),
+                tuple(torch.cat([r.aux_hidden_states[a] for r in joined_rows])
+                      for a in range(num_aux)))
+        else:
+            states = _gather_rows(rows, batch.first_row[keep], counts, num_aux)
+        table = batch.block_table if whole else batch.block_table[keep]
+        lens = batch.block_table_lens if whole else batch.block_table_lens[keep]
+        want = np.flatnonzero(drafts[keep])
+        last = self.drafter.write_draft_kv_batch(
+            states, CatchUpBatch(first_k, counts, next_ids, table, lens), self.kv_cache,
+            will_propose=want.shape[0] > 0)
+        caught_up = self.clock()
+        self.last_timing = ProposeTiming(caught_up - begin, 0.0)
+        if last is None or want.shape[0] == 0:
+            return {}
+        asked = keep[want]
+        max_drafts = batch.max_drafts[asked]
+        # Greedy drafts are a prefix of longer runs: draft no more than any request may take.
+        num = min(self.num_spec_tokens, int(max_drafts.max()))
+        out = self.drafter.propose(last.subset(want), num, self.kv_cache).tolist()
+        self.last_timing = ProposeTiming(caught_up - begin, self.clock() - caught_up)
+        request_ids = batch.request_ids
+        return {request_ids[i]: d[:m]
+                for i, d, m in zip(asked.tolist(), out, max_drafts.tolist())}
+
+    @staticmethod
+    def _joined_rows(batch: ProposerBatch, i: int, deferred: _Deferred | None,
+                     clone: bool) -> _Deferred:
+        """Row i's positions and target rows, after the deferred ones they continue."""
+        start, end, first_row = int(batch.start[i]), int(batch.end[i]), int(batch.first_row[i])
+        span = slice(first_row, first_row + end - start)
+        rows = batch.target_rows
+        hidden = rows.hidden_states[span]
+        aux = tuple(h[span] for h in rows.aux_hidden_states)
+        if deferred is not None:
+            start = deferred.start
+            hidden = torch.cat([deferred.hidden_states, hidden])
+            aux = tuple(torch.cat([a, b]) for a, b in zip(deferred.aux_hidden_states, aux))
+        if clone:
+            hidden, aux = hidden.clone(), tuple(a.clone() for a in aux)
+        return _Deferred(start, end, hidden, aux)
+
+
+def _gather_rows(shared, firsts: np.ndarray, counts: np.ndarray, num_aux: int) -> TargetStates:
+    """Rows firsts[i] .. firsts[i] + counts[i] - 1 of the step's shared target rows, in order:
+    the rows themselves when that is all of them, else one gather."""
+    total = int(counts.sum())
+    # [total] row of every position: firsts[i] + 0 .. counts[i] - 1 per item
+    index = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(total)
+    if total == shared.hidden_states.shape[0] and bool((index == np.arange(total)).all()):
+        return TargetStates(shared.hidden_states, tuple(shared.aux_hidden_states[:num_aux]))
+    rows = torch.from_numpy(index).to(shared.hidden_states.device)
+    return TargetStates(shared.hidden_states.index_select(0, rows),
+                        tuple(h.index_select(0, rows) for h in shared.aux_hidden_states[:num_aux]))

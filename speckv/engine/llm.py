@@ -8,6 +8,7 @@ output with `finish_reason == "error"` and `error` set; the others finish.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,7 @@ import torch
 from speckv.engine.engine_args import EngineArgs
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
-from speckv.engine.sampling_params import SamplingParams
+from speckv.engine.sampling_params import RequestOutputKind, SamplingParams
 from speckv.engine.speculative import load_configured_drafter
 from speckv.models.common.tokenizer import Tokenizer
 from speckv.models.registry import load_model, random_init_note
@@ -36,6 +37,20 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
         return [items]  # one token-id prompt
     return items
+
+
+def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
+    """The same params asking for the final output only (one copy per distinct params)."""
+    copies: dict[int, SamplingParams] = {}
+    out = []
+    for params in params_list:
+        copy = copies.get(id(params))
+        if copy is None:
+            copy = copies[id(params)] = (
+                params if params.output_kind is RequestOutputKind.FINAL_ONLY
+                else dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+        out.append(copy)
+    return out
 
 
 class LLM:
@@ -92,10 +107,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run the prompts to completion; outputs in prompt order."""
+        """Run the prompts to completion; outputs in prompt order. Each request asks for its
+        final output only (`RequestOutputKind.FINAL_ONLY`: its text decoded once, at the end),
+        so an output's delta fields hold the whole output."""
         final: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for output in self._run(prompts, sampling_params, order):
+        for output in self._run(prompts, sampling_params, order, final_only=True):
             if output.finished:
                 final[output.request_id] = output
         return [final[request_id] for request_id in order]
@@ -113,6 +130,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         order: list[str],
+        final_only: bool = False,
     ) -> Iterator[RequestOutput]:
         items = _normalize_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -123,6 +141,8 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: {len(params_list)} given for {len(items)} prompts"
                 )
+        if final_only:
+            params_list = _final_only(params_list)
         engine = self.engine
         pending: set[str] = set()
         errors: list[RequestOutput] = []

@@ -50,7 +50,7 @@ from speckv.models.base import TargetModel
 from speckv.models.common.decoder import ModelOutput
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
-from speckv.speculation.proposer import Proposer, ProposerInput, TargetRows
+from speckv.speculation.proposer import Proposer, ProposerBatch, TargetRows
 
 
 @dataclass
@@ -61,6 +61,10 @@ class _RunnerRequest:
     token_ids: list[int]  # real tokens: prompt + sampled
     block_ids: list[list[int]]  # one block table per KV cache group
     row: int = 0  # its row in the runner's persistent block tables (`BatchBlockTable`)
+    # drafts allowed next step, before the engine's draft length: min(output_room - real
+    # tokens, context_room - real tokens), from the request's stop limits
+    output_room: int = 0
+    context_room: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class _Forward:
     slot_mapping: torch.Tensor
     # linear-attention layers' plan (hybrid models only): recorded verification windows
     state_plan: StatePlan | None = None
+    # the drafter's group's block tables of the batch: [num_reqs, width] int32 0-padded, and
+    # blocks per request [num_reqs] (what the proposer's forwards address its KV with)
+    draft_table: np.ndarray | None = None
+    draft_table_lens: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -177,9 +185,11 @@ class ModelRunner:
         for data in scheduler_output.new_requests:
             rows = {batch_table.add_row() for batch_table in tables}
             assert len(rows) == 1, "the groups' block tables hold their rows in lockstep"
+            limits = data.stop_limits
             self.requests[data.request_id] = _RunnerRequest(
                 data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes],
-                rows.pop(),
+                rows.pop(), limits.max_tokens + len(data.prompt_token_ids) - 1,
+                limits.max_model_len - 1,
             )
         num_groups = len(self.group_block_sizes)
         for item in scheduler_output.scheduled:
@@ -246,8 +256,10 @@ class ModelRunner:
             num_tokens += num_new
         rows_array = np.asarray(batch_rows, dtype=np.int64)
         groups = []
+        gathered = []
         for batch_table, block_size in zip(self._tables, self.group_block_sizes):
             table, lens = batch_table.gather(rows_array)
+            gathered.append((table, lens))
             groups.append(AttentionMetadata.from_block_table(
                 query_lens, seq_lens, table, block_size, self.device, lens))
         metadata = (groups[0] if len(groups) == 1
@@ -261,10 +273,15 @@ class ModelRunner:
             state_plan = self.states.plan(scheduled, self._state_tables(scheduled))
             output = self.model(ids, metadata.positions(), self.kv_cache, metadata,
                                 self.aux_layers, state=state_plan)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(output.hidden_states.index_select(0, rows))
+        hidden = output.hidden_states
+        if len(sample_rows) != num_tokens:  # (else every row samples, in order: no gather)
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64,
+                                                         device=self.device))
+        logits = self.model.compute_logits(hidden)
+        draft_table, draft_lens = gathered[self.draft_group]
         return _Forward(output, token_offsets, logits, logit_offsets,
-                        groups[self.draft_group].slot_mapping, state_plan)
+                        groups[self.draft_group].slot_mapping, state_plan, draft_table,
+                        draft_lens)
 
     def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """The state group's block table of each scheduled request (hybrid models)."""
@@ -334,31 +351,38 @@ class ModelRunner:
         num_spec = self.num_spec_tokens
         if self.spec_policy is not None:
             num_spec = self.spec_policy.decide(num_decode)
-        inputs: list[ProposerInput] = []
         target_rows = TargetRows(output.hidden_states, output.prenorm_hidden,
                                  tuple(output.aux_hidden_states), forward.slot_mapping)
-        requests, token_offsets, draft_group = self.requests, forward.token_offsets, \
-            self.draft_group
-        for index, item in enumerate(scheduled):
-            request_id = item.request_id
-            state = requests[request_id]
-            sampled = sampled_by_id.get(request_id)
-            start = item.start
-            end = start + item.num_new_tokens
-            if sampled is not None:
-                # rejected drafts' KV is garbage
-                end -= len(item.draft_token_ids) - (len(sampled) - 1)
-            limits = state.data.stop_limits
-            num_tokens = len(state.token_ids)
-            num_output = num_tokens - len(state.data.prompt_token_ids)
-            room = min(num_spec, limits.max_tokens - num_output - 1,
-                       limits.max_model_len - num_tokens - 1)
-            inputs.append(ProposerInput.from_rows(
-                request_id, state.token_ids, start, end, target_rows, token_offsets[index],
-                state.block_ids[draft_group],
-                sampled is not None and request_id not in stopped, max(0, room),
-                block_tables=tuple(state.block_ids),
-            ))
+        requests = self.requests
+        n = len(scheduled)
+        request_ids = [item.request_id for item in scheduled]
+        states = [requests[request_id] for request_id in request_ids]
+        token_ids = [state.token_ids for state in states]
+        num_tokens = np.fromiter(map(len, token_ids), np.int64, n)
+        starts = np.fromiter((item.start for item in scheduled), np.int64, n)
+        ends = starts + np.fromiter((item.num_new_tokens for item in scheduled), np.int64, n)
+        # a sampling request's rejected drafts' KV is garbage: its final positions end
+        # after the accepted drafts
+        sampling = np.fromiter((request_id in sampled_by_id for request_id in request_ids),
+                               bool, n)
+        num_sampled = np.fromiter((len(sampled_by_id.get(request_id, ()))
+                                   for request_id in request_ids), np.int64, n)
+        num_drafts = np.fromiter((len(item.draft_token_ids) for item in scheduled), np.int64, n)
+        ends -= np.where(sampling, num_drafts - (num_sampled - 1), 0)
+        wants = sampling
+        if stopped:
+            wants = sampling & np.fromiter((request_id not in stopped
+                                            for request_id in request_ids), bool, n)
+        rooms = np.minimum(
+            np.fromiter((state.output_room for state in states), np.int64, n),
+            np.fromiter((state.context_room for state in states), np.int64, n)) - num_tokens
+        if forward.draft_table is None or forward.draft_table_lens is None:
+            raise RuntimeError("the forward kept no block table of the drafter's group")
+        inputs = ProposerBatch(
+            request_ids, token_ids, starts, ends,
+            np.asarray(forward.token_offsets, dtype=np.int64), wants,
+            np.clip(rooms, 0, num_spec), target_rows, forward.draft_table,
+            forward.draft_table_lens, [state.block_ids for state in states], self.draft_group)
         drafts = self.proposer.propose(inputs)
         if self.spec_policy is not None:
             timing = self.proposer.last_timing
@@ -366,8 +390,11 @@ class ModelRunner:
             self.spec_policy.observe_step(StepCost(
                 sum(item.num_new_tokens for item in scheduled), target_s, num_decode, proposed,
                 timing.catch_up_s, timing.draft_s))
-        return {
-            item.request_id: [int(token) for token in drafts[item.request_id][: item.max_drafts]]
-            for item in inputs
-            if item.wants_drafts and drafts.get(item.request_id)
-        }
+        max_drafts = inputs.max_drafts.tolist()
+        out: dict[str, list[int]] = {}
+        for index, (request_id, want) in enumerate(zip(request_ids, wants.tolist())):
+            if want:
+                proposed_ids = drafts.get(request_id)
+                if proposed_ids:
+                    out[request_id] = [int(token) for token in proposed_ids[: max_drafts[index]]]
+        return out

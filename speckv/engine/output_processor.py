@@ -16,6 +16,8 @@ that rewrites text across the boundary) sends that request back to whole-output 
 Requests with stop strings decode the whole output as before (a stop string may span chunks),
 and their stream holds back any end of the text that begins a stop string, so no delta ever
 sends characters the stop string later cuts.
+A request that asked for its final output only (`RequestOutputKind.FINAL_ONLY`) gets no
+output before it finishes, so its text is decoded once, whole, when it does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from speckv.engine.messages import EngineCoreOutput, FinishReason
 from speckv.engine.outputs import RequestOutput
-from speckv.engine.sampling_params import SamplingParams
+from speckv.engine.sampling_params import RequestOutputKind, SamplingParams
 from speckv.models.common.tokenizer import Tokenizer
 
 
@@ -61,6 +63,7 @@ class _OutputState:
     prefix_text: str = ""
     # stop-string requests: (output tokens, their text) decoded by `find_stop_strings`
     decoded: tuple[int, str | None] | None = None
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: one output, when it finishes
 
 
 class OutputProcessor:
@@ -73,8 +76,11 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        # a final-only request's text is decoded once, whole (nothing to do incrementally)
         state = _OutputState(request_id, prompt_token_ids, params, arrival_time,
-                             incremental=not params.stop)
+                             incremental=not params.stop and not final_only,
+                             final_only=final_only)
         self._states[request_id] = state
         if params.stop and self.tokenizer is not None:
             self._with_stops[request_id] = state
@@ -131,7 +137,10 @@ class OutputProcessor:
             state.error = core_output.error
             if core_output.kv_transfer_params is not None:
                 state.kv_transfer_params = core_output.kv_transfer_params
-            if detokenize and tokens:
+            if state.final_only and state.finish_reason is None:
+                state.decoded = None  # (stop strings: the text `find_stop_strings` decoded)
+                continue  # no output before it finishes: its text is decoded then, whole
+            if detokenize and (tokens or (state.final_only and output_token_ids)):
                 text = None
                 decoded = state.decoded
                 if decoded is not None:
@@ -148,6 +157,8 @@ class OutputProcessor:
         if state is None:
             return None
         state.finish_reason = FinishReason.ABORT
+        if self.detokenize and state.final_only and state.output_token_ids:
+            self._update_text(state, None)  # not decoded before its one output
         return self._output(state)
 
     # ---- text --------------------------------------------------------------------------------

@@ -1,15 +1,29 @@
 """SamplingParams: how one request samples and when it stops. Frozen and validated.
 
 Owns the per-request knobs (temperature, top-k, top-p, seed, max_tokens, stop strings and
-stop token ids) and what the request carries for a KV connector (`kv_transfer_params`).
+stop token ids), which steps hand back an output (`output_kind`) and what the request carries
+for a KV connector (`kv_transfer_params`).
 Bad values raise a ValueError naming the field at construction, so a bad request never
 reaches the engine's batch.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """Which steps hand back a `RequestOutput` for a request (vLLM's name and choices).
+
+    CUMULATIVE: every step that produced tokens or finished it (the whole output so far and
+    the step's delta). FINAL_ONLY: only the last, when it finishes (its delta fields hold the
+    whole output, the one output sent); its text is decoded once, then, unless stop strings
+    need it every step — the same text. `LLM.generate` asks for FINAL_ONLY."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 def _is_int(value: object) -> bool:
@@ -29,6 +43,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens (kept in the output, like EOS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
     # for the KV connector (the API's `kv_transfer_params`, as in vLLM): read by the connector
     # in `get_num_new_matched_tokens`, opaque to the engine
@@ -64,6 +79,8 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids entries must be ints >= 0, got {token_id!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             raise ValueError(f"kv_transfer_params must be an object (a dict) or None, got "
                              f"{type(self.kv_transfer_params).__name__}")

@@ -348,7 +348,8 @@ class Scheduler:
         reasons = runner_output.finish_reasons
         accepted_by_id = runner_output.num_accepted_drafts
         requests = self.requests
-        record_verification = self.stats.record_verification
+        verified: list[int] = []  # drafts verified, per request that had drafts
+        verified_accepted: list[int] = []  # of them kept
         for item in scheduler_output.scheduled:
             request_id = item.request_id
             sampled = sampled_by_id.get(request_id)
@@ -370,7 +371,8 @@ class Scheduler:
             if num_drafts:
                 # what the verification accepted, as far as the stop kept it
                 num_accepted = min(accepted_by_id[request_id], len(sampled) - 1)
-                record_verification(num_drafts, num_accepted)
+                verified.append(num_drafts)
+                verified_accepted.append(num_accepted)
             if reason is None:
                 next_drafts = drafts_by_id.get(request_id)
                 request.spec_token_ids = list(next_drafts) if next_drafts else []
@@ -382,6 +384,8 @@ class Scheduler:
                 request.num_external_cached_tokens,
                 request.finished_kv_transfer_params if reason is not None else None,
             ))
+        if verified:
+            self.stats.record_verifications(verified, verified_accepted)
         # the runner has copied this step's copy sources and written its blocks' KV
         self.manager.step_executed()
         return outputs

@@ -18,6 +18,7 @@ timings, finish reasons) is *not* here; only what the engine alone knows:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -100,6 +101,29 @@ class StatsCollector:
         self._num_accepted_tokens += num_accepted
         for position in range(min(num_accepted, len(self._per_pos))):
             self._per_pos[position] += 1
+
+    def record_verifications(self, num_drafts: Sequence[int], num_accepted: Sequence[int]
+                             ) -> None:
+        """`record_verification` of the step's requests that verified drafts, at once:
+        request i kept num_accepted[i] of num_drafts[i] (each >= 1)."""
+        if len(num_drafts) != len(num_accepted):
+            raise ValueError("num_drafts and num_accepted need one entry per request")
+        for d, a in zip(num_drafts, num_accepted):
+            if d <= 0 or not 0 <= a <= d:
+                raise ValueError(f"{a} drafts accepted of {d}")
+        self._num_drafts += len(num_drafts)
+        self._num_draft_tokens += sum(num_drafts)
+        self._num_accepted_tokens += sum(num_accepted)
+        per_pos = self._per_pos
+        if per_pos:
+            # requests that accepted at least j + 1 drafts, per position j
+            at_least = [0] * (len(per_pos) + 1)
+            for a in num_accepted:
+                at_least[min(a, len(per_pos))] += 1
+            count = 0
+            for position in range(len(per_pos) - 1, -1, -1):
+                count += at_least[position + 1]
+                per_pos[position] += count
 
     # ---- end of step ---------------------------------------------------------------------------
     def take(self, num_running_reqs: int, num_waiting_reqs: int, num_free_blocks: int,

@@ -17,6 +17,11 @@ def first_stop(
     """(tokens of `sampled` to keep, the reason they end the request or None). `num_tokens`:
     the request's real tokens before `sampled`. Pure."""
     num_output = num_tokens - num_prompt_tokens
+    num_sampled = len(sampled)
+    if (num_output + num_sampled < limits.max_tokens
+            and num_tokens + num_sampled < limits.max_model_len
+            and limits.stop_token_ids.isdisjoint(sampled)):
+        return num_sampled, None  # no token stops it (the loop below would find none)
     for index, token in enumerate(sampled):
         if token in limits.stop_token_ids:
             return index + 1, FinishReason.STOP

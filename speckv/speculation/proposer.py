@@ -15,10 +15,11 @@ token at p + 1 (`token_ids[p + 1]`, i.e. the token after it; module j of a k-mod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
+import numpy as np
 import torch
 
 from speckv.speculation.policy import DrafterPolicy
@@ -143,6 +144,88 @@ class ProposerInput:
     def __repr__(self) -> str:
         return (f"ProposerInput({self.request_id!r}, start={self.start}, end={self.end}, "
                 f"wants_drafts={self.wants_drafts}, max_drafts={self.max_drafts})")
+
+
+class ProposerBatch(Sequence[ProposerInput]):
+    """One step's `ProposerInput`s as whole-batch arrays (what the runner hands `propose`).
+
+    A proposer that reads the step at once (`DrafterProposer`) uses the arrays and the draft
+    group's padded block table; any other reads it as the sequence of `ProposerInput`s it is
+    (each built on first access, then kept). Index i is the i-th scheduled request. Read-only.
+    """
+
+    request_ids: list[str]
+    token_ids: list[Sequence[int]]  # per request: all real tokens, after this step
+    start: np.ndarray  # [n] int64, first final position of this step
+    end: np.ndarray  # [n] int64, one past the last final position
+    first_row: np.ndarray  # [n] int64, row of position `start` in `target_rows`
+    wants_drafts: np.ndarray  # [n] bool
+    max_drafts: np.ndarray  # [n] int64
+    target_rows: TargetRows
+    # the draft group's block tables: [n, width] int32 0-padded, and blocks per row [n]
+    block_table: np.ndarray
+    block_table_lens: np.ndarray
+    # per request, one block table per KV cache group (the views' `block_tables`)
+    group_block_ids: list[Sequence[Sequence[int]]]
+    draft_group: int
+
+    __slots__ = ("_views", "block_table", "block_table_lens", "draft_group", "end",
+                 "first_row", "group_block_ids", "max_drafts", "request_ids", "start",
+                 "target_rows", "token_ids", "wants_drafts")
+
+    def __init__(self, request_ids: list[str], token_ids: list[Sequence[int]],
+                 start: np.ndarray, end: np.ndarray, first_row: np.ndarray,
+                 wants_drafts: np.ndarray, max_drafts: np.ndarray, target_rows: TargetRows,
+                 block_table: np.ndarray, block_table_lens: np.ndarray,
+                 group_block_ids: list[Sequence[Sequence[int]]], draft_group: int) -> None:
+        n = len(request_ids)
+        if not (len(token_ids) == len(start) == len(end) == len(first_row) == len(wants_drafts)
+                == len(max_drafts) == block_table.shape[0] == len(block_table_lens)
+                == len(group_block_ids) == n):
+            raise ValueError("ProposerBatch needs one entry per request in every field")
+        self.request_ids = request_ids
+        self.token_ids = token_ids
+        self.start = start
+        self.end = end
+        self.first_row = first_row
+        self.wants_drafts = wants_drafts
+        self.max_drafts = max_drafts
+        self.target_rows = target_rows
+        self.block_table = block_table
+        self.block_table_lens = block_table_lens
+        self.group_block_ids = group_block_ids
+        self.draft_group = draft_group
+        self._views: list[ProposerInput] | None = None
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> ProposerInput: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ProposerInput]: ...
+
+    def __getitem__(self, index: int | slice) -> ProposerInput | list[ProposerInput]:
+        return self.inputs()[index]
+
+    def __iter__(self) -> Iterator[ProposerInput]:
+        return iter(self.inputs())
+
+    def inputs(self) -> list[ProposerInput]:
+        """The step as `ProposerInput`s (built once)."""
+        if self._views is None:
+            rows, group = self.target_rows, self.draft_group
+            self._views = [
+                ProposerInput.from_rows(request_id, tokens, start, end, rows, first_row,
+                                        tables[group], wants, max_drafts,
+                                        block_tables=tuple(tables))
+                for request_id, tokens, start, end, first_row, wants, max_drafts, tables in zip(
+                    self.request_ids, self.token_ids, self.start.tolist(), self.end.tolist(),
+                    self.first_row.tolist(), self.wants_drafts.tolist(),
+                    self.max_drafts.tolist(), self.group_block_ids)
+            ]
+        return self._views
 
 
 @dataclass(frozen=True)
