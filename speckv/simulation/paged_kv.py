@@ -76,7 +76,8 @@ class PagedSymbolicKV(SymbolicKV):
         [n + 1, the n <= depth tokens after the slot, + 1 each, 0 ...]."""
         offsets = np.arange(first, stop)
         rows = np.empty((stop - first, 1 + self.draft_depth), dtype=np.float32)
-        rows[:, 0] = np.clip(num_known - 1 - offsets, 0, self.draft_depth) + 1
+        # n = the tokens known after the slot, at most depth (np.clip costs more per call)
+        rows[:, 0] = np.maximum(np.minimum(num_known - 1 - offsets, self.draft_depth), 0) + 1
         rows[:, 1:] = values[offsets[:, None] + self._lookahead_offsets]
         return rows
 

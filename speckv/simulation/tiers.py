@@ -50,7 +50,7 @@ def _holds_header_kv(block: BlockDescriptor, tensors: BlockTensors, draft_depth:
                      check_draft: bool) -> bool:
     """Whether the block holds exactly the values a `PagedSymbolicKV` writes for its header
     (one comparison per cache, not one per slot: this runs on every store and load)."""
-    target, draft = (tensor.numpy() for tensor in tensors)  # [1, 2, B, 1, 1], [.., 1 + depth]
+    target, draft = tensors[0].numpy(), tensors[1].numpy()  # [1, 2, B, 1, 1], [.., 1 + depth]
     num_tokens = len(block.token_ids)
     if num_tokens > target.shape[2]:
         return False

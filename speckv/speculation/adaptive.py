@@ -101,6 +101,12 @@ class StepCost:
     catch_up_s: float  # the drafter's draft-KV catch-up (paid for every k)
     propose_s: float  # the k proposal forwards (0 when k = 0)
 
+    def __post_init__(self) -> None:
+        # a cost below zero (a clock read wrong) would make drafting look free
+        for name in ("target_s", "catch_up_s", "propose_s"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+
 
 @dataclass(frozen=True)
 class Verification:

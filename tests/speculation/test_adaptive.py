@@ -123,6 +123,15 @@ def test_verification_is_validated():
         Verification(2, 3)
 
 
+@pytest.mark.parametrize("seconds", [(-0.1, 0.0, 0.0), (0.1, -37.5, 0.0), (0.1, 0.0, float("nan"))])
+def test_a_step_cost_below_zero_is_refused(seconds):
+    """A clock read wrong (e.g. a position subtracted from a time) must fail loudly: a
+    negative catch-up makes every draft length look free."""
+    target_s, catch_up_s, propose_s = seconds
+    with pytest.raises(ValueError, match="seconds"):
+        StepCost(32, target_s, 32, 1, catch_up_s, propose_s)
+
+
 def test_a_catch_up_that_costs_more_with_drafts_counts_against_drafting():
     """Without drafts the drafter only writes its KV; with drafts its catch-up also computes
     the outputs drafting starts from. Here no drafting is 12% faster (32 / 104 ms against
