@@ -291,6 +291,29 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in m.blocks_of(request_id)] for m in self.managers)
 
+    def record_released_blocks(self) -> None:
+        """From now on, note every cached block that `allocate_slots` releases behind a
+        request's computed tokens (sliding window, old Mamba checkpoints), for a KV connector
+        that saves it in the same step (`take_released_block_ids`). Mutates."""
+        for manager in self._managers_that_skip:
+            if manager.released is None:
+                manager.released = {}
+
+    def take_released_block_ids(self, request_id: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per group, the (block index, block id) pairs released from the request since the
+        last take ((): none). Their blocks hold their KV until the step's worker phase."""
+        if not self._managers_that_skip:
+            return ()
+        taken = tuple(tuple(m.released.pop(request_id, ()))
+                      if m.released is not None else () for m in self.managers)
+        return taken if any(taken) else ()
+
+    def drop_released_block_ids(self) -> None:
+        """Forget every noted release (their blocks may be reused from the next step). Mutates."""
+        for manager in self._managers_that_skip:
+            if manager.released:
+                manager.released.clear()
+
     def get_num_free_blocks(self) -> int:
         """Free blocks of all pools together."""
         return sum(pool.get_num_free_blocks() for pool in self._distinct_pools)

@@ -42,6 +42,9 @@ class SingleTypeManager:
         self.group = group
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # request id -> (block index, block id) of cached blocks released behind the computed
+        # tokens since the last take (None: not recorded; a KV connector turns it on)
+        self.released: dict[str, list[tuple[int, int]]] | None = None
 
     # ---- reads -------------------------------------------------------------------------------
     def find_longest_cache_hit(
@@ -254,6 +257,11 @@ class _PartialPrefixManager(SingleTypeManager):
         if start >= end:
             return
         released = blocks[start:end]  # (nulls in it, if any, are skipped by free_blocks)
+        if self.released is not None:  # a connector may still snapshot what they cache
+            record = self.released.setdefault(request_id, [])
+            record.extend((index, block.block_id)
+                          for index, block in enumerate(released, start)
+                          if block.block_hash is not None and not block.is_null)
         blocks[start:end] = [self.pool.null_block] * (end - start)
         released.reverse()
         self.pool.free_blocks(released)

@@ -48,6 +48,7 @@ from speckv.connectors import (
     DeviceKV,
     ExternalHit,
     FinishDecision,
+    GroupBlockIds,
     KVConnector,
     LoadFailure,
     MultiConnector,
@@ -162,10 +163,16 @@ class SchedulerConnector:
         self.connector = connector
         self.manager = manager
         self.load_failure_policy = check_load_failure_policy(load_failure_policy)
+        self.multi_group = len(manager.managers) > 1
+        if self.multi_group:
+            manager.record_released_blocks()
 
     def _blocks(self, request: Request, num_written_tokens: int) -> RequestBlocks:
-        block_ids = self.manager.get_block_ids(request.request_id)[GROUP_ID]
-        return RequestBlocks(request, block_ids, num_written_tokens)
+        tables = self.manager.get_block_ids(request.request_id)
+        if not self.multi_group:
+            return RequestBlocks(request, tables[GROUP_ID], num_written_tokens)
+        return RequestBlocks(request, tables[GROUP_ID], num_written_tokens, tables,
+                             self.manager.take_released_block_ids(request.request_id))
 
     def external_hit(self, request: Request, num_local_hit_tokens: int) -> ExternalHit:
         """What a tier (or a remote engine) can load right after the local hit (whole
@@ -176,11 +183,12 @@ class SchedulerConnector:
         """Tokens a tier can load right after the local hit (whole blocks, 0 for none)."""
         return self.external_hit(request, num_local_hit_tokens).num_tokens
 
-    def after_alloc(self, request: Request, block_ids: Sequence[int], num_local_hit_tokens: int,
-                    num_external_tokens: int) -> None:
-        """The request got its blocks (`block_ids`: its whole group-0 table)."""
-        self.connector.update_state_after_alloc(request, block_ids, num_local_hit_tokens,
-                                                num_external_tokens)
+    def after_alloc(self, request: Request, group_block_ids: GroupBlockIds,
+                    num_local_hit_tokens: int, num_external_tokens: int) -> None:
+        """The request got its blocks (`group_block_ids`: its whole table of every group)."""
+        self.connector.update_state_after_alloc_groups(request, group_block_ids,
+                                                       num_local_hit_tokens,
+                                                       num_external_tokens)
 
     def build_metadata(self, scheduled: Sequence[ScheduledRequest],
                        requests: Mapping[str, Request]) -> StepMetadata:
@@ -190,11 +198,14 @@ class SchedulerConnector:
         were cached when that request's slots were allocated, and are written by this step's
         forward), and its external range is loaded only in this step's worker phase, after
         the saves are snapshotted. Its next step saves all of it."""
-        return self.connector.build_connector_meta([
+        meta = self.connector.build_connector_meta([
             self._blocks(requests[item.request_id],
                          0 if item.replaces_block_table else item.start)
             for item in scheduled
         ])
+        if self.multi_group:  # releases not listed now may be reused from the next step
+            self.manager.drop_released_block_ids()
+        return meta
 
     def preempted(self, request: Request) -> None:
         """Before the preempted request's blocks are freed (its computed tokens still set)."""

@@ -138,3 +138,21 @@ def test_kv_group_capability_names_the_connector_that_cannot_carry_a_group(kinds
     assert kv_group_blocker(hybrid, kinds) is None
     hybrid.children = (_HybridTier(), offload)
     assert kv_group_blocker(hybrid, kinds) == blocker
+
+
+def test_request_blocks_carry_every_groups_table():
+    from speckv.connectors import RequestBlocks
+
+    one = RequestBlocks(object(), [1, 2], 8)
+    assert one.groups == ([1, 2],) and one.released(1) == ()
+    table = [1, 2]
+    two = RequestBlocks(object(), table, 8, (table, [0, 5]), ((), ((0, 4),)))
+    assert two.groups[1] == [0, 5] and two.released(1) == ((0, 4),)
+    with pytest.raises(ValueError, match="group_block_ids"):
+        RequestBlocks(object(), [1, 2], 8, ([3], [0, 5]))
+
+
+def test_a_multi_connector_reports_what_every_child_carries(tmp_path):
+    multi = MultiConnector([OffloadConnector(1.0), _disk(tmp_path)])
+    support = multi.kv_group_support
+    assert support.kinds <= OffloadConnector(1.0).kv_group_support.kinds
