@@ -233,6 +233,14 @@ class KVConnector(ABC):
         self.update_state_after_alloc(request, group_block_ids[0], num_local_hit_tokens,
                                       num_external_tokens)
 
+    def sibling_loads(self, request: ConnectorRequest, num_local_hit_tokens: int,
+                      num_external_tokens: int) -> None:
+        """Another connector of a multi-connector loads `num_external_tokens` after the local
+        hit into this request's blocks (this one got 0 in `update_state_after_alloc`). A
+        connector that saves blocks of groups a load fills only in part (a sliding window's
+        tail, a state) must not save the rest of that range. Default: nothing to do."""
+        return None
+
     @abstractmethod
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
         """This step's loads (planned since the last call) and saves (blocks of `scheduled`

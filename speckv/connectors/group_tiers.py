@@ -139,6 +139,19 @@ class GroupedTiers:
                 num_local_hit_tokens, end,
                 tuple(group_block_ids[0][num_local_hit_tokens // size:end // size]))
 
+    def sibling_loads(self, request: ConnectorRequest, num_local_hit_tokens: int,
+                      num_external_tokens: int) -> None:
+        """A sibling tier loads the range: a sliding-window or state lane must not save the
+        blocks of it that the load leaves empty, so it starts after the range (what it
+        loads is in the sibling tier already)."""
+        end = num_local_hit_tokens + num_external_tokens
+        for lane in self.lanes:
+            group = lane.mode.group
+            tracked = lane.scheduler.tracked.get(request.request_id)
+            if group is not None and not group.is_full and tracked is not None:
+                tracked.num_considered_blocks = max(tracked.num_considered_blocks,
+                                                    end // group.block_size)
+
     def _lane_blocks(self, blocks: RequestBlocks, group: int) -> RequestBlocks:
         ids = blocks.groups[group]
         released = blocks.released(group)

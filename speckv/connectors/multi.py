@@ -115,6 +115,8 @@ class MultiConnector(KVConnector):
                 request, group_block_ids, num_local_hit_tokens,
                 num_external_tokens if index == chosen else 0,
             )
+            if num_external_tokens and index != chosen:
+                child.sibling_loads(request, num_local_hit_tokens, num_external_tokens)
 
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
         self._step += 1

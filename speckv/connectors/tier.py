@@ -246,6 +246,11 @@ class TierConnector(KVConnector):
         self.scheduler.update_state_after_alloc(request, group_block_ids[0],
                                                 num_local_hit_tokens, num_external_tokens)
 
+    def sibling_loads(self, request: ConnectorRequest, num_local_hit_tokens: int,
+                      num_external_tokens: int) -> None:
+        if self._grouped is not None:
+            self._grouped.sibling_loads(request, num_local_hit_tokens, num_external_tokens)
+
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
         if self._grouped is not None:
             return self._grouped.build_connector_meta(scheduled)
