@@ -298,7 +298,7 @@ def test_serve_a_hybrid_model_with_a_tier(monkeypatch, capsys, tmp_path, tier):
                           "--threads", "1", "--kv-connector", tier, "--kv-offload-gib", "0.1",
                           "--kv-offload-dir", str(tmp_path), "--hash-seed", "0"], capsys)
     assert code == 0, err
-    assert "RANDOM-INIT weights" in err
+    assert "RANDOM-INIT weights" in err and "on http://127.0.0.1:" in out
 
 
 def test_bench_draft_kv_creates_the_offload_dir(tiny_dir, tmp_path, capsys):

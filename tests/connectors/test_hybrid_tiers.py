@@ -279,3 +279,31 @@ def test_the_legacy_drop_through_the_tier_equals_the_local_drop(tiny_hybrid_gdn,
     assert local == 32 and out.num_cached_tokens == 32
     for name, value in reads.items():
         assert torch.equal(value, cold_reads[name]), name
+
+
+def test_a_checkpoint_released_behind_a_longer_request_is_saved_and_served(
+        tiny_hybrid_gdn, tmp_path, valkey):
+    """The manager releases old GDN checkpoints inside `allocate_slots` (only the latest is
+    read to continue); the tier saves them from the step's released blocks before they can be
+    reused, so a prompt sharing only the first 16 tokens of a 45-token one hits 16 from the
+    tier, reading the cold run's state there."""
+    hybrid = Hybrid("gdn", *tiny_hybrid_gdn, "mtp")
+    long_prompt = prompt_of(45)
+    warm = hybrid.engine(make_tier("disk", tmp_path, valkey))
+    first_step(warm, long_prompt, "long")
+    finish(warm)
+    assert warm.connector.flush(30)
+    assert warm.kv_connector_stats()["disk"].extra["groups"]["1"]["saved_blocks"] == 5
+    warm.close()
+    short = long_prompt[:17] + prompt_of(6, seed=9)  # (the block ending at 16 needs token 16)
+    fresh = hybrid.engine(make_tier("disk", tmp_path, valkey))
+    out = first_step(fresh, short, "short")
+    assert out.num_cached_tokens == 16
+    cold = hybrid.engine()
+    first_step(cold, short, "cold")
+    reads, cold_reads = group_reads(fresh, "short", 16), group_reads(cold, "cold", 16)
+    for name, value in reads.items():
+        assert torch.equal(value, cold_reads[name]), name
+    finish(fresh)
+    fresh.close()
+    cold.close()
