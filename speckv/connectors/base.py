@@ -83,6 +83,13 @@ the same step could take a local hit on them.
 
 A tier block holds the target KV and the drafter's KV of its positions, so the drafter treats
 external hit tokens exactly like local hit tokens: their draft KV is already in its cache.
+
+A hybrid model (several KV cache groups: full attention, sliding window, Mamba / GDN state)
+shows a connector every group's table (`RequestBlocks.group_block_ids`, the tables in
+`update_state_after_alloc_groups`) and the cached blocks the manager released from a request
+in this step's scheduling (`RequestBlocks.released_block_ids`: behind a window, old state
+checkpoints), which a connector may snapshot in this step's `start_load_kv` only. A connector
+says which groups it carries (`kv_group_support`); the tiers carry all (`group_tiers.py`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ tier restores the draft KV along with the target KV:
     read_blocks(ids) per segment      [len(ids), layers, 2, block_size, kv_heads, head_dim]
     write_blocks(ids, blocks)         blocks[i]: one block per segment, host memory
 
+A hybrid model's groups each have their own block ids (`GroupedDeviceKV.groups[g]`): a
+group's `DeviceKV` is built from `DeviceSegment`s (some layers of a shared paged cache, or a
+state tensor with its block axis elsewhere, e.g. a GDN group's conv [layers, blocks, C, K-1]
+and recurrent [layers, blocks, Hv, dk, dv] tensors: one checkpoint per block).
+
 On a GPU, writes are staged in a pinned buffer and copied with one host-to-device transfer per
 segment (`BlockWriter`), asynchronous on the current stream (the forward that follows is
 ordered after it); reads gather on the device and copy out asynchronously behind an event.
