@@ -33,7 +33,9 @@ from speckv.connectors.base import (
     MEDIUM_DISK,
     ExternalHit,
     FinishDecision,
+    GroupBlockIds,
     KVConnector,
+    ReleasedBlocks,
     RequestBlocks,
 )
 from speckv.connectors.capability import (
@@ -85,6 +87,7 @@ __all__ = [
     "DiskConnector",
     "ExternalHit",
     "FinishDecision",
+    "GroupBlockIds",
     "KVConnector",
     "KVGroupSupport",
     "LoadFailure",
@@ -92,6 +95,7 @@ __all__ = [
     "MultiConnectorMetadata",
     "NoLookaheadOffloadConnector",
     "OffloadConnector",
+    "ReleasedBlocks",
     "RequestBlocks",
     "StepMetadata",
     "StoreConnector",

@@ -217,7 +217,10 @@ class LLMEngine:
         if connector is not None:
             initialize_connector(connector, self.runner.kv_cache,
                                  proposer.kv_cache if proposer is not None else None,
-                                 self.hash_mode, cache.block_size)
+                                 self.hash_mode, cache.block_size, manager=self.manager,
+                                 layout=self.layout,
+                                 state_cache=self.runner.states.cache
+                                 if self.runner.states is not None else None)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(

@@ -225,7 +225,7 @@ class Scheduler:
                 self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
                                             request.num_preemptions > 0)
                 if self.connector is not None:
-                    self.connector.after_alloc(request, allocation.new_block_ids[0], num_hit,
+                    self.connector.after_alloc(request, allocation.new_block_ids, num_hit,
                                                num_external)
                 if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
                     request.num_cached_tokens = num_hit + num_external
@@ -267,7 +267,7 @@ class Scheduler:
         self.waiting.popleft()
         self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
                                     request.num_preemptions > 0)
-        self.connector.after_alloc(request, allocation.new_block_ids[0], num_hit, num_external)
+        self.connector.after_alloc(request, allocation.new_block_ids, num_hit, num_external)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit + num_external
             request.num_external_cached_tokens = num_external

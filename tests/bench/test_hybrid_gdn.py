@@ -57,3 +57,26 @@ def test_cli_draft_kv_on_hybrid_gdn_prints_zero_diffs(capsys):
     assert hit["target_max_abs_diff"] == hit["draft_max_abs_diff"] == 0.0
     assert hit["state_max_abs_diff"] == 0.0
     assert control["draft_max_abs_diff"] > 0
+
+
+@pytest.mark.exactness
+def test_unit_544_table_through_every_tier(tmp_path):
+    """`bench hybrid-gdn --tiers`: a fresh engine hits 1,088 / 1,088 / 544 through the CPU
+    tier, the disk tier and the store, as the local cache does, and reads the cold run's
+    bytes (target KV, draft KV, GDN state) at the hit."""
+    from speckv.bench.hybrid_tiers import tier_row
+    from speckv.connectors.embedded_valkey import EmbeddedValkey
+    from speckv.drafters.gated_mtp import random_gated_mtp
+
+    model = tiny_hybrid()
+    drafter = random_gated_mtp(model)
+    prompt = torch.randint(0, 128, (1367,), generator=torch.Generator().manual_seed(1)).tolist()
+    with EmbeddedValkey(256 << 20) as valkey:
+        for case, d, legacy, hit in (("none", None, False, 1088), ("mtp", drafter, False, 1088),
+                                     ("legacy", drafter, True, 544)):
+            row = tier_row(model, d, "mtp", prompt, label="tiny", case=case, block_size=16,
+                           unit=544, legacy=legacy, directory=tmp_path, store_url=valkey.url,
+                           gib=0.05)
+            assert (row.local_tokens, row.cpu_tokens, row.disk_tokens, row.store_tokens) == \
+                (hit,) * 4
+            assert row.max_abs_diff == 0.0

@@ -134,8 +134,8 @@ def test_a_tier_load_landing_one_slot_off_is_caught_at_the_hit(monkeypatch, segm
 def test_tier_arguments_are_checked():
     with pytest.raises(ValueError, match="unknown connector"):
         soak.SoakConfig(kv_connector="tape")
-    with pytest.raises(ValueError, match="one full-attention group"):
-        soak.SoakConfig(kv_connector="offload", groups="full:4,mamba:16")
+    with pytest.raises(ValueError, match="a full-attention group first"):
+        soak.SoakConfig(kv_connector="offload", groups="mamba:16,full:4")
     with pytest.raises(ValueError, match="--fault-rate needs"):
         soak.SoakConfig(fault_rate=0.1)
 
@@ -181,3 +181,51 @@ def test_tier_soaks_with_faults_are_clean_in_both_copy_modes(copy_mode, seed):
 def test_an_unknown_copy_mode_is_refused():
     with pytest.raises(ValueError, match="--copy-mode"):
         soak.SoakConfig(kv_connector="offload", copy_mode="async")
+
+
+HYBRID = "full:4,swa:9:4,mamba:16"
+
+
+@pytest.mark.parametrize("drafter,modules,legacy,seed", [
+    ("eagle", 1, False, 1),
+    ("mtp", 2, False, 2),
+    ("eagle", 1, True, 3),
+])
+def test_hybrid_soaks_through_real_tiers_with_faults_are_clean(drafter, modules, legacy, seed):
+    """Sliding-window tails and GDN states through offload and disk, loads failing at
+    random: every hit (local or from a tier) and every computed position of every group
+    reads what a cold run writes, every block a tier stores or serves is its header's."""
+    result = soak.run_soak(soak.SoakConfig(num_ops=2500, seed=seed, groups=HYBRID,
+                                           drafter=drafter, num_modules=modules, legacy=legacy,
+                                           kv_connector="offload,disk", fault_rate=0.1),
+                           progress=False)
+    assert result.violation is None
+    assert result.num_external_hit_tokens > 0 and result.num_load_failures > 0
+    assert result.num_tier_stores_checked > 0 and result.num_tier_loads_checked > 0
+
+
+def test_a_sibling_tier_saving_a_partly_loaded_window_is_caught(monkeypatch):
+    # offload loads a hit's window tail; disk, which loaded nothing, must not store the
+    # blocks before the tail (they hold nothing): without `sibling_loads` it does
+    from speckv.connectors.group_tiers import GroupedTiers
+
+    config = soak.SoakConfig(num_ops=2500, seed=1, groups=HYBRID, kv_connector="offload,disk",
+                             fault_rate=0.1)
+    assert soak.run_soak(config, progress=False).violation is None
+    monkeypatch.setattr(GroupedTiers, "sibling_loads", lambda *args: None)
+    found = soak.run_soak(config, progress=False).violation
+    assert found is not None and "store of block" in found and "(group 1)" in found
+
+
+def test_caching_the_blocks_a_partial_load_leaves_empty_is_caught(monkeypatch):
+    # a tier hit loads only the window's tail: the manager must never cache the blocks
+    # before it (they hold nothing), or a later local hit reads garbage
+    config = soak.SoakConfig(num_ops=2000, seed=2, groups=HYBRID, kv_connector="offload,disk",
+                             fault_rate=0.1)
+    assert soak.run_soak(config, progress=False).violation is None
+    from speckv.cache import single_type
+
+    monkeypatch.setattr(single_type._PartialPrefixManager, "skip_caching_before",
+                        lambda self, request_id, num_blocks: None)
+    found = soak.run_soak(config, progress=False).violation
+    assert found is not None and "sliding_window" in found

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.specs import MambaSpec, SlidingWindowSpec
 from speckv.connectors import ConnectorConfig, TierIdentity, make_connector
 from speckv.connectors.host_pool import GIB
 from speckv.engine.messages import FinishReason
@@ -38,31 +39,21 @@ from speckv.speculation.policy import drafter_policy
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]
 
 
-class TierMachine(RuleBasedStateMachine):
-    @initialize(
-        tiers=st.sampled_from(["offload", "disk", "offload,disk", "offload-nolookahead"]),
-        block_size=st.sampled_from([2, 3, 4]),
-        num_blocks=st.integers(8, 24),
-        tier_blocks=st.integers(2, 40),
-        drafter=st.sampled_from([("eagle", 1, False), ("mtp", 2, False), ("eagle", 1, True),
-                                 ("none", 1, False)]),
-        num_spec_tokens=st.integers(0, 3),
-        fault_rate=st.sampled_from([0.0, 0.5]),
-        token_budget=st.sampled_from([5, 8, 16, 1024]),
-        max_num_seqs=st.integers(1, 4),
-        seed=st.integers(0, 2**16),
-        copy_seed=st.none() | st.integers(0, 2**16),
-    )
-    def setup(self, tiers, block_size, num_blocks, tier_blocks, drafter, num_spec_tokens,
-              fault_rate, token_budget, max_num_seqs, seed, copy_seed):
+class _TierRules(RuleBasedStateMachine):
+    """The rules and invariants; each machine below draws its own set-up."""
+
+    def _build(self, tiers, specs, num_blocks, tier_blocks, drafter, num_spec_tokens,
+               fault_rate, token_budget, max_num_seqs, seed, copy_seed):
         name, modules, legacy = drafter
         policy = drafter_policy(name, modules)
         depth = policy.draft_kv_lookahead_tokens
+        block_size = specs[0].block_size
         self.kv = PagedSymbolicKV(num_blocks, block_size, depth)
         self.directory = tempfile.mkdtemp(prefix="speckv-tier-machine-")
         block_bytes = 4 * (self.kv.target_cache.storage[:, :, 0].numel()
                            + self.kv.draft_cache.storage[:, :, 0].numel())
-        size_gib = (tier_blocks + 0.5) * block_bytes / GIB
+        # a hybrid layout splits the capacity over its groups' lanes (by bytes per token)
+        size_gib = (tier_blocks + 0.5) * block_bytes * len(specs) / GIB
         config = ConnectorConfig.parse(tiers, offload_gib=size_gib, offload_dir=self.directory,
                                        disk_gib=size_gib, max_pending_blocks=8)
         self.connector = make_connector(config, TierIdentity("machine", "sha256", "0"))
@@ -71,7 +62,7 @@ class TierMachine(RuleBasedStateMachine):
                                        copy_seed=copy_seed)
         self.mode = resolve_connector_hash_mode(policy, connector=self.connector,
                                                 disable_lookahead_block_hashes=legacy)
-        self.manager = KVCacheManager([FullAttentionSpec(block_size)], num_blocks, self.mode)
+        self.manager = KVCacheManager(specs, num_blocks, self.mode)
         self.hashing = self.manager.block_hashing("sha256", "0")
         num_spec = num_spec_tokens if depth else 0
         self.core = toy_core(
@@ -151,8 +142,66 @@ class TierMachine(RuleBasedStateMachine):
                 assert not store.violations, store.violations[0]
 
 
+DRAFTERS = st.sampled_from([("eagle", 1, False), ("mtp", 2, False), ("eagle", 1, True),
+                            ("none", 1, False)])
+
+
+class TierMachine(_TierRules):
+    @initialize(
+        tiers=st.sampled_from(["offload", "disk", "offload,disk", "offload-nolookahead"]),
+        block_size=st.sampled_from([2, 3, 4]),
+        num_blocks=st.integers(8, 24),
+        tier_blocks=st.integers(2, 40),
+        drafter=DRAFTERS,
+        num_spec_tokens=st.integers(0, 3),
+        fault_rate=st.sampled_from([0.0, 0.5]),
+        token_budget=st.sampled_from([5, 8, 16, 1024]),
+        max_num_seqs=st.integers(1, 4),
+        seed=st.integers(0, 2**16),
+        copy_seed=st.none() | st.integers(0, 2**16),
+    )
+    def setup(self, tiers, block_size, num_blocks, **kwargs):
+        self._build(tiers, [FullAttentionSpec(block_size)], num_blocks, **kwargs)
+
+
+class HybridTierMachine(_TierRules):
+    """The same over hybrid layouts: a sliding window (its tail), a Mamba / GDN state (its
+    checkpoints), or both, beside full attention; every group's symbolic KV in tensors the
+    tiers' lanes copy, and every group checked on every hit and after every step."""
+
+    @initialize(
+        tiers=st.sampled_from(["offload", "disk", "offload,disk", "offload-nolookahead"]),
+        block_size=st.sampled_from([2, 4]),
+        layout=st.sampled_from(["swa", "mamba", "swa,mamba"]),
+        window=st.integers(2, 9),
+        unit_blocks=st.sampled_from([1, 2, 3]),
+        num_blocks=st.integers(12, 30),
+        tier_blocks=st.integers(2, 40),
+        drafter=DRAFTERS,
+        num_spec_tokens=st.integers(0, 3),
+        fault_rate=st.sampled_from([0.0, 0.5]),
+        token_budget=st.sampled_from([5, 8, 16, 1024]),
+        max_num_seqs=st.integers(1, 4),
+        seed=st.integers(0, 2**16),
+        copy_seed=st.none() | st.integers(0, 2**16),
+    )
+    def setup(self, tiers, block_size, layout, window, unit_blocks, num_blocks, **kwargs):
+        specs = [FullAttentionSpec(block_size)]
+        if "swa" in layout:
+            specs.append(SlidingWindowSpec(block_size, window))
+        if "mamba" in layout:
+            specs.append(MambaSpec(block_size * unit_blocks))
+        self._build(tiers, specs, num_blocks * len(specs), **kwargs)
+
+
 TestTierMachine = TierMachine.TestCase
 TestTierMachine.settings = settings(
     max_examples=100, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+TestHybridTierMachine = HybridTierMachine.TestCase
+TestHybridTierMachine.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
