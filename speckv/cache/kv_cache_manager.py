@@ -205,6 +205,12 @@ class KVCacheManager:
         )
 
     @property
+    def frees_behind_computed(self) -> bool:
+        """Whether a group (sliding window, Mamba) frees blocks behind the computed tokens in
+        `allocate_slots`: a request rolled back before them cannot resume there."""
+        return bool(self._managers_that_skip)
+
+    @property
     def lookahead_values(self) -> tuple[int, ...]:
         """The L values whose hash chains requests must keep (one per kind of group)."""
         return tuple(sorted({m.group.lookahead_tokens for m in self.managers}))

@@ -53,7 +53,7 @@ from speckv.connectors.config import (
     register_connector,
 )
 from speckv.connectors.disk import DiskConnector
-from speckv.connectors.layout import BlockLayout, DeviceKV
+from speckv.connectors.layout import BlockLayout, BlockTensor, DeviceKV, GroupKV
 from speckv.connectors.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -74,6 +74,7 @@ __all__ = [
     "MEDIUM_DISK",
     "MEDIUM_STORE",
     "BlockLayout",
+    "BlockTensor",
     "ConnectorConfig",
     "ConnectorEntry",
     "ConnectorMetadata",
@@ -85,6 +86,7 @@ __all__ = [
     "DiskConnector",
     "ExternalHit",
     "FinishDecision",
+    "GroupKV",
     "KVConnector",
     "KVGroupSupport",
     "LoadFailure",

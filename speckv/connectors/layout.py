@@ -16,6 +16,19 @@ tier restores the draft KV along with the target KV:
 On a GPU, writes are staged in a pinned buffer and copied with one host-to-device transfer per
 segment (`BlockWriter`), asynchronous on the current stream (the forward that follows is
 ordered after it); reads gather on the device and copy out asynchronously behind an event.
+
+Every KV cache group's tensors (`DeviceKV.groups`, one `GroupKV` per group): what a transfer
+that addresses device memory directly (P/D over NIXL) needs of a hybrid model, whose groups
+have block ids of their own (per-group pools) and tensors of their own. Each tensor is
+contiguous with the group's block id on axis `block_dim`, so it is `planes` rows of
+`num_blocks` equal chunks:
+
+    paged KV storage      [layers, 2, num_blocks, block_size, kv_heads, head_dim]  block_dim 2
+                          plane l * 2 + c (c: key 0, value 1), the group's layers only
+    GDN conv state        [layers, num_blocks, conv_dim, K - 1]                   block_dim 1
+    GDN recurrent state   [layers, num_blocks, Hv, dk, dv] fp32                   block_dim 1
+
+    chunk (plane p, block b)   bytes [(p * num_blocks + b) * chunk, + chunk) of the tensor
 """
 
 from __future__ import annotations
@@ -37,6 +50,85 @@ BlockTensors = tuple[torch.Tensor, ...]  # one tensor per segment, in layout ord
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """One contiguous tensor a KV cache group's block ids index on axis `block_dim`, and the
+    planes (rows before that axis, flattened) the group uses: None for all of them (a tensor
+    shared by several groups, e.g. one paged KV over every layer, names each group's own)."""
+
+    name: str  # "target", "draft", "conv", "recurrent"
+    tensor: torch.Tensor
+    block_dim: int
+    planes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tensor.is_contiguous():
+            raise ValueError(f"the {self.name} tensor is not contiguous")
+        if not 0 <= self.block_dim < self.tensor.dim():
+            raise ValueError(f"block_dim {self.block_dim} outside a {self.tensor.dim()}-d tensor")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensor.shape[self.block_dim]
+
+    @property
+    def num_planes(self) -> int:
+        """Planes of the whole tensor."""
+        count = 1
+        for size in self.tensor.shape[: self.block_dim]:
+            count *= size
+        return count
+
+    @property
+    def plane_ids(self) -> tuple[int, ...]:
+        return self.planes if self.planes is not None else tuple(range(self.num_planes))
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """One block of one plane."""
+        return tuple(self.tensor.shape[self.block_dim + 1:])
+
+    @property
+    def chunk_bytes(self) -> int:
+        count = 1
+        for size in self.chunk_shape:
+            count *= size
+        return count * self.tensor.element_size()
+
+    def chunks(self, block_id: int) -> torch.Tensor:
+        """Every plane's chunk of one block, [planes, *chunk_shape] (a copy)."""
+        flat = self.tensor.reshape(self.num_planes, self.num_blocks, *self.chunk_shape)
+        return flat[list(self.plane_ids), block_id].clone()
+
+
+@dataclass(frozen=True)
+class GroupKV:
+    """The device tensors one KV cache group's block ids address (its kind as the cache specs
+    name it, its block size in tokens, the window of a sliding-window group)."""
+
+    kind: str
+    block_size: int
+    tensors: tuple[BlockTensor, ...]
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tensors:
+            raise ValueError(f"the {self.kind} group has no tensors")
+        counts = {tensor.num_blocks for tensor in self.tensors}
+        if len(counts) != 1:
+            raise ValueError(f"the {self.kind} group's tensors disagree on the block count: "
+                             f"{sorted(counts)}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensors[0].num_blocks
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of this group, every tensor."""
+        return sum(len(t.plane_ids) * t.chunk_bytes for t in self.tensors)
 
 
 @dataclass(frozen=True)
@@ -128,7 +220,10 @@ class BlockLayout:
 class DeviceKV:
     """The paged caches one block id addresses (target, then drafter), as a tier copies them."""
 
-    def __init__(self, target: PagedKVCache, draft: PagedKVCache | None = None) -> None:
+    def __init__(self, target: PagedKVCache, draft: PagedKVCache | None = None,
+                 groups: Sequence[GroupKV] | None = None) -> None:
+        """`groups`: every KV cache group's tensors (a hybrid model); default one
+        full-attention group of `target` and `draft`."""
         if draft is not None:
             if (draft.num_blocks, draft.block_size) != (target.num_blocks, target.block_size):
                 raise ValueError(
@@ -142,6 +237,12 @@ class DeviceKV:
         self.layout = BlockLayout.of(target, draft)
         self.num_blocks = target.num_blocks
         self.device = target.device
+        if groups is None:
+            tensors = [BlockTensor(TARGET, target.storage, 2)]
+            if draft is not None:
+                tensors.append(BlockTensor(DRAFT, draft.storage, 2))
+            groups = (GroupKV("full_attention", target.block_size, tuple(tensors)),)
+        self.groups: tuple[GroupKV, ...] = tuple(groups)
         self._staging: list[torch.Tensor | None] = []  # CUDA loads: pinned, per segment
         self._staging_ready: list = []  # CUDA events: the device has read the staging buffer
 

@@ -42,12 +42,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from speckv.attention.grouped import GroupedKVCache
+from speckv.cache.specs import MambaSpec
 from speckv.connectors import (
+    BlockTensor,
     ConnectorMode,
     ConnectorOutput,
     DeviceKV,
     ExternalHit,
     FinishDecision,
+    GroupKV,
     KVConnector,
     LoadFailure,
     MultiConnector,
@@ -68,6 +72,7 @@ if TYPE_CHECKING:
     from speckv.engine.messages import ScheduledRequest
     from speckv.engine.request import Request
     from speckv.models.base import TargetModel
+    from speckv.models.common.kv_layout import KVCacheLayout
 
 logger = logging.getLogger("speckv.engine")
 
@@ -113,13 +118,56 @@ def build_transfer_connector(config: EngineConfig) -> KVConnector | None:
                          config.cache.hash_algo, seed)
 
 
-def initialize_connector(connector: KVConnector, target_cache: PagedKVCache,
+def initialize_connector(connector: KVConnector, target_cache: PagedKVCache | DeviceKV,
                          draft_cache: PagedKVCache | None, hash_mode: HashMode,
                          block_size: int) -> None:
-    """Bind the connector to the engine's caches and hash mode (once, before the first step)."""
-    connector.initialize(DeviceKV(target_cache, draft_cache),
-                         ConnectorMode.from_hash_mode(hash_mode, block_size, GROUP_ID))
+    """Bind the connector to the engine's caches and hash mode (once, before the first step).
+    `target_cache`: the target's paged KV, or every group's tensors (`device_kv`)."""
+    kv = (target_cache if isinstance(target_cache, DeviceKV)
+          else DeviceKV(target_cache, draft_cache))
+    connector.initialize(kv, ConnectorMode.from_hash_mode(hash_mode, block_size, GROUP_ID))
     logger.info("KV connector %s: %s (%s)", connector.name, hash_mode.label, hash_mode.reason)
+
+
+def device_kv(kv_cache: Any, state_cache: Any | None, draft_cache: PagedKVCache | None,
+              layout: KVCacheLayout) -> DeviceKV:
+    """Every KV cache group's device tensors (`DeviceKV.groups`), from the runner's caches:
+    `kv_cache` a `PagedKVCache` (one tensor: every layer of every attention group, or the
+    one attention group's layers) or a `GroupedKVCache` (one per group), `state_cache` the GDN
+    `PagedStateCache` (None without a state group), the drafter's KV riding on the draft
+    group's block ids."""
+    attention = [g for g, group in enumerate(layout.groups)
+                 if not isinstance(group.spec, MambaSpec)]
+    groups = []
+    for g, group in enumerate(layout.groups):
+        spec = group.spec
+        if isinstance(spec, MambaSpec):
+            if state_cache is None:
+                raise ValueError("a GDN / Mamba group needs the runner's state cache")
+            tensors = [BlockTensor("conv", state_cache.conv, 1),
+                       BlockTensor("recurrent", state_cache.recurrent, 1)]
+        elif isinstance(kv_cache, GroupedKVCache):
+            tensors = [BlockTensor("target", kv_cache.caches[g].storage, 2)]
+        elif len(attention) == 1:
+            tensors = [BlockTensor("target", kv_cache.storage, 2)]
+        else:  # one tensor over every layer: each group addresses its own layers' planes
+            planes = tuple(layer * 2 + c for layer in group.layer_indices for c in (0, 1))
+            tensors = [BlockTensor("target", kv_cache.storage, 2, planes)]
+        if g == layout.draft_group and draft_cache is not None:
+            tensors.append(BlockTensor("draft", draft_cache.storage, 2))
+        groups.append(GroupKV(spec.kind, spec.block_size, tuple(tensors),
+                              getattr(spec, "sliding_window", None)))
+    draft_group = layout.draft_group if layout.draft_group is not None else 0
+    target = (kv_cache.caches[draft_group] if isinstance(kv_cache, GroupedKVCache)
+              else kv_cache)
+    return DeviceKV(target, draft_cache, groups)
+
+
+def group_block_ids(manager: KVCacheManager, request_id: str) -> Sequence[Any]:
+    """A request's block ids as connectors see them: group 0's list on a one-group model,
+    one list per group on a hybrid (only connectors that carry several groups run there)."""
+    ids = manager.get_block_ids(request_id)
+    return ids[GROUP_ID] if len(ids) == 1 else ids
 
 
 # ---- scheduler side ----------------------------------------------------------------------------
@@ -164,8 +212,8 @@ class SchedulerConnector:
         self.load_failure_policy = check_load_failure_policy(load_failure_policy)
 
     def _blocks(self, request: Request, num_written_tokens: int) -> RequestBlocks:
-        block_ids = self.manager.get_block_ids(request.request_id)[GROUP_ID]
-        return RequestBlocks(request, block_ids, num_written_tokens)
+        return RequestBlocks(request, group_block_ids(self.manager, request.request_id),
+                             num_written_tokens)
 
     def external_hit(self, request: Request, num_local_hit_tokens: int) -> ExternalHit:
         """What a tier (or a remote engine) can load right after the local hit (whole
@@ -178,7 +226,11 @@ class SchedulerConnector:
 
     def after_alloc(self, request: Request, block_ids: Sequence[int], num_local_hit_tokens: int,
                     num_external_tokens: int) -> None:
-        """The request got its blocks (`block_ids`: its whole group-0 table)."""
+        """The request got its blocks (`block_ids`: its whole group-0 table; a hybrid's
+        connector gets every group's table as the manager holds it now, blocks released
+        behind the computed tokens already null)."""
+        if len(self.manager.managers) > 1:
+            block_ids = group_block_ids(self.manager, request.request_id)
         self.connector.update_state_after_alloc(request, block_ids, num_local_hit_tokens,
                                                 num_external_tokens)
 

@@ -445,6 +445,14 @@ class Scheduler:
                 request.status = RequestStatus.WAITING
                 self._end_with_load_error(request, failure, outputs)
                 return
+            if self.manager.frees_behind_computed:
+                # the allocation already released the sliding-window / GDN blocks behind the
+                # loaded end, which a resume at the failed token would read: start over
+                self.manager.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+                return
         else:
             request.num_computed_tokens = load.end
         self.manager.cache_computed_blocks(request)

@@ -1,16 +1,24 @@
-"""What one engine tells a peer about its paged KV: enough to address any block of any layer,
-and to refuse a peer whose blocks do not mean the same thing.
+"""What one engine tells a peer about its paged KV: enough to address any block of any KV cache
+group, and to refuse a peer whose blocks do not mean the same thing.
 
 Owns `KVLayoutDesc` (sent over the side channel at the handshake, msgpack) and
 `check_peer_layout`, which compares a peer's description with this engine's and raises a
-`ParamsError` naming the first field that differs (block size, hash contract, KV groups,
-segments, and per segment: layers, KV heads, head dim, dtype).
+`ParamsError` naming the first field that differs (block size, hash contract, KV groups and
+their block sizes, segments, and per segment: planes, chunk shape and bytes, dtype).
 
-Block addressing, per segment (the target's cache, then the drafter's), from
-`PagedKVCache.storage` [layers, 2, num_blocks, block_size, kv_heads, head_dim], contiguous:
+A segment is one device tensor of one KV cache group (`connectors.layout.BlockTensor`): the
+target's paged KV and the drafter's of an attention group, the conv and the recurrent state of
+a GDN group. Each is contiguous, `planes` rows of `num_blocks` equal chunks (its own block
+count: with per-group pools every group has its own):
 
-    chunk (one block of one layer's keys or values)   block_size * kv_heads * head_dim * itemsize
-    address of (layer l, k/v c, block b)               base + ((l * 2 + c) * num_blocks + b) * chunk
+    chunk (plane p, block b)   base_addr + (p * num_blocks + b) * chunk_bytes
+
+    paged KV [layers, 2, n, bs, heads, dim]   plane l * 2 + c   chunk bs * heads * dim
+    GDN conv [layers, n, C, K - 1]            plane l           chunk C * (K - 1)
+    GDN recurrent [layers, n, Hv, dk, dv]     plane l           chunk Hv * dk * dv (fp32)
+
+`planes` lists the planes the group uses (a paged KV over every layer shared by two attention
+groups: each group its own layers' planes).
 """
 
 from __future__ import annotations
@@ -22,17 +30,18 @@ from speckv.connectors.nixl.params import HashContract, ParamsError
 
 
 class SegmentDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: str  # "target" or "draft"
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    group: int  # the KV cache group whose block ids index it
+    name: str  # "target", "draft", "conv", "recurrent"
     dtype: str
-    base_addr: int  # address of storage[0, 0, 0] in the owner's memory
-    chunk_bytes: int  # one block of one layer's keys (or values)
+    base_addr: int  # address of the tensor's first byte in the owner's memory
+    num_blocks: int  # block ids of the group (rows per plane)
+    chunk_bytes: int  # one block of one plane
+    chunk_shape: list[int]
+    planes: list[int]  # the planes the group uses, in the order both sides pair them
 
     @property
-    def num_chunks_per_block(self) -> int:
-        return self.num_layers * 2
+    def key(self) -> tuple[int, str]:
+        return self.group, self.name
 
 
 class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -40,28 +49,28 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     epoch: str
     agent_name: str
     block_size: int
-    num_blocks: int
     kv_groups: list[str]  # group kinds, in group order
+    group_block_sizes: list[int]  # tokens per block of each group
     hash_contract: HashContract
     segments: list[SegmentDesc]
     mem_type: str = "DRAM"  # "VRAM" on a GPU engine
 
+    def group_num_blocks(self, group: int) -> int:
+        return next(s.num_blocks for s in self.segments if s.group == group)
+
 
 def describe_layout(kv: DeviceKV, engine_id: str, epoch: str, agent_name: str,
-                    hash_contract: HashContract, kv_groups: list[str] | None = None
-                    ) -> KVLayoutDesc:
+                    hash_contract: HashContract) -> KVLayoutDesc:
     segments = []
-    for segment, cache in zip(kv.layout.segments, kv.caches):
-        storage = cache.storage
-        if not storage.is_contiguous():
-            raise ValueError(f"the {segment.name} KV cache is not contiguous")
-        chunk = segment.block_size * segment.num_kv_heads * segment.head_dim \
-            * storage.element_size()
-        segments.append(SegmentDesc(segment.name, segment.num_layers, segment.num_kv_heads,
-                                    segment.head_dim, dtype_name(cache.dtype),
-                                    storage.data_ptr(), chunk))
-    return KVLayoutDesc(engine_id, epoch, agent_name, kv.layout.block_size, kv.num_blocks,
-                        kv_groups or ["full_attention"], hash_contract, segments,
+    for g, group in enumerate(kv.groups):
+        for tensor in group.tensors:
+            segments.append(SegmentDesc(
+                g, tensor.name, dtype_name(tensor.tensor.dtype), tensor.tensor.data_ptr(),
+                tensor.num_blocks, tensor.chunk_bytes, list(tensor.chunk_shape),
+                list(tensor.plane_ids)))
+    return KVLayoutDesc(engine_id, epoch, agent_name, kv.layout.block_size,
+                        [group.kind for group in kv.groups],
+                        [group.block_size for group in kv.groups], hash_contract, segments,
                         "DRAM" if kv.device.type == "cpu" else "VRAM")
 
 
@@ -77,14 +86,28 @@ def check_peer_layout(local: KVLayoutDesc, peer: KVLayoutDesc) -> None:
                           f"this engine {getattr(local.hash_contract, field)!r}")
     if peer.kv_groups != local.kv_groups:
         raise ParamsError("layout.kv_groups", f"{peer.kv_groups} != {local.kv_groups}")
-    names = [s.name for s in peer.segments]
-    if names != [s.name for s in local.segments]:
-        raise ParamsError("layout.segments", f"the prefill engine holds KV of {names}, this "
-                          f"engine of {[s.name for s in local.segments]} (same drafter on "
+    if peer.group_block_sizes != local.group_block_sizes:
+        raise ParamsError("layout.group_block_sizes",
+                          f"{peer.group_block_sizes} != {local.group_block_sizes}")
+    names = [s.key for s in peer.segments]
+    if names != [s.key for s in local.segments]:
+        raise ParamsError("layout.segments", f"the prefill engine holds KV of "
+                          f"{_names(peer)}, this engine of {_names(local)} (same drafter on "
                           "both sides?)")
     for mine, theirs in zip(local.segments, peer.segments):
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_bytes"):
+        where = f"layout.segments[{mine.name}]" if len(local.kv_groups) == 1 else \
+            f"layout.segments[{mine.group}.{mine.name}]"
+        if len(theirs.planes) != len(mine.planes):
+            raise ParamsError(f"{where}.planes", f"the prefill engine has {len(theirs.planes)} "
+                              f"(layers x keys/values), this engine {len(mine.planes)}")
+        for name in ("chunk_shape", "dtype", "chunk_bytes"):
             if getattr(mine, name) != getattr(theirs, name):
-                raise ParamsError(f"layout.segments[{mine.name}].{name}",
+                raise ParamsError(f"{where}.{name}",
                                   f"the prefill engine has {getattr(theirs, name)!r}, this "
                                   f"engine {getattr(mine, name)!r}")
+
+
+def _names(layout: KVLayoutDesc) -> list[str]:
+    if len(layout.kv_groups) == 1:
+        return [s.name for s in layout.segments]
+    return [f"{layout.kv_groups[s.group]}.{s.name}" for s in layout.segments]

@@ -1,7 +1,10 @@
-"""What each KV cache group of a hybrid engine can serve, as the router predicts it.
+"""What each KV cache group of a hybrid engine can serve: the cache manager's hit rule, pure.
 
-Owns the per-group hit rule the engine's cache manager applies (`KVCacheManager`), from the
-groups its contract lists (`kv_groups`) and the blocks its events published per group:
+Owns the per-group hit rule the engine's cache manager applies (`KVCacheManager`), as a pure
+function of which blocks each group holds. Two users outside the manager: the router predicts
+an engine's hit from the groups its contract lists (`kv_groups`) and the blocks its events
+published per group; a transfer connector (P/D) computes how much of a prompt a peer's blocks
+serve beyond the local hit.
 
     hash unit H (the contract's block_size), alignment unit U, group g: block B_g, stride
     m_g = B_g / H, lookahead L_g (attention groups: the hash mode's L; Mamba groups: 0).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 KINDS = ("full_attention", "sliding_window", "mamba")
 
@@ -44,12 +48,36 @@ class GroupRule:
         assert self.sliding_window is not None
         return -(-(self.sliding_window - 1) // self.block_size)
 
+    @classmethod
+    def of_spec(cls, group_idx: int, spec: Any, lookahead_tokens: int) -> GroupRule:
+        """The rule of a `KVCacheSpec` under a hash mode of `lookahead_tokens` (Mamba groups
+        keep legacy hashes: the drafter writes no state)."""
+        return cls(group_idx, spec.kind, spec.block_size,
+                   lookahead_tokens if spec.drafter_writes_kv else 0,
+                   getattr(spec, "sliding_window", None))
+
+    def needed_blocks(self, hit_tokens: int) -> range:
+        """The block indices a hit of `hit_tokens` reads of this group (the module
+        docstring): every block before it, the window's blocks before it, or the state
+        checkpoint at it."""
+        num_blocks = hit_tokens // self.block_size
+        if self.kind == "full_attention":
+            return range(num_blocks)
+        if self.kind == "sliding_window":
+            return range(max(0, num_blocks - self.num_window_blocks), num_blocks)
+        return range(num_blocks - 1, num_blocks) if num_blocks else range(0)
+
     def servable(self, block_hashes: Sequence[bytes], holds: Callable[[int, bytes], bool]
                  ) -> Callable[[int], bool]:
         """`serves(hit_tokens)`: whether this group holds what a hit of that many tokens needs
         (`block_hashes`: this group's hashes of the prompt; `holds(group_idx, hash)`). One
         probe per block, then O(1) per hit length. Pure."""
-        held = [holds(self.group_idx, block_hash) for block_hash in block_hashes]
+        return self.serves_given([holds(self.group_idx, block_hash)
+                                  for block_hash in block_hashes])
+
+    def serves_given(self, held: Sequence[bool]) -> Callable[[int], bool]:
+        """`serves(hit_tokens)` from `held[i]`: whether block i of this group is at hand (a
+        block past the list is not). Pure."""
         run = [0] * (len(held) + 1)  # run[n]: held blocks ending at block n - 1
         for i, ok in enumerate(held):
             run[i + 1] = run[i] + 1 if ok else 0
@@ -86,15 +114,22 @@ def hybrid_hit(groups: Sequence[GroupRule], hash_unit: int, alignment_tokens: in
     the prompt's hash-unit chain per lookahead value. Pure."""
     checks = [g.servable(group_hashes(chains[g.lookahead_tokens], g.block_size // hash_unit),
                          holds) for g in groups]
+    return longest_hit(checks, alignment_tokens, num_prompt_tokens - 1, drops_last_unit)
+
+
+def longest_hit(checks: Sequence[Callable[[int], bool]], alignment_tokens: int,
+                max_tokens: int, drops_last_unit: bool) -> int:
+    """The largest multiple of `alignment_tokens` <= `max_tokens` that every check serves (0
+    if none); under the legacy drop, once more from one unit less. Pure."""
     unit = alignment_tokens
 
-    def longest(max_tokens: int) -> int:
-        hit = max(0, max_tokens) // unit * unit
+    def longest(limit: int) -> int:
+        hit = max(0, limit) // unit * unit
         while hit > 0 and not all(serves(hit) for serves in checks):
             hit -= unit
         return hit
 
-    hit = longest(num_prompt_tokens - 1)
+    hit = longest(max_tokens)
     if drops_last_unit and hit > 0:
         hit = longest(hit - unit)
     return hit
