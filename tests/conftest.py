@@ -62,6 +62,32 @@ def tiny_model() -> LlamaForCausalLM:
     return build_tiny_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_hybrid_gdn():
+    """A tiny `hybrid-gdn`-shaped model (Gated DeltaNet + full attention, random init) and a
+    random MTP drafter for it; tests must not change them."""
+    from speckv.drafters.gated_mtp import random_gated_mtp
+    from speckv.models.hybrid.loader import tiny_hybrid
+
+    model = tiny_hybrid()
+    return model, random_gated_mtp(model)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_swa():
+    """A tiny `hybrid-swa`-shaped model (sliding window 8 + global layers, random init) and
+    a random EAGLE drafter for it; tests must not change them."""
+    from speckv.drafters.loaders import random_drafter
+    from speckv.models.gemma.hybrid_swa import hybrid_swa_model
+
+    model = hybrid_swa_model(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=8, num_hidden_layers=3,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+        max_position_embeddings=512)
+    return model, random_drafter("eagle", model, seed=0)
+
+
 # ---- the cache world --------------------------------------------------------------------------
 _request_ids = itertools.count()
 

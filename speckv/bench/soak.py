@@ -86,8 +86,9 @@ class SoakConfig:
             raise ValueError(f"--ops must be >= 1, got {self.num_ops}")
         if self.kv_connector is not None:
             ConnectorConfig.parse(self.kv_connector, offload_dir="-")
-            if not self.groups.startswith("full:") or "," in self.groups:
-                raise ValueError("--kv-connector needs one full-attention group (--groups full:B)")
+            if not self.groups.startswith("full:"):
+                raise ValueError("--kv-connector needs a full-attention group first "
+                                 "(--groups full:B,...)")
             if self.tier_blocks < 1:
                 raise ValueError(f"--tier-blocks must be >= 1, got {self.tier_blocks}")
         if not 0.0 <= self.fault_rate < 1.0:

@@ -67,13 +67,19 @@ class GroupRule:
             return range(max(0, num_blocks - self.num_window_blocks), num_blocks)
         return range(num_blocks - 1, num_blocks) if num_blocks else range(0)
 
-    def servable(self, block_hashes: Sequence[bytes], holds: Callable[[int, bytes], bool]
-                 ) -> Callable[[int], bool]:
-        """`serves(hit_tokens)`: whether this group holds what a hit of that many tokens needs
-        (`block_hashes`: this group's hashes of the prompt; `holds(group_idx, hash)`). One
-        probe per block, then O(1) per hit length. Pure."""
-        return self.serves_given([holds(self.group_idx, block_hash)
-                                  for block_hash in block_hashes])
+    def longest_given(self, held: Sequence[bool]) -> Callable[[int], int]:
+        """`longest(candidate)`: the longest prefix (tokens, a whole number of this group's
+        blocks, <= candidate) whose hit this group serves from `held`. Pure."""
+        serves = self.serves_given(held)
+        size = self.block_size
+
+        def longest(candidate: int) -> int:
+            num_blocks = max(0, candidate) // size
+            while num_blocks > 0 and not serves(num_blocks * size):
+                num_blocks -= 1
+            return num_blocks * size
+
+        return longest
 
     def serves_given(self, held: Sequence[bool]) -> Callable[[int], bool]:
         """`serves(hit_tokens)` from `held[i]`: whether block i of this group is at hand (a
@@ -107,29 +113,48 @@ def group_hashes(chain: Sequence[bytes], stride: int) -> list[bytes]:
     return list(chain[stride - 1::stride]) if stride > 1 else list(chain)
 
 
+def hybrid_fixed_point(max_length: int, unit: int, order: Sequence[int],
+                       longest: Callable[[int, int], int]) -> int:
+    """The hybrid hit rule: the longest U-aligned length <= `max_length` that every group
+    accepts, where `longest(g, candidate)` is the longest prefix (tokens, <= candidate) that
+    group g can serve. Groups may only shorten it; iterates to a fixed point. The local
+    cache, every KV connector tier that carries several groups, the P/D transfer and the
+    router apply this one rule."""
+    hit_length = max(0, max_length) // unit * unit
+    while True:
+        candidate = hit_length
+        for index in order:
+            candidate = min(candidate, longest(index, candidate))
+        candidate = candidate // unit * unit
+        if candidate == hit_length:
+            return hit_length
+        hit_length = candidate
+
+
+def hit_given(groups: Sequence[GroupRule], held: Sequence[Sequence[bool]],
+              alignment_tokens: int, max_tokens: int, drops_last_unit: bool) -> int:
+    """The hit (tokens, at most `max_tokens`) when block i of group g is at hand exactly where
+    `held[g][i]` (the module docstring; under the legacy drop once more from one unit
+    less). Pure."""
+    longests = [group.longest_given(h) for group, h in zip(groups, held)]
+    # full attention first: cheap, and usually the binding constraint (the manager's order)
+    order = sorted(range(len(groups)), key=lambda g: groups[g].kind != "full_attention")
+
+    def longest(index: int, candidate: int) -> int:
+        return longests[index](candidate)
+
+    hit = hybrid_fixed_point(max_tokens, alignment_tokens, order, longest)
+    if drops_last_unit and hit > 0:
+        hit = hybrid_fixed_point(hit - alignment_tokens, alignment_tokens, order, longest)
+    return hit
+
+
 def hybrid_hit(groups: Sequence[GroupRule], hash_unit: int, alignment_tokens: int,
                chains: Mapping[int, Sequence[bytes]], holds: Callable[[int, bytes], bool],
                num_prompt_tokens: int, drops_last_unit: bool) -> int:
     """Cached tokens a hybrid engine serves for a prompt (the module docstring). `chains`:
     the prompt's hash-unit chain per lookahead value. Pure."""
-    checks = [g.servable(group_hashes(chains[g.lookahead_tokens], g.block_size // hash_unit),
-                         holds) for g in groups]
-    return longest_hit(checks, alignment_tokens, num_prompt_tokens - 1, drops_last_unit)
-
-
-def longest_hit(checks: Sequence[Callable[[int], bool]], alignment_tokens: int,
-                max_tokens: int, drops_last_unit: bool) -> int:
-    """The largest multiple of `alignment_tokens` <= `max_tokens` that every check serves (0
-    if none); under the legacy drop, once more from one unit less. Pure."""
-    unit = alignment_tokens
-
-    def longest(limit: int) -> int:
-        hit = max(0, limit) // unit * unit
-        while hit > 0 and not all(serves(hit) for serves in checks):
-            hit -= unit
-        return hit
-
-    hit = longest(max_tokens)
-    if drops_last_unit and hit > 0:
-        hit = longest(hit - unit)
-    return hit
+    held = [[holds(g.group_idx, block_hash) for block_hash in
+             group_hashes(chains[g.lookahead_tokens], g.block_size // hash_unit)]
+            for g in groups]
+    return hit_given(groups, held, alignment_tokens, num_prompt_tokens - 1, drops_last_unit)

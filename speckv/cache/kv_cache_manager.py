@@ -50,6 +50,7 @@ from typing import Protocol
 from speckv.cache.block import KVCacheBlock
 from speckv.cache.block_pool import BlockPool, GroupInfo
 from speckv.cache.events import KVCacheEvent, KVEventSink
+from speckv.cache.group_rules import hybrid_fixed_point
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.hit_check import CachingRequest, HitCheck
 from speckv.cache.results import Allocation, BlockCopy, CacheHit
@@ -205,12 +206,6 @@ class KVCacheManager:
         )
 
     @property
-    def frees_behind_computed(self) -> bool:
-        """Whether a group (sliding window, Mamba) frees blocks behind the computed tokens in
-        `allocate_slots`: a request rolled back before them cannot resume there."""
-        return bool(self._managers_that_skip)
-
-    @property
     def lookahead_values(self) -> tuple[int, ...]:
         """The L values whose hash chains requests must keep (one per kind of group)."""
         return tuple(sorted({m.group.lookahead_tokens for m in self.managers}))
@@ -279,23 +274,49 @@ class KVCacheManager:
         return (() if next_step else tuple(sources)), next_step
 
     def _fixed_point(self, request, hashes, max_length: int):
-        unit = self.alignment_tokens
-        hit_length = max(0, max_length) // unit * unit
-        per_group: list[list] = [[] for _ in self.managers]
-        while True:
-            candidate = hit_length
-            for index in self._hit_order:
-                manager = self.managers[index]
-                blocks = manager.find_longest_cache_hit(request, hashes[index], candidate)
-                per_group[index] = blocks
-                candidate = min(candidate, len(blocks) * manager.block_size)
-            candidate = candidate // unit * unit
-            if candidate == hit_length:
-                return hit_length, per_group
-            hit_length = candidate
+        managers = self.managers
+        per_group: list[list] = [[] for _ in managers]
+
+        def longest(index: int, candidate: int) -> int:
+            manager = managers[index]
+            blocks = manager.find_longest_cache_hit(request, hashes[index], candidate)
+            per_group[index] = blocks
+            return len(blocks) * manager.block_size
+
+        hit_length = hybrid_fixed_point(max_length, self.alignment_tokens, self._hit_order,
+                                        longest)
+        return hit_length, per_group
+
+    @property
+    def hit_order(self) -> tuple[int, ...]:
+        """The order the groups are asked for a hit (full attention first)."""
+        return tuple(self._hit_order)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in m.blocks_of(request_id)] for m in self.managers)
+
+    def record_released_blocks(self) -> None:
+        """From now on, note every cached block that `allocate_slots` releases behind a
+        request's computed tokens (sliding window, old Mamba checkpoints), for a KV connector
+        that saves it in the same step (`take_released_block_ids`). Mutates."""
+        for manager in self._managers_that_skip:
+            if manager.released is None:
+                manager.released = {}
+
+    def take_released_block_ids(self, request_id: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per group, the (block index, block id) pairs released from the request since the
+        last take ((): none). Their blocks hold their KV until the step's worker phase."""
+        if not self._managers_that_skip:
+            return ()
+        taken = tuple(tuple(m.released.pop(request_id, ()))
+                      if m.released is not None else () for m in self.managers)
+        return taken if any(taken) else ()
+
+    def drop_released_block_ids(self) -> None:
+        """Forget every noted release (their blocks may be reused from the next step). Mutates."""
+        for manager in self._managers_that_skip:
+            if manager.released:
+                manager.released.clear()
 
     def get_num_free_blocks(self) -> int:
         """Free blocks of all pools together."""
@@ -382,8 +403,17 @@ class KVCacheManager:
             num_to_cache = num_cacheable  # the loaded range is cached once the load succeeded
         self._cache_blocks(request, num_to_cache)
         # only after caching: a block leaving the window may be one a later hit needs
-        for manager in self._managers_that_skip:
-            manager.remove_skipped_blocks(request_id, num_computed)
+        if num_external_tokens:
+            # A connector loads the external range: of a sliding-window or Mamba group only
+            # what the hit at its end reads (the window's tail, the state there). The blocks
+            # before that hold nothing and are never cached; what the local hit reads stays
+            # until the load proved good (a failed load resumes from the local hit).
+            for manager in self._managers_that_skip:
+                manager.skip_caching_before(request_id, manager.first_kept_block(num_computed))
+                manager.remove_skipped_blocks(request_id, num_cacheable)
+        else:
+            for manager in self._managers_that_skip:
+                manager.remove_skipped_blocks(request_id, num_computed)
         return Allocation(tuple(new_block_ids), tuple(copies))
 
     def _allocate_running(self, request: ManagedRequest, num_new_tokens: int,

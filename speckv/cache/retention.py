@@ -71,3 +71,24 @@ class RetentionPolicy:
         if 0 < prompt_boundary <= num_tokens:
             points.add(prompt_boundary)
         return sorted(points)
+
+
+def runs_worth_keeping(retention: RetentionPolicy, num_tail_blocks: int, block_size: int,
+                       start: int, end: int, num_prompt_tokens: int) -> list[tuple[int, int]]:
+    """Block-index runs in `[start, end)` of a sliding-window or Mamba group (blocks of
+    `block_size`) that a hit at a reachable boundary can use: the `num_tail_blocks` blocks
+    before each boundary. Ascending, merged. Pure. (The local cache keeps these; a KV
+    connector tier stores the same.)"""
+    if retention.is_dense:
+        return [(start, end)] if start < end else []
+    runs: list[tuple[int, int]] = []
+    for boundary in retention.boundaries(end * block_size, num_prompt_tokens):
+        last = boundary // block_size
+        low, high = max(start, last - num_tail_blocks), min(end, last)
+        if low >= high:
+            continue
+        if runs and low <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], high))
+        else:
+            runs.append((low, high))
+    return runs

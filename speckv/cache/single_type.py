@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from speckv.cache.block import BlockContent, KVCacheBlock
 from speckv.cache.block_pool import BlockPool, GroupInfo
 from speckv.cache.hit_check import CachingRequest, content_of
-from speckv.cache.retention import RetentionPolicy
+from speckv.cache.retention import RetentionPolicy, runs_worth_keeping
 from speckv.cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 # Blocks probed before the first check for a miss in a full-attention lookup.
@@ -42,6 +42,9 @@ class SingleTypeManager:
         self.group = group
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # request id -> (block index, block id) of cached blocks released behind the computed
+        # tokens since the last take (None: not recorded; a KV connector turns it on)
+        self.released: dict[str, list[tuple[int, int]]] | None = None
 
     # ---- reads -------------------------------------------------------------------------------
     def find_longest_cache_hit(
@@ -227,20 +230,22 @@ class _PartialPrefixManager(SingleTypeManager):
     def _runs_worth_keeping(self, request, start, end):
         if self.retention.is_dense:
             return [(start, end)]
-        # each reachable boundary keeps the num_tail_blocks blocks before it; boundaries
-        # ascend, so the intervals do too and merge in one pass
-        runs: list[tuple[int, int]] = []
-        for boundary in self.retention.boundaries(end * self.block_size,
-                                                  request.num_prompt_tokens):
-            last = boundary // self.block_size
-            low, high = max(start, last - self.num_tail_blocks), min(end, last)
-            if low >= high:
-                continue
-            if runs and low <= runs[-1][1]:
-                runs[-1] = (runs[-1][0], max(runs[-1][1], high))
-            else:
-                runs.append((low, high))
-        return runs
+        return runs_worth_keeping(self.retention, self.num_tail_blocks, self.block_size,
+                                  start, end, request.num_prompt_tokens)
+
+    def first_kept_block(self, num_computed_tokens: int) -> int:
+        """The first block the request still reads after `num_computed_tokens` tokens (what
+        `remove_skipped_blocks` keeps); a hit at that length needs the blocks from here."""
+        raise NotImplementedError
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        self._release_before(request_id, self.first_kept_block(num_computed_tokens))
+
+    def skip_caching_before(self, request_id: str, num_blocks: int) -> None:
+        """Never cache the request's blocks before `num_blocks`: a KV connector loads only
+        the blocks from there on, the ones before it hold nothing. Mutates."""
+        if self.num_cached_blocks.get(request_id, 0) < num_blocks:
+            self.num_cached_blocks[request_id] = num_blocks
 
     def _release_before(self, request_id: str, num_blocks_to_drop: int) -> None:
         """Replace the request's blocks [0, num_blocks_to_drop) by the null block, freeing
@@ -254,6 +259,11 @@ class _PartialPrefixManager(SingleTypeManager):
         if start >= end:
             return
         released = blocks[start:end]  # (nulls in it, if any, are skipped by free_blocks)
+        if self.released is not None:  # a connector may still snapshot what they cache
+            record = self.released.setdefault(request_id, [])
+            record.extend((index, block.block_id)
+                          for index, block in enumerate(released, start)
+                          if block.block_hash is not None and not block.is_null)
         blocks[start:end] = [self.pool.null_block] * (end - start)
         released.reverse()
         self.pool.free_blocks(released)
@@ -281,10 +291,10 @@ class SlidingWindowManager(_PartialPrefixManager):
                 return [null] * index + run[::-1]
         return []
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def first_kept_block(self, num_computed_tokens: int) -> int:
         # the next token, at position num_computed_tokens, reads keys > its position - W
         first_needed = max(0, num_computed_tokens - self.spec.sliding_window + 1)
-        self._release_before(request_id, first_needed // self.block_size)
+        return first_needed // self.block_size
 
 
 class MambaManager(_PartialPrefixManager):
@@ -300,9 +310,9 @@ class MambaManager(_PartialPrefixManager):
                 return [self.pool.null_block] * index + [block]
         return []
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def first_kept_block(self, num_computed_tokens: int) -> int:
         # only the latest checkpoint state is read to continue
-        self._release_before(request_id, num_computed_tokens // self.block_size - 1)
+        return max(0, num_computed_tokens // self.block_size - 1)
 
 
 def manager_for(

@@ -33,7 +33,9 @@ from speckv.connectors.base import (
     MEDIUM_DISK,
     ExternalHit,
     FinishDecision,
+    GroupBlockIds,
     KVConnector,
+    ReleasedBlocks,
     RequestBlocks,
 )
 from speckv.connectors.capability import (
@@ -53,7 +55,7 @@ from speckv.connectors.config import (
     register_connector,
 )
 from speckv.connectors.disk import DiskConnector
-from speckv.connectors.layout import BlockLayout, BlockTensor, DeviceKV, GroupKV
+from speckv.connectors.layout import BlockLayout, DeviceKV
 from speckv.connectors.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -74,7 +76,6 @@ __all__ = [
     "MEDIUM_DISK",
     "MEDIUM_STORE",
     "BlockLayout",
-    "BlockTensor",
     "ConnectorConfig",
     "ConnectorEntry",
     "ConnectorMetadata",
@@ -86,7 +87,7 @@ __all__ = [
     "DiskConnector",
     "ExternalHit",
     "FinishDecision",
-    "GroupKV",
+    "GroupBlockIds",
     "KVConnector",
     "KVGroupSupport",
     "LoadFailure",
@@ -94,6 +95,7 @@ __all__ = [
     "MultiConnectorMetadata",
     "NoLookaheadOffloadConnector",
     "OffloadConnector",
+    "ReleasedBlocks",
     "RequestBlocks",
     "StepMetadata",
     "StoreConnector",

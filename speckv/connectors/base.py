@@ -23,9 +23,10 @@ Where the engine calls each method (one engine step, in order):
         asynchronous (ext.load_async, ext.num_tokens > 0):
             # allocate the hit's and the loaded range's blocks only; the request moves to
             # WAITING_FOR_REMOTE_KVS and is not scheduled (no budget) until its load finished
-    right after a successful `allocate_slots` of that request (ext may be 0):
-        connector.update_state_after_alloc(request, block_ids, hit.num_computed_tokens,
-                                           ext.num_tokens)
+    right after a successful `allocate_slots` of that request (ext may be 0; one table per
+    KV cache group, `update_state_after_alloc` with group 0's unless a connector overrides):
+        connector.update_state_after_alloc_groups(request, group_block_ids,
+                                                  hit.num_computed_tokens, ext.num_tokens)
     in Scheduler._preempt, before `manager.free(request)` (num_written = its
     num_computed_tokens before `preempt()` resets it):
         connector.request_preempted(RequestBlocks(request, block_ids, num_written))
@@ -101,22 +102,51 @@ MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
 
 
+GroupBlockIds = tuple[Sequence[int], ...]  # one block table per KV cache group, group order
+ReleasedBlocks = tuple[tuple[tuple[int, int], ...], ...]  # per group: (block index, block id)
+
+
 @dataclass(frozen=True)
 class RequestBlocks:
     """One request as the engine shows it to a connector at one moment.
 
-    `block_ids` are the request's device blocks of the connector's group, in position order
-    (the null block 0 stands for "no KV here"); `num_written_tokens` counts the positions whose
-    target and draft KV are in those blocks right now.
+    `block_ids` are the request's device blocks of group 0 (the full-attention group the
+    drafter's KV follows), in position order (the null block 0 stands for "no KV here");
+    `num_written_tokens` counts the positions whose target and draft KV are in those blocks
+    right now.
+
+    Hybrid models (several KV cache groups, each with a pool of its own, so the same id means
+    different memory in different groups): `group_block_ids[g]` is group g's table
+    (`group_block_ids[0] == block_ids`); empty means one group, `(block_ids,)`.
+    `released_block_ids[g]` lists (block index, block id) pairs of group g that the cache
+    manager released from the request in this step's scheduling (blocks behind a sliding
+    window, old state checkpoints; their table entries are null now). Each held a cached
+    block's KV, which stays intact until this step's worker phase, so a connector may
+    snapshot them in this step's `start_load_kv` (and only then: the ids may be reused after).
     """
 
     request: ConnectorRequest
     block_ids: Sequence[int]
     num_written_tokens: int
+    group_block_ids: GroupBlockIds = ()
+    released_block_ids: ReleasedBlocks = ()
 
     def __post_init__(self) -> None:
         if self.num_written_tokens < 0:
             raise ValueError(f"num_written_tokens must be >= 0, got {self.num_written_tokens}")
+        if self.group_block_ids and self.group_block_ids[0] is not self.block_ids \
+                and list(self.group_block_ids[0]) != list(self.block_ids):
+            raise ValueError("group_block_ids[0] must be block_ids (group 0's table)")
+
+    @property
+    def groups(self) -> GroupBlockIds:
+        """Every group's table, in group order (one group: `(block_ids,)`)."""
+        return self.group_block_ids or (self.block_ids,)
+
+    def released(self, group: int) -> tuple[tuple[int, int], ...]:
+        """Group `group`'s (block index, block id) pairs released in this step's scheduling."""
+        released = self.released_block_ids
+        return released[group] if group < len(released) else ()
 
 
 @dataclass(frozen=True)
@@ -192,6 +222,24 @@ class KVConnector(ABC):
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None:
         """The request got its blocks: plan loading `num_external_tokens` (from
         `get_num_new_matched_tokens`, possibly 0) into them, after the local hit."""
+
+    def update_state_after_alloc_groups(self, request: ConnectorRequest,
+                                        group_block_ids: GroupBlockIds,
+                                        num_local_hit_tokens: int,
+                                        num_external_tokens: int) -> None:
+        """`update_state_after_alloc` with every KV cache group's table (`group_block_ids[g]`,
+        group order; what the engine calls). By default a connector of one group gets
+        group 0's table; a connector that carries several groups overrides this."""
+        self.update_state_after_alloc(request, group_block_ids[0], num_local_hit_tokens,
+                                      num_external_tokens)
+
+    def sibling_loads(self, request: ConnectorRequest, num_local_hit_tokens: int,
+                      num_external_tokens: int) -> None:
+        """Another connector of a multi-connector loads `num_external_tokens` after the local
+        hit into this request's blocks (this one got 0 in `update_state_after_alloc`). A
+        connector that saves blocks of groups a load fills only in part (a sliding window's
+        tail, a state) must not save the rest of that range. Default: nothing to do."""
+        return None
 
     @abstractmethod
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:

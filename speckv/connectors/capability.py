@@ -35,6 +35,7 @@ class KVGroupSupport:
 
 
 SINGLE_FULL_ATTENTION = KVGroupSupport()
+EVERY_GROUP = KVGroupSupport(frozenset({"full_attention", "sliding_window", "mamba"}), True)
 
 
 def _children(connector: Any) -> tuple[Any, ...] | None:

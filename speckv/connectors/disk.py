@@ -43,7 +43,7 @@ from speckv.connectors.host_pool import GIB
 from speckv.connectors.layout import BlockLayout, BlockTensors, DeviceKV
 from speckv.connectors.lru import PinnedLru
 from speckv.connectors.metadata import BlockDescriptor
-from speckv.connectors.namespace import DiskNamespace, persistent_hash_seed
+from speckv.connectors.namespace import DiskNamespace, lane_label, persistent_hash_seed
 from speckv.connectors.rules import ConnectorMode
 from speckv.connectors.store import BlockStore, PutOutcome, PutResult, StoreUsage
 from speckv.connectors.tier import DEFAULT_MAX_PENDING_BLOCKS, TierConnector
@@ -299,9 +299,16 @@ class DiskConnector(TierConnector):
         self.hash_seed = persistent_hash_seed(hash_seed)
         self.namespace: DiskNamespace | None = None
 
+    def _make_lane(self, index: int, share: float) -> TierConnector:
+        return DiskConnector(self.root, self.size_gib * share,
+                             model_fingerprint=self.model_fingerprint, hash_algo=self.hash_algo,
+                             hash_seed=self.hash_seed, name=f"{self.name}/g{index}",
+                             max_pending_blocks=self.max_pending_blocks)
+
     def _open_store(self, kv: DeviceKV, mode: ConnectorMode) -> BlockStore:
         self.namespace = DiskNamespace(self.model_fingerprint, self.hash_algo, self.hash_seed,
-                                       mode.lookahead_tokens, kv.layout)
+                                       mode.lookahead_tokens, kv.layout,
+                                       lane_label(mode))
         capacity = int(self.size_gib * GIB)
         if capacity < kv.layout.nbytes:
             raise ValueError(

@@ -16,19 +16,6 @@ tier restores the draft KV along with the target KV:
 On a GPU, writes are staged in a pinned buffer and copied with one host-to-device transfer per
 segment (`BlockWriter`), asynchronous on the current stream (the forward that follows is
 ordered after it); reads gather on the device and copy out asynchronously behind an event.
-
-Every KV cache group's tensors (`DeviceKV.groups`, one `GroupKV` per group): what a transfer
-that addresses device memory directly (P/D over NIXL) needs of a hybrid model, whose groups
-have block ids of their own (per-group pools) and tensors of their own. Each tensor is
-contiguous with the group's block id on axis `block_dim`, so it is `planes` rows of
-`num_blocks` equal chunks:
-
-    paged KV storage      [layers, 2, num_blocks, block_size, kv_heads, head_dim]  block_dim 2
-                          plane l * 2 + c (c: key 0, value 1), the group's layers only
-    GDN conv state        [layers, num_blocks, conv_dim, K - 1]                   block_dim 1
-    GDN recurrent state   [layers, num_blocks, Hv, dk, dv] fp32                   block_dim 1
-
-    chunk (plane p, block b)   bytes [(p * num_blocks + b) * chunk, + chunk) of the tensor
 """
 
 from __future__ import annotations
@@ -53,85 +40,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
-class BlockTensor:
-    """One contiguous tensor a KV cache group's block ids index on axis `block_dim`, and the
-    planes (rows before that axis, flattened) the group uses: None for all of them (a tensor
-    shared by several groups, e.g. one paged KV over every layer, names each group's own)."""
-
-    name: str  # "target", "draft", "conv", "recurrent"
-    tensor: torch.Tensor
-    block_dim: int
-    planes: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if not self.tensor.is_contiguous():
-            raise ValueError(f"the {self.name} tensor is not contiguous")
-        if not 0 <= self.block_dim < self.tensor.dim():
-            raise ValueError(f"block_dim {self.block_dim} outside a {self.tensor.dim()}-d tensor")
-
-    @property
-    def num_blocks(self) -> int:
-        return self.tensor.shape[self.block_dim]
-
-    @property
-    def num_planes(self) -> int:
-        """Planes of the whole tensor."""
-        count = 1
-        for size in self.tensor.shape[: self.block_dim]:
-            count *= size
-        return count
-
-    @property
-    def plane_ids(self) -> tuple[int, ...]:
-        return self.planes if self.planes is not None else tuple(range(self.num_planes))
-
-    @property
-    def chunk_shape(self) -> tuple[int, ...]:
-        """One block of one plane."""
-        return tuple(self.tensor.shape[self.block_dim + 1:])
-
-    @property
-    def chunk_bytes(self) -> int:
-        count = 1
-        for size in self.chunk_shape:
-            count *= size
-        return count * self.tensor.element_size()
-
-    def chunks(self, block_id: int) -> torch.Tensor:
-        """Every plane's chunk of one block, [planes, *chunk_shape] (a copy)."""
-        flat = self.tensor.reshape(self.num_planes, self.num_blocks, *self.chunk_shape)
-        return flat[list(self.plane_ids), block_id].clone()
-
-
-@dataclass(frozen=True)
-class GroupKV:
-    """The device tensors one KV cache group's block ids address (its kind as the cache specs
-    name it, its block size in tokens, the window of a sliding-window group)."""
-
-    kind: str
-    block_size: int
-    tensors: tuple[BlockTensor, ...]
-    sliding_window: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.tensors:
-            raise ValueError(f"the {self.kind} group has no tensors")
-        counts = {tensor.num_blocks for tensor in self.tensors}
-        if len(counts) != 1:
-            raise ValueError(f"the {self.kind} group's tensors disagree on the block count: "
-                             f"{sorted(counts)}")
-
-    @property
-    def num_blocks(self) -> int:
-        return self.tensors[0].num_blocks
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block of this group, every tensor."""
-        return sum(len(t.plane_ids) * t.chunk_bytes for t in self.tensors)
-
-
-@dataclass(frozen=True)
 class KVSegment:
     """The per-block layout of one paged cache (the target's or the drafter's)."""
 
@@ -141,15 +49,27 @@ class KVSegment:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name: "float32", "bfloat16", "float16"
+    # a segment that is not attention KV (a GDN state): its block's shape, e.g. conv
+    # [layers, conv_dim, K - 1]; () for attention KV
+    shape: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, name: str, cache: PagedKVCache) -> KVSegment:
-        return cls(name, cache.num_layers, cache.block_size, cache.num_kv_heads,
-                   cache.head_dim, dtype_name(cache.dtype))
+    def of(cls, name: str, cache: PagedKVCache, num_layers: int | None = None) -> KVSegment:
+        return cls(name, cache.num_layers if num_layers is None else num_layers,
+                   cache.block_size, cache.num_kv_heads, cache.head_dim,
+                   dtype_name(cache.dtype))
+
+    @classmethod
+    def state(cls, name: str, block_shape: Sequence[int], block_size: int,
+              dtype: torch.dtype) -> KVSegment:
+        """A state segment: one tensor of `block_shape` per block of `block_size` tokens."""
+        return cls(name, block_shape[0], block_size, 0, 0, dtype_name(dtype), tuple(block_shape))
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """[layers, 2 (key, value), block_size, kv_heads, head_dim]"""
+        """[layers, 2 (key, value), block_size, kv_heads, head_dim], or a state's `shape`"""
+        if self.shape:
+            return self.shape
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
@@ -201,7 +121,8 @@ class BlockLayout:
         """Plain data for namespaces and logs."""
         return [
             {"name": s.name, "layers": s.num_layers, "block_size": s.block_size,
-             "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "dtype": s.dtype}
+             "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "dtype": s.dtype,
+             **({"shape": list(s.shape)} if s.shape else {})}
             for s in self.segments
         ]
 
@@ -217,34 +138,93 @@ class BlockLayout:
                 )
 
 
-class DeviceKV:
-    """The paged caches one block id addresses (target, then drafter), as a tier copies them."""
+@dataclass(frozen=True)
+class DeviceSegment:
+    """Where one segment's blocks live on the device: `storage` with the block id on
+    `block_axis`, restricted to the layers `layers` (axis 0; None: every layer)."""
 
-    def __init__(self, target: PagedKVCache, draft: PagedKVCache | None = None,
-                 groups: Sequence[GroupKV] | None = None) -> None:
-        """`groups`: every KV cache group's tensors (a hybrid model); default one
-        full-attention group of `target` and `draft`."""
-        if draft is not None:
-            if (draft.num_blocks, draft.block_size) != (target.num_blocks, target.block_size):
-                raise ValueError(
-                    f"the drafter's cache ({draft.num_blocks} blocks of {draft.block_size}) "
-                    f"must share the target's block table ({target.num_blocks} blocks of "
-                    f"{target.block_size})"
-                )
-            if draft.device != target.device:
-                raise ValueError(f"drafter cache on {draft.device}, target on {target.device}")
-        self.caches: tuple[PagedKVCache, ...] = (target,) if draft is None else (target, draft)
-        self.layout = BlockLayout.of(target, draft)
-        self.num_blocks = target.num_blocks
-        self.device = target.device
-        if groups is None:
-            tensors = [BlockTensor(TARGET, target.storage, 2)]
+    segment: KVSegment
+    storage: torch.Tensor
+    block_axis: int
+    layers: tuple[int, ...] | None = None
+
+    @classmethod
+    def of_cache(cls, name: str, cache: PagedKVCache,
+                 layers: Sequence[int] | None = None) -> DeviceSegment:
+        """A paged KV cache ([layers, 2, num_blocks, ...]), or some of its layers."""
+        count = None if layers is None else len(layers)
+        return cls(KVSegment.of(name, cache, count), cache.storage, 2,
+                   None if layers is None else tuple(layers))
+
+    @cached_property
+    def _layer_index(self) -> torch.Tensor | None:
+        if self.layers is None:
+            return None
+        return torch.tensor(self.layers, dtype=torch.int64, device=self.storage.device)
+
+    @property
+    def is_plain(self) -> bool:
+        """Every layer of a paged KV cache: the batched GPU path applies."""
+        return self.layers is None and self.block_axis == 2 and not self.segment.shape
+
+    def view(self, block_id: int) -> torch.Tensor:
+        """Block `block_id` of every layer (a view) or of the segment's layers (a copy)."""
+        block = self.storage.select(self.block_axis, block_id)
+        index = self._layer_index
+        return block if index is None else block.index_select(0, index)
+
+    def write(self, block_id: int, source: torch.Tensor) -> None:
+        block = self.storage.select(self.block_axis, block_id)
+        index = self._layer_index
+        if index is None:
+            block.copy_(source)
+        else:
+            block.index_copy_(0, index, source.to(block.device))
+
+
+class DeviceKV:
+    """The device blocks one block id addresses in one KV cache group (target, then drafter;
+    or a group's own segments, e.g. a GDN state's conv and recurrent tensors), as a tier
+    copies them."""
+
+    def __init__(self, target: PagedKVCache | None = None, draft: PagedKVCache | None = None,
+                 *, segments: Sequence[DeviceSegment] | None = None,
+                 num_blocks: int | None = None) -> None:
+        if segments is None:
+            if target is None:
+                raise ValueError("DeviceKV needs a target cache or segments")
             if draft is not None:
-                tensors.append(BlockTensor(DRAFT, draft.storage, 2))
-            groups = (GroupKV("full_attention", target.block_size, tuple(tensors)),)
-        self.groups: tuple[GroupKV, ...] = tuple(groups)
+                if (draft.num_blocks, draft.block_size) != (target.num_blocks,
+                                                            target.block_size):
+                    raise ValueError(
+                        f"the drafter's cache ({draft.num_blocks} blocks of "
+                        f"{draft.block_size}) must share the target's block table "
+                        f"({target.num_blocks} blocks of {target.block_size})"
+                    )
+                if draft.device != target.device:
+                    raise ValueError(f"drafter cache on {draft.device}, target on "
+                                     f"{target.device}")
+            segments = [DeviceSegment.of_cache(TARGET, target)]
+            if draft is not None:
+                segments.append(DeviceSegment.of_cache(DRAFT, draft))
+            num_blocks = target.num_blocks
+        # the paged caches behind the segments (target, then drafter); () when built from
+        # segments (a group of a hybrid model)
+        self.caches: tuple[PagedKVCache, ...] = (
+            () if target is None else (target,) if draft is None else (target, draft))
+        if not segments or num_blocks is None:
+            raise ValueError("DeviceKV needs at least one segment and its block count")
+        self.segments: tuple[DeviceSegment, ...] = tuple(segments)
+        self.layout = BlockLayout(tuple(s.segment for s in self.segments))
+        self.num_blocks = num_blocks
+        self.device = self.segments[0].storage.device
         self._staging: list[torch.Tensor | None] = []  # CUDA loads: pinned, per segment
         self._staging_ready: list = []  # CUDA events: the device has read the staging buffer
+
+    @property
+    def groups(self) -> tuple[DeviceKV, ...]:
+        """Every KV cache group's device blocks: this one alone."""
+        return (self,)
 
     def _check_ids(self, block_ids: Sequence[int]) -> list[int]:
         ids = [int(block_id) for block_id in block_ids]
@@ -271,14 +251,16 @@ class DeviceKV:
             raise ValueError(f"{len(out)} buffers for {len(ids)} blocks")
         if not ids:
             return None
-        for position, cache in enumerate(self.caches):
-            if self.device.type == "cpu":
+        for position, device_segment in enumerate(self.segments):
+            if self.device.type == "cpu" or not device_segment.is_plain:
                 # one strided copy per block: ~10x faster on CPU than index_select + permute
                 for block_id, buffers in zip(ids, out):
-                    buffers[position].copy_(cache.storage[:, :, block_id])
+                    buffers[position].copy_(device_segment.view(block_id),
+                                            non_blocking=self.device.type != "cpu")
                 continue
             index = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            gathered = cache.storage.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+            storage = device_segment.storage
+            gathered = storage.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
             gathered = gathered.contiguous()  # [n, layers, 2, bs, heads, dim] on the device
             for row, buffers in enumerate(out):
                 buffers[position].copy_(gathered[row], non_blocking=True)
@@ -321,8 +303,8 @@ class DeviceKV:
         """A pinned host buffer for `num_blocks` blocks of a segment, reused across loads
         once the device has read the previous load out of it."""
         if not self._staging:
-            self._staging = [None] * len(self.caches)
-            self._staging_ready = [torch.cuda.Event() for _ in self.caches]
+            self._staging = [None] * len(self.segments)
+            self._staging_ready = [torch.cuda.Event() for _ in self.segments]
         self._staging_ready[position].synchronize()
         buffer = self._staging[position]
         if buffer is None or buffer.shape[0] < num_blocks:
@@ -355,11 +337,11 @@ class BlockWriter:
         if len(self._ids) >= self._max_blocks:
             raise ValueError(f"more than {self._max_blocks} blocks written")
         row = len(self._ids)
-        for position, cache in enumerate(self._kv.caches):
-            if self._on_gpu:
+        for position, device_segment in enumerate(self._kv.segments):
+            if self._on_gpu and device_segment.is_plain:
                 self._staging[position][row].copy_(block[position])
             else:
-                cache.storage[:, :, block_id].copy_(block[position])
+                device_segment.write(block_id, block[position])
         self._ids.append(block_id)
 
     def finish(self) -> None:
@@ -368,8 +350,24 @@ class BlockWriter:
         device = self._kv.device
         stream = torch.cuda.current_stream(device)
         index = torch.tensor(self._ids, dtype=torch.int64, device=device)
-        for position, cache in enumerate(self._kv.caches):
+        for position, device_segment in enumerate(self._kv.segments):
+            if not device_segment.is_plain:
+                continue  # written block by block in `add`
             rows = self._staging[position][: len(self._ids)]
             source = rows.to(device, non_blocking=True)  # [n, layers, 2, bs, heads, dim]
-            cache.storage.index_copy_(2, index, source.permute(1, 2, 0, 3, 4, 5))
+            device_segment.storage.index_copy_(2, index, source.permute(1, 2, 0, 3, 4, 5))
             self._kv._staging_ready[position].record(stream)
+
+
+class GroupedDeviceKV:
+    """The device blocks of every KV cache group of a hybrid model: `groups[g]` addresses
+    group g's block ids (each group may have a pool of its own, so the same id means other
+    memory in another group)."""
+
+    def __init__(self, groups: Sequence[DeviceKV]) -> None:
+        if not groups:
+            raise ValueError("a grouped device KV needs at least one group")
+        self.groups: tuple[DeviceKV, ...] = tuple(groups)
+        self.layout = self.groups[0].layout  # group 0's (the drafter's full-attention group)
+        self.num_blocks = self.groups[0].num_blocks
+        self.device = self.groups[0].device

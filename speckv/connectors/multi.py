@@ -21,9 +21,11 @@ from speckv.cache.events import KVCacheEvent
 from speckv.connectors.base import (
     ExternalHit,
     FinishDecision,
+    GroupBlockIds,
     KVConnector,
     RequestBlocks,
 )
+from speckv.connectors.capability import KVGroupSupport
 from speckv.connectors.layout import DeviceKV
 from speckv.connectors.metadata import (
     ConnectorOutput,
@@ -52,6 +54,16 @@ class MultiConnector(KVConnector):
             child.supports_lookahead_block_hashes for child in self.children
         )
 
+    @property
+    def kv_group_support(self) -> KVGroupSupport:
+        """What every child carries (the engine checks each child and names the one at
+        fault; this is the multi-connector's own answer)."""
+        supports = [child.kv_group_support for child in self.children]
+        if not supports:
+            return KVGroupSupport(frozenset(), False)
+        kinds = frozenset.intersection(*(support.kinds for support in supports))
+        return KVGroupSupport(kinds, all(support.multiple_groups for support in supports))
+
     def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:
         for child in self.children:
             child.initialize(kv, mode)
@@ -77,6 +89,13 @@ class MultiConnector(KVConnector):
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None:
+        self.update_state_after_alloc_groups(request, (block_ids,), num_local_hit_tokens,
+                                             num_external_tokens)
+
+    def update_state_after_alloc_groups(self, request: ConnectorRequest,
+                                        group_block_ids: GroupBlockIds,
+                                        num_local_hit_tokens: int,
+                                        num_external_tokens: int) -> None:
         chosen = None
         if num_external_tokens:
             # ask again rather than remember: lookups stay free of side effects; the first
@@ -92,10 +111,12 @@ class MultiConnector(KVConnector):
                 best = self._best(request, num_local_hit_tokens, count=False)[0]
                 chosen = 0 if best is None else best
         for index, child in enumerate(self.children):
-            child.update_state_after_alloc(
-                request, block_ids, num_local_hit_tokens,
+            child.update_state_after_alloc_groups(
+                request, group_block_ids, num_local_hit_tokens,
                 num_external_tokens if index == chosen else 0,
             )
+            if num_external_tokens and index != chosen:
+                child.sibling_loads(request, num_local_hit_tokens, num_external_tokens)
 
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
         self._step += 1

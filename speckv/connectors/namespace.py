@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import cbor2
 import torch
@@ -60,6 +61,8 @@ class DiskNamespace:
     hash_seed: str
     lookahead_tokens: int
     layout: BlockLayout
+    # one KV cache group of a hybrid model ("<group>:<kind>"; "" for a one-group model)
+    group: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -79,6 +82,7 @@ class DiskNamespace:
             "lookahead_tokens": self.lookahead_tokens,
             "block_size": self.layout.block_size,
             "segments": self.layout.describe(),
+            **({"group": self.group} if self.group else {}),
         }
 
     @cached_property
@@ -89,3 +93,10 @@ class DiskNamespace:
     @property
     def dirname(self) -> str:
         return f"ns-{self.ident}"
+
+
+def lane_label(mode: Any) -> str:
+    """The namespace's group field for a tier mode: "" unless it carries one group of a
+    hybrid model (`ConnectorMode.group`)."""
+    group = getattr(mode, "group", None)
+    return "" if group is None else f"{group.group_id}:{group.kind}"

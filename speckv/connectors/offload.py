@@ -28,6 +28,10 @@ class OffloadConnector(TierConnector):
         super().__init__(name, max_pending_blocks)
         self.size_gib = size_gib
 
+    def _make_lane(self, index: int, share: float) -> TierConnector:
+        return OffloadConnector(self.size_gib * share, name=f"{self.name}/g{index}",
+                                max_pending_blocks=self.max_pending_blocks)
+
     def _open_store(self, kv: DeviceKV, mode: ConnectorMode) -> BlockStore:
         capacity = capacity_blocks_for(self.size_gib, kv.layout)
         return HostBlockPool(kv.layout, capacity, pin_memory=kv.device.type == "cuda")

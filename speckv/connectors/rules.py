@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from speckv.cache.kv_cache_manager import StridedHashes
+from speckv.cache.retention import RetentionPolicy
 from speckv.connectors.metadata import BlockDescriptor
 from speckv.hashing.extra_keys import HashInputs
 
@@ -68,6 +70,34 @@ class HashModeLike(Protocol):
     def drops_last_unit(self) -> bool: ...
 
 
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True)
+class GroupMode:
+    """One KV cache group as a tier carries it (a hybrid model has several).
+
+    Blocks of `block_size` tokens are named by every `hash_stride`-th hash of the request's
+    chain of `lookahead_tokens` (the local cache's rule: attention groups use the mode's
+    lookahead, Mamba groups legacy hashes). A hit at h reads `num_needed_blocks` blocks
+    before h (0: every block, full attention; a sliding window's tail; 1: the Mamba state at
+    h); a save keeps `num_tail_blocks` blocks before each boundary `retention` keeps.
+    """
+
+    group_id: int
+    kind: str  # "full_attention", "sliding_window", "mamba"
+    block_size: int
+    lookahead_tokens: int
+    hash_stride: int = 1
+    num_needed_blocks: int = 0
+    num_tail_blocks: int = 0
+    retention: RetentionPolicy | None = None  # None: every block (full attention)
+
+    @property
+    def is_full(self) -> bool:
+        return self.kind == FULL_ATTENTION
+
+
 @dataclass(frozen=True)
 class ConnectorMode:
     """The engine's hash mode, as a connector keys, looks up and stores blocks.
@@ -81,6 +111,14 @@ class ConnectorMode:
     drops_last_block: bool
     block_size: int
     group_id: int = 0
+    # a hybrid model: every KV cache group (group order) and the hit alignment unit U;
+    # () for one group
+    groups: tuple[GroupMode, ...] = ()
+    alignment_tokens: int = 0
+    # a single-group tier of one group of a hybrid model (`lane`): its group, and how many
+    # hash units one of its blocks spans
+    group: GroupMode | None = None
+    hash_stride: int = 1
 
     def __post_init__(self) -> None:
         if self.lookahead_tokens < 0:
@@ -94,14 +132,37 @@ class ConnectorMode:
 
     @classmethod
     def from_hash_mode(cls, hash_mode: HashModeLike, block_size: int,
-                       group_id: int = 0) -> ConnectorMode:
-        return cls(hash_mode.lookahead_tokens, hash_mode.drops_last_unit, block_size, group_id)
+                       group_id: int = 0, groups: Sequence[GroupMode] = (),
+                       alignment_tokens: int = 0) -> ConnectorMode:
+        groups = tuple(groups) if len(groups) > 1 else ()
+        return cls(hash_mode.lookahead_tokens, hash_mode.drops_last_unit, block_size, group_id,
+                   groups, alignment_tokens if groups else 0)
+
+    @property
+    def is_grouped(self) -> bool:
+        """Several KV cache groups (a hybrid model): the tier runs one lane per group."""
+        return len(self.groups) > 1
+
+    def lane(self, index: int) -> ConnectorMode:
+        """The mode of the single-group tier that carries group `index`."""
+        group = self.groups[index]
+        return ConnectorMode(group.lookahead_tokens,
+                             self.drops_last_block and not group.lookahead_tokens,
+                             group.block_size, group.group_id, group=group,
+                             hash_stride=group.hash_stride)
 
     @property
     def label(self) -> str:
         if self.lookahead_tokens:
             return f"lookahead L={self.lookahead_tokens}"
         return "legacy+drop" if self.drops_last_block else "legacy"
+
+
+def block_hashes(request: ConnectorRequest, mode: ConnectorMode) -> Sequence[bytes]:
+    """The hashes naming `mode`'s blocks: the request's chain of `mode.lookahead_tokens`,
+    every `hash_stride`-th one for a group whose blocks span several hash units."""
+    chain = request.get_block_hashes(mode.lookahead_tokens)
+    return chain if mode.hash_stride == 1 else StridedHashes(chain, mode.hash_stride)
 
 
 def num_lookup_candidates(num_tokens: int, num_hashes: int, block_size: int) -> int:

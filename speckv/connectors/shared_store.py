@@ -23,7 +23,7 @@ from speckv.connectors.base import ExternalHit, RequestBlocks
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
 from speckv.connectors.layout import DeviceKV
 from speckv.connectors.metadata import ConnectorStats, LoadFailure, RequestSave, StepMetadata
-from speckv.connectors.namespace import DiskNamespace, persistent_hash_seed
+from speckv.connectors.namespace import DiskNamespace, lane_label, persistent_hash_seed
 from speckv.connectors.redis_store import (
     DEFAULT_BATCH_BLOCKS,
     DEFAULT_TIMEOUT_S,
@@ -34,6 +34,7 @@ from speckv.connectors.redis_store import (
 from speckv.connectors.rules import (
     ConnectorMode,
     ConnectorRequest,
+    block_hashes,
     num_lookup_candidates,
     num_servable_blocks,
 )
@@ -67,7 +68,7 @@ class StoreSchedulerSide(TierSchedulerSide):
                                 num_local_hit_tokens: int) -> ExternalHit:
         mode = self.mode
         start = first_block(num_local_hit_tokens, mode)
-        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        hashes = block_hashes(request, mode)
         end = num_lookup_candidates(request.num_tokens, len(hashes), mode.block_size)
         keys = [make_cache_key(hashes[i], mode.group_id) for i in range(start, end)]
         run = _redis(self.store).count_present_prefix(keys, self._present_locally)
@@ -82,7 +83,7 @@ class StoreSchedulerSide(TierSchedulerSide):
         mode = self.mode
         tracked = self.tracked.get(blocks.request.request_id)
         first = tracked.num_considered_blocks if tracked is not None else 0
-        hashes = blocks.request.get_block_hashes(mode.lookahead_tokens)
+        hashes = block_hashes(blocks.request, mode)
         last = min(len(hashes), len(blocks.block_ids))
         store = _redis(self.store)
         store.prime([make_cache_key(hashes[i], mode.group_id) for i in range(first, last)])
@@ -151,18 +152,33 @@ class StoreConnector(TierConnector):
         return store
 
     # ---- set-up ------------------------------------------------------------------------------
+    def _make_lane(self, index: int, share: float) -> TierConnector:
+        """A lane of a hybrid model: the same server (the embedded one started once, here),
+        its own namespace (the group's layout). The server's memory is shared, not split."""
+        if self.embedded and self.server is None:
+            self._start_embedded(self.size_gib)
+        lane = StoreConnector(
+            self.endpoint.url if not self.embedded else self.server.url,  # type: ignore[union-attr]
+            self.size_gib, model_fingerprint=self.model_fingerprint, hash_algo=self.hash_algo,
+            hash_seed=self.hash_seed, cluster=self.endpoint.cluster, optional=self.optional,
+            timeout_s=self.endpoint.timeout_s, name=f"{self.name}/g{index}",
+            batch_blocks=self.batch_blocks, max_pending_blocks=self.max_pending_blocks)
+        return lane
+
+    def _start_embedded(self, size_gib: float) -> None:
+        self.server = EmbeddedValkey(int(size_gib * GIB)).start()
+        self.endpoint = replace(self.endpoint, url=self.server.url)
+
     def _open_store(self, kv: DeviceKV, mode: ConnectorMode) -> BlockStore:
         self.namespace = DiskNamespace(self.model_fingerprint, self.hash_algo, self.hash_seed,
-                                       mode.lookahead_tokens, kv.layout)
-        endpoint = self.endpoint
+                                       mode.lookahead_tokens, kv.layout, lane_label(mode))
         if self.embedded:
             maxmemory = int(self.size_gib * GIB)
             if maxmemory < 2 * kv.layout.nbytes:
                 raise ValueError(f"--kv-store-gib {self.size_gib} GiB holds no KV block of "
                                  f"{kv.layout.nbytes} bytes")
-            self.server = EmbeddedValkey(maxmemory).start()
-            endpoint = replace(endpoint, url=self.server.url)
-            self.endpoint = endpoint
+            self._start_embedded(self.size_gib)
+        endpoint = self.endpoint
         store = RedisBlockStore(endpoint.connect(), endpoint, self.namespace, self.batch_blocks)
         try:
             store.ping()
@@ -196,6 +212,9 @@ class StoreConnector(TierConnector):
     def reset_cache(self) -> bool:
         """Delete this namespace's blocks from the store (other namespaces, other engines'
         models, stay). False (nothing dropped) while a load is planned."""
+        if self.lanes:
+            super().reset_cache()
+            return True
         if self.scheduler.planned_loads:
             return False
         super().reset_cache()  # its count compares against the whole server's keys: ignore

@@ -13,10 +13,11 @@ straight back hits everything it stored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from speckv.cache.block import NULL_BLOCK_ID, CacheKey, make_cache_key
+from speckv.cache.retention import runs_worth_keeping
 from speckv.connectors.base import ExternalHit, FinishDecision, RequestBlocks
 from speckv.connectors.copy_schedule import CopyPoint
 from speckv.connectors.metadata import (
@@ -29,6 +30,8 @@ from speckv.connectors.metadata import (
 from speckv.connectors.rules import (
     ConnectorMode,
     ConnectorRequest,
+    GroupMode,
+    block_hashes,
     describe_block,
     num_lookup_candidates,
     num_servable_blocks,
@@ -88,7 +91,7 @@ class TierSchedulerSide:
                                 num_local_hit_tokens: int) -> ExternalHit:
         mode = self.mode
         start = first_block(num_local_hit_tokens, mode)
-        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        hashes = block_hashes(request, mode)
         end = num_lookup_candidates(request.num_tokens, len(hashes), mode.block_size)
         run = 0
         for index in range(start, end):
@@ -123,7 +126,10 @@ class TierSchedulerSide:
                 f"request {request_id}: {len(block_ids)} device blocks cannot hold a load "
                 f"up to block {end}"
             )
-        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        start = first_block_to_load(start, end, mode)
+        if start == end:
+            return  # (a window of one token: a hit reads no earlier key)
+        hashes = block_hashes(request, mode)
         blocks = tuple(describe_block(request, hashes, i, mode) for i in range(start, end))
         self.copier.copy_point(CopyPoint.BEFORE_PIN)  # a store may have evicted one since
         for block in blocks:
@@ -197,7 +203,7 @@ class TierSchedulerSide:
         mode = self.mode
         request = blocks.request
         tracked = self.tracked.setdefault(request.request_id, Tracked())
-        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        hashes = block_hashes(request, mode)
         num_written = blocks.num_written_tokens
         if tracked.written_cap is not None:
             num_written = min(num_written, tracked.written_cap)
@@ -206,8 +212,21 @@ class TierSchedulerSide:
         chosen: list[BlockDescriptor] = []
         device_ids: list[int] = []
         skipped = 0
-        for index in range(tracked.num_considered_blocks, end):
-            block_id = blocks.block_ids[index]
+        block_ids = blocks.block_ids
+        indices: Iterable[int] = range(tracked.num_considered_blocks, end)
+        group = mode.group
+        if group is not None and not group.is_full:
+            # a sliding-window or Mamba group of a hybrid model: only what a hit at a kept
+            # boundary reads, and the blocks the manager released this step are still intact
+            indices = kept_indices(group, request, tracked.num_considered_blocks, end)
+            released = blocks.released(0)
+            if released:
+                block_ids = list(block_ids)
+                for index, block_id in released:
+                    if index < len(block_ids):
+                        block_ids[index] = block_id
+        for index in indices:
+            block_id = block_ids[index]
             if block_id == NULL_BLOCK_ID:
                 continue
             block = describe_block(request, hashes, index, mode)
@@ -250,6 +269,29 @@ class TierSchedulerSide:
                     del self.copier.outstanding[request_id]
         self.exited -= done
         return frozenset(done)
+
+
+def first_block_to_load(start: int, end: int, mode: ConnectorMode) -> int:
+    """Of blocks [start, end) after a local hit, the first a load copies: every one for full
+    attention, the blocks a hit at the end reads for a sliding-window or Mamba group."""
+    group = mode.group
+    if group is None or group.is_full:
+        return start
+    return max(start, end - group.num_needed_blocks)
+
+
+def kept_indices(group: GroupMode, request: ConnectorRequest, start: int, end: int
+                 ) -> list[int]:
+    """Blocks [start, end) of a sliding-window or Mamba group worth storing: the tails the
+    local cache keeps before each reachable boundary (`runs_worth_keeping`)."""
+    retention = group.retention
+    if retention is None or retention.is_dense:
+        return list(range(start, end))
+    num_prompt_tokens = getattr(request, "num_prompt_tokens", request.num_tokens)
+    return [index for low, high in runs_worth_keeping(retention, group.num_tail_blocks,
+                                                     group.block_size, start, end,
+                                                     num_prompt_tokens)
+            for index in range(low, high)]
 
 
 def first_block(num_local_hit_tokens: int, mode: ConnectorMode) -> int:

@@ -43,15 +43,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from speckv.attention.grouped import GroupedKVCache
-from speckv.cache.specs import MambaSpec
+from speckv.cache.specs import MambaSpec, SlidingWindowSpec
 from speckv.connectors import (
-    BlockTensor,
     ConnectorMode,
     ConnectorOutput,
     DeviceKV,
     ExternalHit,
     FinishDecision,
-    GroupKV,
+    GroupBlockIds,
     KVConnector,
     LoadFailure,
     MultiConnector,
@@ -63,6 +62,14 @@ from speckv.connectors import (
     persistent_hash_seed,
 )
 from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, check_load_failure_policy
+from speckv.connectors.layout import (
+    DRAFT,
+    TARGET,
+    DeviceSegment,
+    GroupedDeviceKV,
+    KVSegment,
+)
+from speckv.connectors.rules import GroupMode
 
 if TYPE_CHECKING:
     from speckv.attention import PagedKVCache
@@ -118,56 +125,76 @@ def build_transfer_connector(config: EngineConfig) -> KVConnector | None:
                          config.cache.hash_algo, seed)
 
 
-def initialize_connector(connector: KVConnector, target_cache: PagedKVCache | DeviceKV,
+def initialize_connector(connector: KVConnector, target_cache: Any,
                          draft_cache: PagedKVCache | None, hash_mode: HashMode,
-                         block_size: int) -> None:
+                         block_size: int, *, manager: KVCacheManager | None = None,
+                         layout: KVCacheLayout | None = None, state_cache: Any = None) -> None:
     """Bind the connector to the engine's caches and hash mode (once, before the first step).
-    `target_cache`: the target's paged KV, or every group's tensors (`device_kv`)."""
-    kv = (target_cache if isinstance(target_cache, DeviceKV)
-          else DeviceKV(target_cache, draft_cache))
-    connector.initialize(kv, ConnectorMode.from_hash_mode(hash_mode, block_size, GROUP_ID))
+
+    A hybrid model (`manager` with several KV cache groups): every group's device blocks
+    (`group_device_kv`) and every group's mode (`group_modes`), under one alignment unit."""
+    if manager is None or len(manager.managers) == 1:
+        connector.initialize(DeviceKV(target_cache, draft_cache),
+                             ConnectorMode.from_hash_mode(hash_mode, block_size, GROUP_ID))
+    else:
+        if layout is None:
+            raise ValueError("a hybrid model's connector needs its KV cache layout")
+        connector.initialize(
+            group_device_kv(layout, manager, target_cache, draft_cache, state_cache),
+            ConnectorMode.from_hash_mode(hash_mode, block_size, GROUP_ID,
+                                         group_modes(manager), manager.alignment_tokens))
     logger.info("KV connector %s: %s (%s)", connector.name, hash_mode.label, hash_mode.reason)
 
 
-def device_kv(kv_cache: Any, state_cache: Any | None, draft_cache: PagedKVCache | None,
-              layout: KVCacheLayout) -> DeviceKV:
-    """Every KV cache group's device tensors (`DeviceKV.groups`), from the runner's caches:
-    `kv_cache` a `PagedKVCache` (one tensor: every layer of every attention group, or the
-    one attention group's layers) or a `GroupedKVCache` (one per group), `state_cache` the GDN
-    `PagedStateCache` (None without a state group), the drafter's KV riding on the draft
-    group's block ids."""
+def group_modes(manager: KVCacheManager) -> tuple[GroupMode, ...]:
+    """Every KV cache group as a tier carries it: the local cache's block sizes, hash chains,
+    what a hit reads and what it keeps (`speckv.connectors.rules.GroupMode`)."""
+    modes = []
+    for manager_g in manager.managers:
+        spec, info = manager_g.spec, manager_g.group
+        partial = isinstance(spec, SlidingWindowSpec | MambaSpec)
+        needed = (spec.num_window_blocks if isinstance(spec, SlidingWindowSpec)
+                  else 1 if isinstance(spec, MambaSpec) else 0)
+        modes.append(GroupMode(
+            info.group_id, spec.kind, spec.block_size, info.lookahead_tokens,
+            spec.block_size // manager.hash_block_size, needed,
+            getattr(manager_g, "num_tail_blocks", 0) if partial else 0,
+            manager.retention if partial else None))
+    return tuple(modes)
+
+
+def group_device_kv(layout: KVCacheLayout, manager: KVCacheManager, target_cache: Any,
+                    draft_cache: PagedKVCache | None, state_cache: Any) -> GroupedDeviceKV:
+    """Every group's device blocks. Attention groups: the group's own `PagedKVCache` (a
+    `GroupedKVCache`), the whole cache (the model's only attention group), or the group's
+    layers of a cache every attention layer shares; the drafter's KV rides on the draft
+    group. A Mamba / GDN group: the conv and recurrent state tensors of `state_cache`, one
+    checkpoint per block of the unit."""
     attention = [g for g, group in enumerate(layout.groups)
                  if not isinstance(group.spec, MambaSpec)]
     groups = []
     for g, group in enumerate(layout.groups):
         spec = group.spec
+        num_blocks = manager.pools[g].num_blocks
         if isinstance(spec, MambaSpec):
             if state_cache is None:
-                raise ValueError("a GDN / Mamba group needs the runner's state cache")
-            tensors = [BlockTensor("conv", state_cache.conv, 1),
-                       BlockTensor("recurrent", state_cache.recurrent, 1)]
-        elif isinstance(kv_cache, GroupedKVCache):
-            tensors = [BlockTensor("target", kv_cache.caches[g].storage, 2)]
-        elif len(attention) == 1:
-            tensors = [BlockTensor("target", kv_cache.storage, 2)]
-        else:  # one tensor over every layer: each group addresses its own layers' planes
-            planes = tuple(layer * 2 + c for layer in group.layer_indices for c in (0, 1))
-            tensors = [BlockTensor("target", kv_cache.storage, 2, planes)]
-        if g == layout.draft_group and draft_cache is not None:
-            tensors.append(BlockTensor("draft", draft_cache.storage, 2))
-        groups.append(GroupKV(spec.kind, spec.block_size, tuple(tensors),
-                              getattr(spec, "sliding_window", None)))
-    draft_group = layout.draft_group if layout.draft_group is not None else 0
-    target = (kv_cache.caches[draft_group] if isinstance(kv_cache, GroupedKVCache)
-              else kv_cache)
-    return DeviceKV(target, draft_cache, groups)
-
-
-def group_block_ids(manager: KVCacheManager, request_id: str) -> Sequence[Any]:
-    """A request's block ids as connectors see them: group 0's list on a one-group model,
-    one list per group on a hybrid (only connectors that carry several groups run there)."""
-    ids = manager.get_block_ids(request_id)
-    return ids[GROUP_ID] if len(ids) == 1 else ids
+                raise ValueError("a Mamba / GDN group's connector needs the state cache")
+            segments = [
+                DeviceSegment(KVSegment.state(name, (tensor.shape[0], *tensor.shape[2:]),
+                                              spec.block_size, tensor.dtype), tensor, 1)
+                for name, tensor in (("state.conv", state_cache.conv),
+                                     ("state.recurrent", state_cache.recurrent))]
+        else:
+            if isinstance(target_cache, GroupedKVCache):
+                segments = [DeviceSegment.of_cache(TARGET, target_cache.caches[g])]
+            elif len(attention) == 1:
+                segments = [DeviceSegment.of_cache(TARGET, target_cache)]
+            else:
+                segments = [DeviceSegment.of_cache(TARGET, target_cache, group.layer_indices)]
+            if g == layout.draft_group and draft_cache is not None:
+                segments.append(DeviceSegment.of_cache(DRAFT, draft_cache))
+        groups.append(DeviceKV(segments=segments, num_blocks=num_blocks))
+    return GroupedDeviceKV(groups)
 
 
 # ---- scheduler side ----------------------------------------------------------------------------
@@ -210,10 +237,16 @@ class SchedulerConnector:
         self.connector = connector
         self.manager = manager
         self.load_failure_policy = check_load_failure_policy(load_failure_policy)
+        self.multi_group = len(manager.managers) > 1
+        if self.multi_group:
+            manager.record_released_blocks()
 
     def _blocks(self, request: Request, num_written_tokens: int) -> RequestBlocks:
-        return RequestBlocks(request, group_block_ids(self.manager, request.request_id),
-                             num_written_tokens)
+        tables = self.manager.get_block_ids(request.request_id)
+        if not self.multi_group:
+            return RequestBlocks(request, tables[GROUP_ID], num_written_tokens)
+        return RequestBlocks(request, tables[GROUP_ID], num_written_tokens, tables,
+                             self.manager.take_released_block_ids(request.request_id))
 
     def external_hit(self, request: Request, num_local_hit_tokens: int) -> ExternalHit:
         """What a tier (or a remote engine) can load right after the local hit (whole
@@ -224,15 +257,12 @@ class SchedulerConnector:
         """Tokens a tier can load right after the local hit (whole blocks, 0 for none)."""
         return self.external_hit(request, num_local_hit_tokens).num_tokens
 
-    def after_alloc(self, request: Request, block_ids: Sequence[int], num_local_hit_tokens: int,
-                    num_external_tokens: int) -> None:
-        """The request got its blocks (`block_ids`: its whole group-0 table; a hybrid's
-        connector gets every group's table as the manager holds it now, blocks released
-        behind the computed tokens already null)."""
-        if len(self.manager.managers) > 1:
-            block_ids = group_block_ids(self.manager, request.request_id)
-        self.connector.update_state_after_alloc(request, block_ids, num_local_hit_tokens,
-                                                num_external_tokens)
+    def after_alloc(self, request: Request, group_block_ids: GroupBlockIds,
+                    num_local_hit_tokens: int, num_external_tokens: int) -> None:
+        """The request got its blocks (`group_block_ids`: its whole table of every group)."""
+        self.connector.update_state_after_alloc_groups(request, group_block_ids,
+                                                       num_local_hit_tokens,
+                                                       num_external_tokens)
 
     def build_metadata(self, scheduled: Sequence[ScheduledRequest],
                        requests: Mapping[str, Request]) -> StepMetadata:
@@ -242,11 +272,14 @@ class SchedulerConnector:
         were cached when that request's slots were allocated, and are written by this step's
         forward), and its external range is loaded only in this step's worker phase, after
         the saves are snapshotted. Its next step saves all of it."""
-        return self.connector.build_connector_meta([
+        meta = self.connector.build_connector_meta([
             self._blocks(requests[item.request_id],
                          0 if item.replaces_block_table else item.start)
             for item in scheduled
         ])
+        if self.multi_group:  # releases not listed now may be reused from the next step
+            self.manager.drop_released_block_ids()
+        return meta
 
     def preempted(self, request: Request) -> None:
         """Before the preempted request's blocks are freed (its computed tokens still set)."""

@@ -49,7 +49,6 @@ from speckv.engine.kv_connector import (
     RunnerConnector,
     SchedulerConnector,
     build_connector,
-    device_kv,
     initialize_connector,
 )
 from speckv.engine.kv_plan import plan_kv_cache
@@ -216,13 +215,12 @@ class LLMEngine:
             spec_policy=self.spec_policy,
         )
         if connector is not None:
-            draft_cache = proposer.kv_cache if proposer is not None else None
-            runner = self.runner
-            target = (runner.kv_cache if self.layout.num_groups == 1 else device_kv(
-                runner.kv_cache, runner.states.cache if runner.states is not None else None,
-                draft_cache, self.layout))
-            initialize_connector(connector, target, draft_cache, self.hash_mode,
-                                 cache.block_size)
+            initialize_connector(connector, self.runner.kv_cache,
+                                 proposer.kv_cache if proposer is not None else None,
+                                 self.hash_mode, cache.block_size, manager=self.manager,
+                                 layout=self.layout,
+                                 state_cache=self.runner.states.cache
+                                 if self.runner.states is not None else None)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(

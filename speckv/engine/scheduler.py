@@ -225,7 +225,7 @@ class Scheduler:
                 self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
                                             request.num_preemptions > 0)
                 if self.connector is not None:
-                    self.connector.after_alloc(request, allocation.new_block_ids[0], num_hit,
+                    self.connector.after_alloc(request, allocation.new_block_ids, num_hit,
                                                num_external)
                 if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
                     request.num_cached_tokens = num_hit + num_external
@@ -267,7 +267,7 @@ class Scheduler:
         self.waiting.popleft()
         self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
                                     request.num_preemptions > 0)
-        self.connector.after_alloc(request, allocation.new_block_ids[0], num_hit, num_external)
+        self.connector.after_alloc(request, allocation.new_block_ids, num_hit, num_external)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit + num_external
             request.num_external_cached_tokens = num_external
@@ -444,14 +444,6 @@ class Scheduler:
             if self._fails_loads:
                 request.status = RequestStatus.WAITING
                 self._end_with_load_error(request, failure, outputs)
-                return
-            if self.manager.frees_behind_computed:
-                # the allocation already released the sliding-window / GDN blocks behind the
-                # loaded end, which a resume at the failed token would read: start over
-                self.manager.free(request)
-                request.num_computed_tokens = 0
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
                 return
         else:
             request.num_computed_tokens = load.end

@@ -105,20 +105,27 @@ class SymbolicGroups:
 
     # ---- checks ------------------------------------------------------------------------------
     def mismatch(self, tables: Sequence[Sequence[int]], tokens: Sequence[int],
-                 num_tokens: int, num_draft_positions: int) -> str | None:
+                 num_tokens: int, num_draft_positions: int,
+                 state_at_checkpoint: bool = False) -> str | None:
         """Where the state a continuation from `num_tokens` reads (every group's share of it)
         is not what a cold run of `tokens` writes, draft KV checked at [0,
-        num_draft_positions) of the draft group; None if it all is."""
+        num_draft_positions) of the draft group; None if it all is. `state_at_checkpoint`:
+        check a Mamba group's state at the latest checkpoint <= `num_tokens` instead (after a
+        forward that moved the running state on)."""
         if num_tokens <= 0:
             return None
         for g, (spec, store) in enumerate(zip(self.specs, self.stores)):
             table = tables[g]
             if isinstance(spec, MambaSpec):
-                block_id = table[(num_tokens - 1) // spec.block_size]
+                num_state = (num_tokens // spec.block_size * spec.block_size
+                             if state_at_checkpoint else num_tokens)
+                if num_state <= 0:
+                    continue
+                block_id = table[(num_state - 1) // spec.block_size]
                 state = store.read(block_id)
-                if state != tuple(tokens[:num_tokens]):
+                if state != tuple(tokens[:num_state]):
                     held = "nothing" if state is None else f"{len(state)} tokens"  # type: ignore[arg-type]
-                    return (f"group {g} (mamba): the state after {num_tokens} tokens in block "
+                    return (f"group {g} (mamba): the state after {num_state} tokens in block "
                             f"{block_id} was computed from {held}, not the request's prefix")
                 continue
             first = 0

@@ -29,6 +29,7 @@ from speckv.connectors.metadata import BlockDescriptor
 from speckv.connectors.store import BlockStore, PutResult, StoreUsage
 from speckv.connectors.tier import TierConnector
 from speckv.simulation.paged_kv import decode_draft, decode_target
+from speckv.simulation.tier_groups import group_block_violation
 
 FailLoad = Callable[[BlockDescriptor], bool]
 
@@ -36,7 +37,10 @@ FailLoad = Callable[[BlockDescriptor], bool]
 def block_violation(block: BlockDescriptor, tensors: BlockTensors, draft_depth: int,
                     check_draft: bool = True) -> str | None:
     """Why `tensors` (a block of a `PagedSymbolicKV`: target, draft) is not the KV its header
-    names; None when it is."""
+    names; None when it is. A block of a hybrid layout's sliding-window or state group (one
+    segment): `tier_groups.group_block_violation`."""
+    if len(tensors) == 1:
+        return group_block_violation(block, tensors)
     target, draft = tensors  # [1, 2, B, 1, 1], [1, 2, B, 1, 1 + depth]
     known = (*block.token_ids, *block.lookahead_token_ids)
     for offset, token in enumerate(block.token_ids):
@@ -84,7 +88,8 @@ class CheckedStore:
                 self.num_checked_loads += 1
             if violation is not None:
                 self.violations.append(f"{self.medium} {what} of block "
-                                       f"{block.block_hash.hex()[:12]}: {violation}")
+                                       f"{block.block_hash.hex()[:12]} (group "
+                                       f"{block.group_id}): {violation}")
 
     # ---- BlockStore ----------------------------------------------------------------------------
     def contains(self, key: CacheKey) -> bool:

@@ -266,7 +266,10 @@ class ToyRunner:
         assert self.groups is not None
         depth = self.groups.draft_depth
         num_draft = max(0, num_computed - depth) if self.check_draft_kv else 0
-        problem = self.groups.mismatch(state.tables, state.token_ids, num_computed, num_draft)
+        # (after the forward, which may have moved a Mamba group's running state past
+        # `num_computed`: its state is checked at the latest checkpoint instead)
+        problem = self.groups.mismatch(state.tables, state.token_ids, num_computed, num_draft,
+                                       state_at_checkpoint=True)
         if problem is not None:
             raise HitMismatch(f"request {state.data.request_id}, computed KV: {problem}")
         self.num_positions_checked += num_computed
@@ -310,11 +313,13 @@ def toy_core(
         target_cache = getattr(kv, "target_cache", None)
         if target_cache is None:
             raise ValueError("a KV connector under the toy runner needs a PagedSymbolicKV")
-        if len(manager.managers) != 1:
-            raise ValueError("a KV connector copies one full-attention group")
         block_size = manager.managers[0].block_size
-        initialize_connector(connector, target_cache, kv.draft_cache,  # type: ignore[union-attr]
-                             manager.hash_mode, block_size)
+        if len(manager.managers) == 1:
+            initialize_connector(connector, target_cache,
+                                 kv.draft_cache,  # type: ignore[union-attr]
+                                 manager.hash_mode, block_size)
+        else:  # every group in tensors the connector's lanes copy
+            groups = connect_groups(connector, manager, kv)
         scheduler_connector = SchedulerConnector(connector, manager, load_failure_policy)
         runner_connector = RunnerConnector(connector, block_size)
     scheduler = Scheduler(manager, max_num_batched_tokens, max_num_seqs, num_spec_tokens,
@@ -322,6 +327,25 @@ def toy_core(
     runner = ToyRunner(num_spec_tokens, vocab_size, kv, check_draft_kv, runner_connector,
                        check_computed_kv, groups)
     return EngineCore(scheduler, runner)
+
+
+def connect_groups(connector: KVConnector, manager: KVCacheManager,
+                   kv: SymbolicKV) -> SymbolicGroups:
+    """Initialize `connector` over every group of a hybrid layout, each group's symbolic
+    store in tensors (`tier_groups.tensor_groups`); returns those stores."""
+    from speckv.connectors import ConnectorMode
+    from speckv.engine.kv_connector import group_modes
+    from speckv.simulation.paged_kv import PagedSymbolicKV
+    from speckv.simulation.tier_groups import tensor_groups
+
+    if not isinstance(kv, PagedSymbolicKV):
+        raise ValueError("a KV connector under the toy runner needs a PagedSymbolicKV")
+    groups, device = tensor_groups([m.spec for m in manager.managers],
+                                   [pool.num_blocks for pool in manager.pools], kv)
+    connector.initialize(device, ConnectorMode.from_hash_mode(
+        manager.hash_mode, manager.hash_block_size, 0, group_modes(manager),
+        manager.alignment_tokens))
+    return groups
 
 
 def symbolic_groups(manager: KVCacheManager, kv: SymbolicKV) -> SymbolicGroups:

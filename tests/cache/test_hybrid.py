@@ -199,3 +199,27 @@ def test_group_text_round_trips():
 
     text = "full:16,swa:1024:16,mamba:544"
     assert format_group_specs(parse_group_specs(text)) == text
+
+
+def test_released_blocks_are_noted_for_a_connector_only_when_asked():
+    """A connector saves sliding-window blocks the manager released in this step's
+    allocation: the manager notes the cached ones (index, id) until taken or dropped."""
+    specs = [FullAttentionSpec(4), SlidingWindowSpec(4, 8)]
+    for record in (False, True):
+        manager, hashing = build(specs)
+        if record:
+            manager.record_released_blocks()
+        request = Request("a", prompt(30), hashing, max_tokens=8)
+        core = toy_core(manager)
+        core.scheduler.add_request(request)
+        core.step()
+        before = list(manager.get_block_ids("a")[1])
+        core.step()  # the second allocation releases blocks 0..4 behind the window
+        released = manager.take_released_block_ids("a")
+        if not record:
+            assert released == ()
+            continue
+        assert released[0] == ()
+        assert released[1] == tuple((index, before[index]) for index in range(5))
+        assert manager.take_released_block_ids("a") == ()  # taken once
+        manager.check_integrity()

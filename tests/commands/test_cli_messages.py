@@ -288,6 +288,19 @@ def test_serve_port_0_prints_the_bound_port_and_says_hybrid_weights_are_random(m
     assert "RANDOM-INIT weights" in err
 
 
+@pytest.mark.parametrize("tier", ["offload", "disk"])
+def test_serve_a_hybrid_model_with_a_tier(monkeypatch, capsys, tmp_path, tier):
+    import speckv.server.launch as launch
+
+    monkeypatch.setattr(launch, "serve_forever", lambda server, sock, log_level="warning":
+                        sock.close())
+    code, out, err = run(["serve", "hybrid-gdn", "--port", "0", "--kv-cache-memory-bytes", "64M",
+                          "--threads", "1", "--kv-connector", tier, "--kv-offload-gib", "0.1",
+                          "--kv-offload-dir", str(tmp_path), "--hash-seed", "0"], capsys)
+    assert code == 0, err
+    assert "RANDOM-INIT weights" in err
+
+
 def test_bench_draft_kv_creates_the_offload_dir(tiny_dir, tmp_path, capsys):
     directory = tmp_path / "not" / "there"
     code, out, err = run(["bench", "draft-kv", "--model", str(tiny_dir), "--drafters", "eagle",

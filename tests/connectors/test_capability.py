@@ -15,6 +15,7 @@ from speckv.connectors import (
     lookahead_blocker,
     supports_lookahead,
 )
+from speckv.connectors.capability import EVERY_GROUP, SINGLE_FULL_ATTENTION
 from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.speculation.policy import drafter_policy
 
@@ -120,14 +121,21 @@ class _HybridTier:
         frozenset({"full_attention", "sliding_window", "mamba"}), multiple_groups=True)
 
 
+class _OneGroupTier:
+    """A connector that keeps the default: one full-attention group."""
+
+    name = "one-group"
+    kv_group_support = SINGLE_FULL_ATTENTION
+
+
 @pytest.mark.parametrize(("kinds", "reason"), [
     (["full_attention"], None),
-    (["full_attention", "mamba"], "'offload' carries one KV cache group; this model has 2"),
-    (["sliding_window"], "'offload' does not carry sliding_window KV cache groups"),
+    (["full_attention", "mamba"], "'one-group' carries one KV cache group; this model has 2"),
+    (["sliding_window"], "'one-group' does not carry sliding_window KV cache groups"),
 ])
 def test_kv_group_capability_names_the_connector_that_cannot_carry_a_group(kinds, reason):
     assert kv_group_blocker(None, kinds) is None
-    offload = OffloadConnector(1.0)
+    offload = _OneGroupTier()
     blocker = kv_group_blocker(offload, kinds)
     assert (blocker is None) == (reason is None) and (reason is None or reason in blocker)
     # a multi-connector is as capable as its least capable child
@@ -138,3 +146,28 @@ def test_kv_group_capability_names_the_connector_that_cannot_carry_a_group(kinds
     assert kv_group_blocker(hybrid, kinds) is None
     hybrid.children = (_HybridTier(), offload)
     assert kv_group_blocker(hybrid, kinds) == blocker
+
+
+def test_request_blocks_carry_every_groups_table():
+    from speckv.connectors import RequestBlocks
+
+    one = RequestBlocks(object(), [1, 2], 8)
+    assert one.groups == ([1, 2],) and one.released(1) == ()
+    table = [1, 2]
+    two = RequestBlocks(object(), table, 8, (table, [0, 5]), ((), ((0, 4),)))
+    assert two.groups[1] == [0, 5] and two.released(1) == ((0, 4),)
+    with pytest.raises(ValueError, match="group_block_ids"):
+        RequestBlocks(object(), [1, 2], 8, ([3], [0, 5]))
+
+
+@pytest.mark.parametrize("kinds", [["full_attention", "mamba"],
+                                   ["full_attention", "sliding_window"],
+                                   ["full_attention", "sliding_window", "mamba"]])
+def test_the_tiers_carry_every_group_of_a_hybrid_model(kinds, tmp_path):
+    for tier in (OffloadConnector(1.0), _disk(tmp_path), NoLookaheadOffloadConnector(1.0),
+                 MultiConnector([OffloadConnector(1.0), _disk(tmp_path)], name="m")):
+        assert tier.kv_group_support == EVERY_GROUP
+        assert kv_group_blocker(tier, kinds) is None
+    multi = MultiConnector([OffloadConnector(1.0), _OneGroupTier()])
+    assert multi.kv_group_support == SINGLE_FULL_ATTENTION
+    assert "'one-group' carries one KV cache group" in kv_group_blocker(multi, kinds)

@@ -126,10 +126,16 @@ def test_checkpoint_written_during_speculative_decode_serves_a_hit(hybrid):
     assert out.token_ids == cold_out.token_ids
 
 
-def test_kv_connector_and_foreign_drafters_refused(hybrid):
+def test_a_connector_of_one_group_only_is_refused(hybrid):
+    from speckv.connectors import OffloadConnector
+    from speckv.connectors.capability import SINGLE_FULL_ATTENTION
+
+    class OneGroup(OffloadConnector):
+        kv_group_support = SINGLE_FULL_ATTENTION
+
     with pytest.raises(ValueError, match="carries one KV cache group; this model has 2"):
-        LLMEngine(hybrid, engine_config(block_size=B, mamba_block_size=U, num_blocks=64,
-                                        kv_connector="offload"))
+        LLMEngine(hybrid, engine_config(block_size=B, mamba_block_size=U, num_blocks=64),
+                  connector=OneGroup(0.01))
 
 
 def test_llm_serves_hybrid_gdn_by_name_with_mtp():

@@ -96,10 +96,21 @@ def test_freed_window_blocks_reused_by_others_do_not_change_outputs(swa_llama):
                                                                  block_size=B)
 
 
-def test_multi_group_model_refuses_a_kv_connector(swa_llama):
-    config = engine_config(block_size=B, num_blocks=64, kv_connector="offload")
+def test_multi_group_model_refuses_a_connector_of_one_group_only(swa_llama):
+    from speckv.connectors import OffloadConnector
+    from speckv.connectors.capability import SINGLE_FULL_ATTENTION
+
+    class OneGroup(OffloadConnector):
+        kv_group_support = SINGLE_FULL_ATTENTION
+
+    config = engine_config(block_size=B, num_blocks=64)
     with pytest.raises(ValueError, match="carries one KV cache group"):
-        LLMEngine(swa_llama, config)
+        LLMEngine(swa_llama, config, connector=OneGroup(0.01))
+    # the tiers carry every group (tests/connectors/test_hybrid_tiers.py)
+    engine = LLMEngine(swa_llama, engine_config(block_size=B, num_blocks=64,
+                                                kv_connector="offload"))
+    assert engine.connector is not None and len(engine.connector.lanes) == 2
+    engine.close()
 
 
 def test_all_sliding_model_with_a_drafter_runs_one_full_group():

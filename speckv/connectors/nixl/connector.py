@@ -35,10 +35,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from speckv.cache.block import NULL_BLOCK_ID
-from speckv.cache.group_rules import GroupRule, group_hashes, longest_hit
-from speckv.connectors.base import ExternalHit, FinishDecision, KVConnector, RequestBlocks
+from speckv.cache.group_rules import GroupRule, group_hashes, hit_given
+from speckv.connectors.base import (
+    ExternalHit,
+    FinishDecision,
+    GroupBlockIds,
+    KVConnector,
+    RequestBlocks,
+)
 from speckv.connectors.capability import KVGroupSupport
-from speckv.connectors.layout import DeviceKV
+from speckv.connectors.layout import DeviceKV, GroupedDeviceKV
 from speckv.connectors.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -82,6 +88,17 @@ from speckv.connectors.rules import (
 logger = logging.getLogger("speckv.connectors.nixl")
 
 MEDIUM_NIXL = "NIXL"
+
+
+def group_rules(mode: ConnectorMode) -> list[GroupRule]:
+    """Every KV cache group's hit rule (`cache.group_rules`) from the engine's mode: one
+    full-attention group, or a hybrid's groups. A sliding window enters by the blocks a hit
+    reads before it (`num_needed_blocks`): the smallest window that reads as many."""
+    if not mode.groups:
+        return [GroupRule(0, "full_attention", mode.block_size, mode.lookahead_tokens)]
+    return [GroupRule(g.group_id, g.kind, g.block_size, g.lookahead_tokens,
+                      g.num_needed_blocks * g.block_size + 1
+                      if g.kind == "sliding_window" else None) for g in mode.groups]
 _DONE_PREFIX = b"done:"
 
 
@@ -93,7 +110,7 @@ class NixlConnector(KVConnector):
         self.hash_algo = hash_algo
         self.hash_seed = hash_seed
         self.epoch = ""
-        self._kv: DeviceKV | None = None
+        self._kv: DeviceKV | GroupedDeviceKV | None = None
         self._mode: ConnectorMode | None = None
         self._transport: NixlTransport | None = None
         self._layout: KVLayoutDesc | None = None
@@ -132,13 +149,11 @@ class NixlConnector(KVConnector):
         return True
 
     # ---- start-up ----------------------------------------------------------------------------
-    def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:
+    def initialize(self, kv: DeviceKV | GroupedDeviceKV, mode: ConnectorMode) -> None:
         import uuid
 
         self._kv, self._mode = kv, mode
-        self._rules = [GroupRule(g, group.kind, group.block_size,
-                                 mode.lookahead_tokens if group.kind != "mamba" else 0,
-                                 group.sliding_window) for g, group in enumerate(kv.groups)]
+        self._rules = group_rules(mode)
         sizes = [rule.block_size for rule in self._rules]
         self._hash_unit = math.gcd(*sizes)
         self._unit = math.lcm(*sizes)  # the hit alignment unit (the manager's)
@@ -147,7 +162,7 @@ class NixlConnector(KVConnector):
                                 mode.lookahead_tokens, mode.drops_last_block)
         agent_name = f"{self.config.engine_id}-{self.epoch[:8]}"
         self._layout = describe_layout(kv, self.config.engine_id, self.epoch, agent_name,
-                                       contract)
+                                       contract, self._rules)
         self._transport = NixlTransport(kv, agent_name, self._layout)
         if self.config.is_producer:
             self._leases = LeaseService(self.config.lease_s)
@@ -175,11 +190,6 @@ class NixlConnector(KVConnector):
         chain = request.get_block_hashes(rule.lookahead_tokens)
         return group_hashes(chain, rule.block_size // self._hash_unit)
 
-    def _per_group(self, block_ids: Sequence[Any]) -> list[list[int]]:
-        """Per KV cache group, a request's block ids (a one-group engine hands one list)."""
-        if len(block_ids) and hasattr(block_ids[0], "__len__"):
-            return [list(ids) for ids in block_ids]
-        return [list(block_ids)] + [[] for _ in self._rules[1:]]
 
     # ---- decode side: scheduler --------------------------------------------------------------
     def _pull_of(self, request: ConnectorRequest) -> Pull | None:
@@ -262,7 +272,7 @@ class NixlConnector(KVConnector):
             return 0  # prefill it locally
         # under policy "fail" a refused transfer still claims its range: the load fails it
         params = pull.params
-        checks = []
+        helds = []
         for g, rule in enumerate(self._rules):
             own = self._group_hashes(request, rule)
             local = num_local_hit_tokens // rule.block_size
@@ -276,9 +286,9 @@ class NixlConnector(KVConnector):
                 logger.warning("request %s: kv_transfer_params.manifest[%d][%d] differs from "
                                "this engine's block hash; that block is computed here",
                                request.request_id, g, stale[0])
-            checks.append(rule.serves_given(held))
-        hit = longest_hit(checks, self._unit, request.num_tokens - 1,
-                          self._mode.drops_last_block)
+            helds.append(held)
+        hit = hit_given(self._rules, helds, self._unit, request.num_tokens - 1,
+                        self._mode.drops_last_block)
         return max(0, hit - num_local_hit_tokens)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
@@ -302,6 +312,13 @@ class NixlConnector(KVConnector):
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None:
+        self.update_state_after_alloc_groups(request, (block_ids,), num_local_hit_tokens,
+                                             num_external_tokens)
+
+    def update_state_after_alloc_groups(self, request: ConnectorRequest,
+                                        group_block_ids: GroupBlockIds,
+                                        num_local_hit_tokens: int,
+                                        num_external_tokens: int) -> None:
         pull = self._pulls.get(request.request_id)
         if pull is None:
             return
@@ -309,7 +326,7 @@ class NixlConnector(KVConnector):
             self._release(pull)  # nothing to pull (a local hit covers it, or refused)
             return
         assert self._mode is not None
-        tables = self._per_group(block_ids)
+        tables = group_block_ids
         end = num_local_hit_tokens + num_external_tokens
         local_ids, remote_ids = [], []
         for g, rule in enumerate(self._rules):
@@ -367,7 +384,7 @@ class NixlConnector(KVConnector):
         to the longest prefix every group serves with them (at most N - 1 prompt tokens)."""
         assert self._mode is not None and self._leases is not None and self._server is not None
         request = blocks.request
-        tables = self._per_group(blocks.block_ids)
+        tables = blocks.group_block_ids or (blocks.block_ids,)
         num_prompt = getattr(request, "num_prompt_tokens", request.num_tokens)
         held, hashes = [], []
         for rule, table in zip(self._rules, tables):
@@ -376,8 +393,7 @@ class NixlConnector(KVConnector):
                         blocks.num_written_tokens // rule.block_size, len(table))
             held.append([table[index] != NULL_BLOCK_ID for index in range(limit)])
             hashes.append(group_hashes_)
-        num_tokens = longest_hit([rule.serves_given(h) for rule, h in zip(self._rules, held)],
-                                 self._unit, num_prompt - 1, False)
+        num_tokens = hit_given(self._rules, held, self._unit, num_prompt - 1, False)
         block_ids = [[int(table[index]) if held_g[index] else 0
                       for index in range(num_tokens // rule.block_size)]
                      for rule, table, held_g in zip(self._rules, tables, held)]

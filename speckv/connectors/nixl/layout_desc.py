@@ -6,10 +6,11 @@ Owns `KVLayoutDesc` (sent over the side channel at the handshake, msgpack) and
 `ParamsError` naming the first field that differs (block size, hash contract, KV groups and
 their block sizes, segments, and per segment: planes, chunk shape and bytes, dtype).
 
-A segment is one device tensor of one KV cache group (`connectors.layout.BlockTensor`): the
-target's paged KV and the drafter's of an attention group, the conv and the recurrent state of
-a GDN group. Each is contiguous, `planes` rows of `num_blocks` equal chunks (its own block
-count: with per-group pools every group has its own):
+A segment is one device tensor of one KV cache group (`connectors.layout.DeviceSegment`:
+storage, block axis, layers): the target's paged KV and the drafter's of an attention group,
+the conv and the recurrent state of a GDN group. Each storage is contiguous, so the axes before
+its block axis flatten to `planes` rows of `num_blocks` equal chunks (its own block count: with
+per-group pools every group has its own):
 
     chunk (plane p, block b)   base_addr + (p * num_blocks + b) * chunk_bytes
 
@@ -23,9 +24,13 @@ groups: each group its own layers' planes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from math import prod
+from typing import Any
+
 import msgspec
 
-from speckv.connectors.layout import DeviceKV, dtype_name
+from speckv.connectors.layout import DeviceKV, DeviceSegment, GroupedDeviceKV, dtype_name
 from speckv.connectors.nixl.params import HashContract, ParamsError
 
 
@@ -59,19 +64,35 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return next(s.num_blocks for s in self.segments if s.group == group)
 
 
-def describe_layout(kv: DeviceKV, engine_id: str, epoch: str, agent_name: str,
-                    hash_contract: HashContract) -> KVLayoutDesc:
-    segments = []
-    for g, group in enumerate(kv.groups):
-        for tensor in group.tensors:
-            segments.append(SegmentDesc(
-                g, tensor.name, dtype_name(tensor.tensor.dtype), tensor.tensor.data_ptr(),
-                tensor.num_blocks, tensor.chunk_bytes, list(tensor.chunk_shape),
-                list(tensor.plane_ids)))
-    return KVLayoutDesc(engine_id, epoch, agent_name, kv.layout.block_size,
-                        [group.kind for group in kv.groups],
-                        [group.block_size for group in kv.groups], hash_contract, segments,
-                        "DRAM" if kv.device.type == "cpu" else "VRAM")
+def segment_desc(group: int, device: DeviceSegment) -> SegmentDesc:
+    """A device segment as chunks: its storage's axes before the block axis flattened to
+    planes (of the segment's layers only, when it holds some of the storage's)."""
+    storage = device.storage
+    if not storage.is_contiguous():
+        raise ValueError(f"the {device.segment.name} KV cache is not contiguous")
+    shape = tuple(storage.shape)
+    axis = device.block_axis
+    inner = prod(shape[1:axis])  # planes per layer (keys and values: 2; a state: 1)
+    layers = device.layers if device.layers is not None else range(shape[0])
+    planes = [layer * inner + rest for layer in layers for rest in range(inner)]
+    chunk_shape = list(shape[axis + 1:])
+    return SegmentDesc(group, device.segment.name, dtype_name(storage.dtype),
+                       storage.data_ptr(), shape[axis],
+                       prod(chunk_shape) * storage.element_size(), chunk_shape, planes)
+
+
+def describe_layout(kv: DeviceKV | GroupedDeviceKV, engine_id: str, epoch: str,
+                    agent_name: str, hash_contract: HashContract,
+                    groups: Sequence[Any] | None = None) -> KVLayoutDesc:
+    """`groups`: every KV cache group's rule (`cache.group_rules.GroupRule`: kind, block
+    size), in the order of `kv.groups`; default one full-attention group."""
+    devices = kv.groups
+    kinds = [g.kind for g in groups] if groups else ["full_attention"] * len(devices)
+    sizes = [g.block_size for g in groups] if groups else [kv.layout.block_size] * len(devices)
+    segments = [segment_desc(g, device) for g, group in enumerate(devices)
+                for device in group.segments]
+    return KVLayoutDesc(engine_id, epoch, agent_name, kv.layout.block_size, kinds, sizes,
+                        hash_contract, segments, "DRAM" if kv.device.type == "cpu" else "VRAM")
 
 
 def check_peer_layout(local: KVLayoutDesc, peer: KVLayoutDesc) -> None:

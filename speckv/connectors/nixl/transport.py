@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speckv.connectors.layout import DeviceKV
+from speckv.connectors.layout import DeviceKV, GroupedDeviceKV
 from speckv.connectors.nixl.layout_desc import KVLayoutDesc, SegmentDesc
 
 logger = logging.getLogger("speckv.connectors.nixl")
@@ -83,7 +83,8 @@ class ReadHandle:
 class NixlTransport:
     """One engine's NIXL agent over its registered paged KV."""
 
-    def __init__(self, kv: DeviceKV, agent_name: str, layout: KVLayoutDesc) -> None:
+    def __init__(self, kv: DeviceKV | GroupedDeviceKV, agent_name: str,
+                 layout: KVLayoutDesc) -> None:
         if nixl_agent is None:
             raise RuntimeError("the nixl connector needs the NIXL Python package: "
                                "pip install nixl-cu12")
@@ -95,7 +96,8 @@ class NixlTransport:
         self.agent = nixl_agent(agent_name, config)
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL has no UCX backend on this machine")
-        tensors = {t.tensor.data_ptr(): t.tensor for group in kv.groups for t in group.tensors}
+        tensors = {segment.storage.data_ptr(): segment.storage
+                   for group in kv.groups for segment in group.segments}
         self._registered = [self.agent.register_memory(tensor) for tensor in tensors.values()]
         self._local = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _chunk_table(layout.segments), layout.mem_type)
@@ -150,8 +152,8 @@ class NixlTransport:
         remote_idx = chunk_indices(layout.segments, remote_block_ids)
         handle = self.agent.make_prepped_xfer("READ", self._local, local_idx, remote,
                                               remote_idx, notif)
-        num_bytes = sum(len(ids) * group.block_nbytes
-                        for ids, group in zip(local_block_ids, self.kv.groups))
+        num_bytes = sum(len(local_block_ids[s.group]) * len(s.planes) * s.chunk_bytes
+                        for s in self.layout.segments if s.group < len(local_block_ids))
         read = ReadHandle(peer, handle, num_bytes)
         read.state = self.agent.transfer(handle)
         return read

@@ -217,7 +217,11 @@ def test_a_failed_transfer_recomputes_or_fails_and_leaves_the_pools_clean(hybrid
         assert all_free(d)
 
 
-def test_the_nixl_connector_carries_every_group_and_a_tier_beside_it_is_still_refused(hybrids):
+def test_the_nixl_connector_carries_every_group_and_composes_with_the_cpu_tier(hybrids):
+    """The capability says every group, so the engine takes it on a hybrid; beside the CPU
+    tier (which carries the groups too) the answers stay a single engine's. (The tier does
+    not save the GDN / window blocks of a range its sibling loaded (`sibling_loads`), so it
+    serves that prompt again from what the decode engine computed itself.)"""
     from speckv.connectors.capability import kv_group_blocker
     from speckv.connectors.nixl.config import NixlConfig
     from speckv.connectors.nixl.connector import NixlConnector
@@ -225,6 +229,20 @@ def test_the_nixl_connector_carries_every_group_and_a_tier_beside_it_is_still_re
     nixl = NixlConnector(NixlConfig("kv_consumer"), "sha256", "0")
     for kinds in (["full_attention", "mamba"], ["full_attention", "sliding_window"]):
         assert kv_group_blocker(nixl, kinds) is None
-    with pytest.raises(ValueError, match="'offload' carries one KV cache group"):
-        _engine(hybrids["gdn"], "mtp2", "kv_consumer", kv_connector="offload",
-                kv_offload_gib=0.01)
+    hybrid = hybrids["gdn"]
+    prompt = hybrid.prompt(47, seed=10)
+    with _engine(hybrid, "mtp2") as single:
+        expected = run(single, prompt, GREEDY)
+    with _engine(hybrid, "mtp2", "kv_producer") as p, \
+            _engine(hybrid, "mtp2", "kv_consumer", kv_connector="offload",
+                    kv_offload_gib=0.01) as d:
+        params = prefill(p, prompt).kv_transfer_params
+        got = decode(d, prompt, params)
+        settle(p)
+        assert got.token_ids == expected.token_ids
+        assert got.num_external_cached_tokens == params["num_tokens"]
+        assert d.flush_kv_connector(timeout_s=30) and d.reset_prefix_cache()
+        again = run(d, prompt, GREEDY)
+        assert again.token_ids == expected.token_ids
+        assert d.kv_connector_stats()["nixl"].loaded_blocks == blocks_read(
+            d, params["num_tokens"])
