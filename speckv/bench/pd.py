@@ -1,8 +1,10 @@
-"""`speckv bench pd`: prefill/decode disaggregation over NIXL on the built-in model.
+"""`speckv bench pd`: prefill/decode disaggregation over NIXL on the built-in model (or
+`--model hybrid-gdn` / `hybrid-swa`: every KV cache group moves, the GDN state included).
 
 Three engines in one process (a prefill engine `kv_producer`, a decode engine `kv_consumer`,
 and a single engine to compare with), the built-in SmolLM2-135M-Instruct with its shipped
-EAGLE3 head unless `--speculative-model none`, a `--prompt-tokens` prompt:
+EAGLE3 head unless `--speculative-model none` (a hybrid: `--speculative-model random-mtp`), a
+`--prompt-tokens` prompt:
 
     (a) decode-side TTFT after the prefill (the READ of the prompt's target and draft KV over
         NIXL, then the < 1 block the hit leaves, then the first token) beside a local prefix
@@ -13,7 +15,9 @@ EAGLE3 head unless `--speculative-model none`, a `--prompt-tokens` prompt:
     (c) acceptance of the first `--decode-tokens` decoded tokens through P/D vs the single
         engine (equal: the decode engine's first step drafts from the real draft KV).
     (d) legacy hashes (`--disable-lookahead-block-hashes`): the decode engine loads one block
-        less and recomputes it, exactly as a local hit would.
+        less and recomputes it, exactly as a local hit would (a hybrid: one alignment unit).
+    (e) a hybrid model: the blocks the decode engine pulled, per group (every full block, the
+        sliding window's blocks, one GDN state), beside what the prompt's blocks would be.
 
 Every run checks what it relies on: greedy outputs equal through P/D and on the single engine,
 and the decode engine's hit came over NIXL (tokens counted). Ratios, not absolute times.
@@ -116,8 +120,8 @@ def measure(model, drafter, prompt: list[int], decode_tokens: int, repeats: int,
         if outs["pd"].token_ids != outs["cold"].token_ids:
             raise RuntimeError("greedy outputs differ through P/D")
         stats = consumer.kv_connector_stats()["nixl"]
-        # the legacy drop serves one block less than the run, as a local hit does
-        dropped = BLOCK if legacy else 0
+        # the legacy drop serves one unit less than the run, as a local hit does
+        dropped = consumer.manager.alignment_tokens if legacy else 0
         if outs["pd"].num_external_cached_tokens != params["num_tokens"] - dropped:
             raise RuntimeError(f"the decode engine's hit did not come over NIXL: {outs['pd']}")
         return {
@@ -128,6 +132,9 @@ def measure(model, drafter, prompt: list[int], decode_tokens: int, repeats: int,
             "cached_tokens": {"local hit": outs["local"].num_cached_tokens,
                               "P/D decode": outs["pd"].num_cached_tokens},
             "transferred_tokens": params["num_tokens"],
+            "kv_groups": consumer.layout.describe(),
+            "pulled_blocks": stats.loaded_blocks // repeats,
+            "prompt_blocks": sum(1 for ids in params["block_ids"] for b in ids if b),
             "loaded_bytes": stats.loaded_bytes, "transfer_s": stats.extra["transfer_s"],
             "acceptance": {name: _acceptance(outs[name]) for name in ("cold", "pd")},
         }
@@ -175,7 +182,7 @@ def raw_transfer(model, drafter, num_blocks: int, repeats: int) -> dict[str, flo
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            read = b.start_read(peer, ids, ids)
+            read = b.start_read(peer, [ids], [ids])
             while b.poll(read) == "PROC":
                 pass
             assert read.state == "DONE"
@@ -251,7 +258,10 @@ def run(args: argparse.Namespace) -> int:
         result["runs"].append(measure(model, drafter, prompt, args.decode_tokens,
                                       args.repeats, args.num_spec_tokens, legacy))
     blocks = result["runs"][0]["transferred_tokens"] // BLOCK
-    result["raw"] = raw_transfer(model, drafter, blocks, max(3, args.repeats))
+    # the raw peer copies one paged KV per cache: a hybrid's groups have no such peer here
+    result["raw"] = (raw_transfer(model, drafter, blocks, max(3, args.repeats))
+                     if model.kv_cache_layout(BLOCK).num_groups == 1 else None)
+    result["model"] = args.model
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -261,10 +271,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(result: dict[str, Any]) -> None:
     console = Console()
-    table = Table(title=f"P/D over NIXL: {result['prompt_tokens']}-token prompt, drafter "
-                        f"{result['drafter']}, {result['threads']} thread(s)")
+    table = Table(title=f"P/D over NIXL: {result['model']}, {result['prompt_tokens']}-token "
+                        f"prompt, drafter {result['drafter']}, {result['threads']} thread(s); "
+                        f"{result['runs'][0]['kv_groups']}")
     for column in ("hashes", "cold TTFT ms", "local hit TTFT ms", "P/D decode TTFT ms",
-                   "P/D / local", "cached: local / P/D", "accept cold / P/D"):
+                   "P/D / local", "cached: local / P/D", "blocks pulled / offered",
+                   "accept cold / P/D"):
         table.add_column(column, justify="right")
     for run in result["runs"]:
         t = run["ttft_ms"]
@@ -273,9 +285,12 @@ def _print(result: dict[str, Any]) -> None:
             f"{t['local hit']:.0f}", f"{t['P/D decode']:.0f}",
             f"{t['P/D decode'] / t['local hit']:.2f}x",
             f"{run['cached_tokens']['local hit']} / {run['cached_tokens']['P/D decode']}",
+            f"{run['pulled_blocks']} / {run['prompt_blocks']}",
             f"{run['acceptance']['cold']:.3f} / {run['acceptance']['pd']:.3f}")
     console.print(table)
     raw = result["raw"]
+    if raw is None:
+        return
     run = result["runs"][0]
     transfer = Table(title=f"transfer of {raw['bytes'] / 1e6:.1f} MB (target + draft KV)")
     for column in ("path", "GB/s"):

@@ -44,12 +44,13 @@ Attention groups use the mode's lookahead hashes; Mamba groups keep legacy hashe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from speckv.cache.block import KVCacheBlock
 from speckv.cache.block_pool import BlockPool, GroupInfo
 from speckv.cache.events import KVCacheEvent, KVEventSink
+from speckv.cache.group_rules import hybrid_fixed_point
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.hit_check import CachingRequest, HitCheck
 from speckv.cache.results import Allocation, BlockCopy, CacheHit
@@ -109,23 +110,6 @@ class StridedHashes(Sequence[bytes]):
 
     def __iter__(self):
         return iter(self[:])
-
-
-def hybrid_fixed_point(max_length: int, unit: int, order: Sequence[int],
-                       longest: Callable[[int, int], int]) -> int:
-    """The hybrid hit rule: the longest U-aligned length <= `max_length` that every group
-    accepts, where `longest(g, candidate)` is the longest prefix (tokens, <= candidate) that
-    group g can serve. Groups may only shorten it; iterates to a fixed point. The local
-    cache and every KV connector tier that carries several groups apply this one rule."""
-    hit_length = max(0, max_length) // unit * unit
-    while True:
-        candidate = hit_length
-        for index in order:
-            candidate = min(candidate, longest(index, candidate))
-        candidate = candidate // unit * unit
-        if candidate == hit_length:
-            return hit_length
-        hit_length = candidate
 
 
 def _alignment(block_sizes: Sequence[int], alignment_tokens: int | None) -> int:

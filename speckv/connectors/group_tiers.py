@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from speckv.cache.block import make_cache_key
 from speckv.cache.events import KVCacheEvent
-from speckv.cache.kv_cache_manager import hybrid_fixed_point
+from speckv.cache.group_rules import hybrid_fixed_point
 from speckv.connectors.base import ExternalHit, FinishDecision, GroupBlockIds, RequestBlocks
 from speckv.connectors.copy_schedule import CopyPoint
 from speckv.connectors.metadata import (

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from speckv.cache.group_rules import KINDS, GroupRule, hybrid_hit
 from speckv.hashing.functions import HASH_ALGOS
-from speckv.router.groups import KINDS, GroupRule, hybrid_hit
 from speckv.router.index import EngineHashConfig
 
 SUPPORTED_VERSION = 1

@@ -27,14 +27,24 @@ releases the prefill side's lease.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from speckv.connectors.base import ExternalHit, FinishDecision, KVConnector, RequestBlocks
-from speckv.connectors.layout import DeviceKV
+from speckv.cache.block import NULL_BLOCK_ID
+from speckv.cache.group_rules import GroupRule, group_hashes, hit_given
+from speckv.connectors.base import (
+    ExternalHit,
+    FinishDecision,
+    GroupBlockIds,
+    KVConnector,
+    RequestBlocks,
+)
+from speckv.connectors.capability import KVGroupSupport
+from speckv.connectors.layout import DeviceKV, GroupedDeviceKV
 from speckv.connectors.metadata import (
     ConnectorMetadata,
     ConnectorOutput,
@@ -73,13 +83,22 @@ from speckv.connectors.rules import (
     ConnectorRequest,
     describe_block,
     num_lookup_candidates,
-    num_servable_blocks,
-    num_storable_blocks,
 )
 
 logger = logging.getLogger("speckv.connectors.nixl")
 
 MEDIUM_NIXL = "NIXL"
+
+
+def group_rules(mode: ConnectorMode) -> list[GroupRule]:
+    """Every KV cache group's hit rule (`cache.group_rules`) from the engine's mode: one
+    full-attention group, or a hybrid's groups. A sliding window enters by the blocks a hit
+    reads before it (`num_needed_blocks`): the smallest window that reads as many."""
+    if not mode.groups:
+        return [GroupRule(0, "full_attention", mode.block_size, mode.lookahead_tokens)]
+    return [GroupRule(g.group_id, g.kind, g.block_size, g.lookahead_tokens,
+                      g.num_needed_blocks * g.block_size + 1
+                      if g.kind == "sliding_window" else None) for g in mode.groups]
 _DONE_PREFIX = b"done:"
 
 
@@ -91,10 +110,12 @@ class NixlConnector(KVConnector):
         self.hash_algo = hash_algo
         self.hash_seed = hash_seed
         self.epoch = ""
-        self._kv: DeviceKV | None = None
+        self._kv: DeviceKV | GroupedDeviceKV | None = None
         self._mode: ConnectorMode | None = None
         self._transport: NixlTransport | None = None
         self._layout: KVLayoutDesc | None = None
+        self._rules: list[GroupRule] = []
+        self._hash_unit = self._unit = 1
         # prefill side
         self._leases: LeaseService | None = None
         self._server: SideChannelServer | None = None
@@ -116,22 +137,32 @@ class NixlConnector(KVConnector):
                                        "sent_leases": 0, "refused": 0, "transfer_s": 0.0}
 
     @property
+    def kv_group_support(self) -> KVGroupSupport:
+        # every group's own blocks move (paged KV, drafter KV, GDN conv + recurrent state),
+        # the hit is the longest prefix every group serves (the manager's rule)
+        return KVGroupSupport(frozenset({"full_attention", "sliding_window", "mamba"}), True)
+
+    @property
     def supports_lookahead_block_hashes(self) -> bool:
         # a transfer moves a request's own blocks, checked against hashes the decode engine
         # computes itself: it stays exact under any hash mode both engines share
         return True
 
     # ---- start-up ----------------------------------------------------------------------------
-    def initialize(self, kv: DeviceKV, mode: ConnectorMode) -> None:
+    def initialize(self, kv: DeviceKV | GroupedDeviceKV, mode: ConnectorMode) -> None:
         import uuid
 
         self._kv, self._mode = kv, mode
+        self._rules = group_rules(mode)
+        sizes = [rule.block_size for rule in self._rules]
+        self._hash_unit = math.gcd(*sizes)
+        self._unit = math.lcm(*sizes)  # the hit alignment unit (the manager's)
         self.epoch = uuid.uuid4().hex
         contract = HashContract(self.hash_algo, self.hash_seed, mode.block_size,
                                 mode.lookahead_tokens, mode.drops_last_block)
         agent_name = f"{self.config.engine_id}-{self.epoch[:8]}"
         self._layout = describe_layout(kv, self.config.engine_id, self.epoch, agent_name,
-                                       contract)
+                                       contract, self._rules)
         self._transport = NixlTransport(kv, agent_name, self._layout)
         if self.config.is_producer:
             self._leases = LeaseService(self.config.lease_s)
@@ -154,6 +185,12 @@ class NixlConnector(KVConnector):
         assert self._layout is not None
         return self._layout.hash_contract
 
+    def _group_hashes(self, request: ConnectorRequest, rule: GroupRule) -> Sequence[bytes]:
+        """A group's block hashes of `request`, as the cache manager names its blocks."""
+        chain = request.get_block_hashes(rule.lookahead_tokens)
+        return group_hashes(chain, rule.block_size // self._hash_unit)
+
+
     # ---- decode side: scheduler --------------------------------------------------------------
     def _pull_of(self, request: ConnectorRequest) -> Pull | None:
         pull = self._pulls.get(request.request_id)
@@ -166,6 +203,14 @@ class NixlConnector(KVConnector):
             params = parse_transfer_params(raw)
         except ParamsError as error:
             logger.warning("request %s: %s; prefilling locally", request.request_id, error)
+            return None
+        if len(params.block_ids) != len(self._rules) or any(
+                params.block_size_of(g) != rule.block_size for g, rule in enumerate(self._rules)):
+            logger.warning("request %s: kv_transfer_params.block_ids: %d KV cache groups of %s "
+                           "tokens, this engine has %s; prefilling locally", request.request_id,
+                           len(params.block_ids), [params.block_size_of(g) for g in
+                                                   range(len(params.block_ids))],
+                           [rule.block_size for rule in self._rules])
             return None
         pull = self._pulls[request.request_id] = Pull(params)
         try:
@@ -216,27 +261,35 @@ class NixlConnector(KVConnector):
 
     def _servable(self, request: ConnectorRequest, pull: Pull, num_local_hit_tokens: int
                   ) -> int:
+        """Tokens after the local hit the peer's blocks serve: the longest prefix every KV
+        cache group can serve (`cache.group_rules`, the manager's hit rule), a group's block
+        at hand where the local hit covers it or where the peer holds it under the hash this
+        engine computes itself."""
         assert self._mode is not None
-        mode = self._mode
         if pull.released:
             return 0  # pulled (or given up) already: a preempted request recomputes locally
         if pull.peer is None and not self._fails:
             return 0  # prefill it locally
         # under policy "fail" a refused transfer still claims its range: the load fails it
         params = pull.params
-        size = mode.block_size
-        hashes = request.get_block_hashes(mode.lookahead_tokens)
-        limit = min(num_lookup_candidates(request.num_tokens, len(hashes), size),
-                    params.num_blocks)
-        first = num_local_hit_tokens // size
-        end = first
-        while end < limit and bytes(hashes[end]) == params.manifest[end]:
-            end += 1
-        if end < limit:
-            logger.warning("request %s: kv_transfer_params.manifest[%d] differs from this "
-                           "engine's block hash; pulling %d blocks, computing the rest",
-                           request.request_id, end, end - first)
-        return num_servable_blocks(max(0, end - first), mode)
+        helds = []
+        for g, rule in enumerate(self._rules):
+            own = self._group_hashes(request, rule)
+            local = num_local_hit_tokens // rule.block_size
+            ids, manifest = params.block_ids[g], params.manifest[g]
+            held = [index < local or (index < len(ids) and ids[index] != 0
+                                      and manifest[index] == bytes(own[index]))
+                    for index in range(len(own))]
+            stale = [index for index in range(local, min(len(ids), len(own)))
+                     if ids[index] and not held[index]]
+            if stale:
+                logger.warning("request %s: kv_transfer_params.manifest[%d][%d] differs from "
+                               "this engine's block hash; that block is computed here",
+                               request.request_id, g, stale[0])
+            helds.append(held)
+        hit = hit_given(self._rules, helds, self._unit, request.num_tokens - 1,
+                        self._mode.drops_last_block)
+        return max(0, hit - num_local_hit_tokens)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
                                    num_local_hit_tokens: int) -> ExternalHit:
@@ -244,24 +297,28 @@ class NixlConnector(KVConnector):
         if pull is None:
             return ExternalHit(0)
         self._stats["lookups"] += 1
-        blocks = self._servable(request, pull, num_local_hit_tokens)
-        self._stats["hit_blocks"] += blocks
+        tokens = self._servable(request, pull, num_local_hit_tokens)
         assert self._mode is not None
-        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None,
-                           load_async=bool(blocks))
+        self._stats["hit_blocks"] += tokens // self._mode.block_size
+        return ExternalHit(tokens, MEDIUM_NIXL if tokens else None, load_async=bool(tokens))
 
     def peek_num_matched_tokens(self, request: ConnectorRequest,
                                 num_local_hit_tokens: int) -> ExternalHit:
         pull = self._pull_of(request)
         if pull is None:
             return ExternalHit(0)
-        assert self._mode is not None
-        blocks = self._servable(request, pull, num_local_hit_tokens)
-        return ExternalHit(blocks * self._mode.block_size, MEDIUM_NIXL if blocks else None,
-                           load_async=bool(blocks))
+        tokens = self._servable(request, pull, num_local_hit_tokens)
+        return ExternalHit(tokens, MEDIUM_NIXL if tokens else None, load_async=bool(tokens))
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None:
+        self.update_state_after_alloc_groups(request, (block_ids,), num_local_hit_tokens,
+                                             num_external_tokens)
+
+    def update_state_after_alloc_groups(self, request: ConnectorRequest,
+                                        group_block_ids: GroupBlockIds,
+                                        num_local_hit_tokens: int,
+                                        num_external_tokens: int) -> None:
         pull = self._pulls.get(request.request_id)
         if pull is None:
             return
@@ -269,17 +326,28 @@ class NixlConnector(KVConnector):
             self._release(pull)  # nothing to pull (a local hit covers it, or refused)
             return
         assert self._mode is not None
-        size = self._mode.block_size
-        first = num_local_hit_tokens // size
-        end = (num_local_hit_tokens + num_external_tokens) // size
-        pull.local_block_ids = tuple(block_ids[first:end])
-        pull.remote_block_ids = tuple(pull.params.block_ids[0][first:end])
+        tables = group_block_ids
+        end = num_local_hit_tokens + num_external_tokens
+        local_ids, remote_ids = [], []
+        for g, rule in enumerate(self._rules):
+            # only what the hit at `end` reads beyond the local hit: every full-attention
+            # block, the window's blocks before `end`, the GDN state at `end`
+            first = num_local_hit_tokens // rule.block_size
+            needed = [index for index in rule.needed_blocks(end) if index >= first]
+            local_ids.append(tuple(int(tables[g][index]) for index in needed))
+            remote_ids.append(tuple(int(pull.params.block_ids[g][index]) for index in needed))
+        pull.local_block_ids = tuple(local_ids)
+        pull.remote_block_ids = tuple(remote_ids)
         pull.first_token = num_local_hit_tokens
+        # the load as the engine sees it: group 0's blocks (the other groups ride along)
+        size = self._mode.block_size
         hashes = request.get_block_hashes(self._mode.lookahead_tokens)
+        first0 = num_local_hit_tokens // size
         pull.load = RequestLoad(
             request.request_id, num_local_hit_tokens, size,
-            tuple(describe_block(request, hashes, index, self._mode)
-                  for index in range(first, end)), pull.local_block_ids)
+            tuple(describe_block(request, hashes, first0 + offset, self._mode)
+                  for offset in range(len(local_ids[0]))), local_ids[0])
+        pull.num_blocks = sum(len(ids) for ids in local_ids)
         self._planned.append(request.request_id)
 
     def build_connector_meta(self, scheduled: Sequence[RequestBlocks]) -> StepMetadata:
@@ -310,27 +378,42 @@ class NixlConnector(KVConnector):
 
     # ---- prefill side ------------------------------------------------------------------------
     def _lease(self, blocks: RequestBlocks) -> FinishDecision:
+        """Keep the finished request's blocks for the decode engine: every group's blocks
+        this engine still holds (a sliding window's and a GDN group's older ones may be
+        released already) whose KV (target and draft) or state is complete and provable, up
+        to the longest prefix every group serves with them (at most N - 1 prompt tokens)."""
         assert self._mode is not None and self._leases is not None and self._server is not None
-        request, mode = blocks.request, self._mode
-        hashes = request.get_block_hashes(mode.lookahead_tokens)
+        request = blocks.request
+        tables = blocks.group_block_ids or (blocks.block_ids,)
         num_prompt = getattr(request, "num_prompt_tokens", request.num_tokens)
-        limit = num_lookup_candidates(num_prompt, len(hashes), mode.block_size)
-        count = min(limit, num_storable_blocks(len(hashes), blocks.num_written_tokens,
-                                               request.num_tokens, mode))
-        block_ids = [int(b) for b in blocks.block_ids[:count]]
+        held, hashes = [], []
+        for rule, table in zip(self._rules, tables):
+            group_hashes_ = self._group_hashes(request, rule)
+            limit = min(num_lookup_candidates(num_prompt, len(group_hashes_), rule.block_size),
+                        blocks.num_written_tokens // rule.block_size, len(table))
+            held.append([table[index] != NULL_BLOCK_ID for index in range(limit)])
+            hashes.append(group_hashes_)
+        num_tokens = hit_given(self._rules, held, self._unit, num_prompt - 1, False)
+        block_ids = [[int(table[index]) if held_g[index] else 0
+                      for index in range(num_tokens // rule.block_size)]
+                     for rule, table, held_g in zip(self._rules, tables, held)]
+        manifest = [[bytes(h[index]) if ids[index] else b"" for index in range(len(ids))]
+                    for h, ids in zip(hashes, block_ids)]
         tokens = request.all_token_ids
         first_token = int(tokens[num_prompt]) if len(tokens) > num_prompt else 0
-        lease_id = self._leases.issue(request.request_id, [block_ids]) if count else ""
-        if count:
+        leased = [[block_id for block_id in ids if block_id] for ids in block_ids]
+        lease_id = self._leases.issue(request.request_id, leased) if num_tokens else ""
+        if num_tokens:
             self._leased_requests[request.request_id] = lease_id
             self._stats["sent_leases"] += 1
         params = KVTransferParams(
             engine_id=self.config.engine_id, epoch=self.epoch, host=self.config.host,
-            port=self._server.port, lease_id=lease_id or "none", block_ids=[block_ids],
-            num_tokens=count * mode.block_size, first_token_id=first_token,
-            hash_contract=self.hash_contract,
-            manifest=[bytes(h) for h in hashes[:count]])
-        return FinishDecision(delay_free=bool(count), kv_transfer_params=params.to_json_obj())
+            port=self._server.port, lease_id=lease_id or "none", block_ids=block_ids,
+            num_tokens=num_tokens, first_token_id=first_token,
+            hash_contract=self.hash_contract, manifest=manifest,
+            group_block_sizes=[rule.block_size for rule in self._rules])
+        return FinishDecision(delay_free=bool(num_tokens),
+                              kv_transfer_params=params.to_json_obj())
 
     def _finished_sending(self) -> frozenset[str]:
         if self._leases is None or self._transport is None:
@@ -360,7 +443,7 @@ class NixlConnector(KVConnector):
                 continue
             try:
                 reply = pull.peer.client.call(Admit(pull.params.epoch, pull.params.lease_id,
-                                                    [list(pull.remote_block_ids)],
+                                                    [list(ids) for ids in pull.remote_block_ids],
                                                     self.config.transfer_timeout_s))
                 if not isinstance(reply, Admitted):
                     reason = (f"{reply.field}: {reply.reason}" if isinstance(reply, Refused)
@@ -379,7 +462,9 @@ class NixlConnector(KVConnector):
         logger.warning("request %s: KV transfer failed (%s); %s", load.request_id, reason,
                        "failing it (kv_load_failure_policy fail)" if self._fails
                        else "recomputing its prompt")
-        self._stats["load_failed_blocks"] += len(load.device_block_ids)
+        pull_of = self._pulls.get(load.request_id) or self._finished_pulls.get(load.request_id)
+        self._stats["load_failed_blocks"] += (pull_of.num_blocks if pull_of is not None
+                                              else len(load.device_block_ids))
         self._failures.append(LoadFailure(load.request_id, load.first_token,
                                           load.device_block_ids, reason))
         self._recved.add(load.request_id)
@@ -400,7 +485,7 @@ class NixlConnector(KVConnector):
             if state == "DONE":
                 flight.pull.released = True  # the READ's notification ends the lease
                 self._finished_pulls.pop(request_id, None)
-                self._stats["loaded_blocks"] += len(flight.load.device_block_ids)
+                self._stats["loaded_blocks"] += flight.pull.num_blocks
                 self._stats["loaded_bytes"] += flight.read.num_bytes
                 self._recved.add(request_id)
                 continue

@@ -11,14 +11,21 @@ Owns the wire schema (msgspec Structs, JSON in the API, msgpack on the side chan
     engine_id, epoch    the prefill engine (a restarted engine has a new epoch: its leases die)
     host, port          its side channel (ZeroMQ), where the decode engine handshakes
     lease_id            the lease that keeps the blocks on the prefill side
-    block_ids           per KV group, the prefill engine's block ids, in position order
-    num_tokens          prompt tokens whose KV the blocks hold (whole blocks)
+    block_ids           per KV cache group, the prefill engine's block ids, in position order
+                        (group g: num_tokens / group_block_sizes[g] of them; 0 where that
+                        engine holds nothing any more: a block behind a sliding window, a
+                        GDN state before the last checkpoint)
+    group_block_sizes   tokens per block of each group (empty: every group of block_size)
+    num_tokens          the prompt tokens whose KV every group serves (the hit rule)
     first_token_id      the token the prefill engine sampled
     hash_contract       how both sides hash blocks (algo, seed, block size, hash mode)
-    manifest            per transferred block, its block hash on the prefill side
+    manifest            per KV cache group, per block, its block hash on the prefill side
+                        (empty where the block id is 0)
 
-The decode engine recomputes its own block hashes and refuses a manifest that differs, so a
-transfer is cached only under hashes the decode engine itself would have computed.
+The decode engine recomputes its own block hashes (each group's: attention groups under the
+hash mode's lookahead, GDN state under legacy hashes) and pulls a block only where the
+manifest equals its own hash, so a transfer is cached only under hashes the decode engine
+itself would have computed, for the KV, the drafter's KV and the state alike.
 """
 
 from __future__ import annotations
@@ -80,11 +87,12 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str
     port: int
     lease_id: str
-    block_ids: list[list[int]]  # per KV group, in position order
+    block_ids: list[list[int]]  # per KV group, in position order (0: not held)
     num_tokens: int
     first_token_id: int
     hash_contract: HashContract
-    manifest: list[bytes]  # block hash per transferred block (group 0)
+    manifest: list[list[bytes]]  # per KV group, block hash per block (b"" where id is 0)
+    group_block_sizes: list[int] = []
     do_remote_prefill: bool = True
 
     def __post_init__(self) -> None:
@@ -97,35 +105,57 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         size = self.hash_contract.block_size
         if size <= 0:
             raise ParamsError("hash_contract.block_size", f"{size} must be > 0")
-        if self.num_tokens < 0 or self.num_tokens % size:
-            raise ParamsError("num_tokens", f"{self.num_tokens} is not a whole number of "
-                              f"{size}-token blocks")
-        num_blocks = self.num_tokens // size
-        if num_blocks > MAX_BLOCKS:
+        if self.group_block_sizes and len(self.group_block_sizes) != len(self.block_ids):
+            raise ParamsError("group_block_sizes", f"{len(self.group_block_sizes)} block "
+                              f"sizes for {len(self.block_ids)} KV groups")
+        if self.num_tokens < 0:
+            raise ParamsError("num_tokens", f"{self.num_tokens} must be >= 0")
+        if self.num_tokens // size > MAX_BLOCKS:
             raise ParamsError("num_tokens", f"{self.num_tokens} tokens is too many")
-        for group, ids in enumerate(self.block_ids):
+        if len(self.manifest) != len(self.block_ids):
+            raise ParamsError("manifest", f"{len(self.manifest)} block-hash lists for "
+                              f"{len(self.block_ids)} KV groups")
+        for group, (ids, hashes) in enumerate(zip(self.block_ids, self.manifest)):
+            group_size = self.block_size_of(group)
+            if group_size <= 0 or self.num_tokens % group_size:
+                raise ParamsError("num_tokens", f"{self.num_tokens} is not a whole number of "
+                                  f"{group_size}-token blocks (group {group})")
+            num_blocks = self.num_tokens // group_size
             if len(ids) != num_blocks:
                 raise ParamsError(f"block_ids[{group}]", f"{len(ids)} block ids for "
                                   f"{self.num_tokens} tokens ({num_blocks} blocks)")
-            if any(block_id <= 0 for block_id in ids):
-                raise ParamsError(f"block_ids[{group}]", "block ids must be > 0 (0 is the "
-                                  "null block)")
-            if len(set(ids)) != len(ids):
+            if any(block_id < 0 for block_id in ids):
+                raise ParamsError(f"block_ids[{group}]", "block ids must be >= 0 (0: not "
+                                  "held)")
+            held = [block_id for block_id in ids if block_id]
+            if len(set(held)) != len(held):
                 raise ParamsError(f"block_ids[{group}]", "a block id appears twice")
-        if len(self.manifest) != num_blocks:
-            raise ParamsError("manifest", f"{len(self.manifest)} block hashes for "
-                              f"{num_blocks} blocks")
+            if len(hashes) != num_blocks:
+                raise ParamsError(f"manifest[{group}]", f"{len(hashes)} block hashes for "
+                                  f"{num_blocks} blocks")
         if self.first_token_id < 0:
             raise ParamsError("first_token_id", f"{self.first_token_id} must be >= 0")
 
+    def block_size_of(self, group: int) -> int:
+        """Tokens per block of KV cache group `group`."""
+        if self.group_block_sizes:
+            return self.group_block_sizes[group]
+        return self.hash_contract.block_size
+
     @property
     def num_blocks(self) -> int:
-        return self.num_tokens // self.hash_contract.block_size
+        """Blocks of group 0."""
+        return self.num_tokens // self.block_size_of(0)
+
+    def held_block_ids(self) -> list[list[int]]:
+        """Per group, the block ids the prefill engine holds (the lease's)."""
+        return [[block_id for block_id in ids if block_id] for ids in self.block_ids]
 
     def to_json_obj(self) -> dict[str, Any]:
         """JSON-ready (block hashes as hex), as the API returns it."""
         obj = msgspec.to_builtins(self)
-        obj["manifest"] = [block_hash.hex() for block_hash in self.manifest]
+        obj["manifest"] = [[block_hash.hex() for block_hash in hashes]
+                           for hashes in self.manifest]
         return obj
 
 
@@ -147,14 +177,21 @@ def parse_transfer_params(obj: Any) -> KVTransferParams:
         raise ParamsError("", f"expected an object, got {type(obj).__name__}")
     manifest = obj.get("manifest")
     if isinstance(manifest, list):
-        decoded = []
-        for index, item in enumerate(manifest):
-            if isinstance(item, str):
-                try:
-                    item = bytes.fromhex(item)
-                except ValueError:
-                    raise ParamsError(f"manifest[{index}]", "not a hex block hash") from None
-            decoded.append(item)
+        decoded: list[Any] = []
+        for group, hashes in enumerate(manifest):
+            if not isinstance(hashes, list):
+                decoded.append(hashes)  # msgspec names the field
+                continue
+            items = []
+            for index, item in enumerate(hashes):
+                if isinstance(item, str):
+                    try:
+                        item = bytes.fromhex(item)
+                    except ValueError:
+                        raise ParamsError(f"manifest[{group}][{index}]",
+                                          "not a hex block hash") from None
+                items.append(item)
+            decoded.append(items)
         obj = {**obj, "manifest": decoded}
     obj = {key: value for key, value in obj.items() if key != "do_remote_decode"}
     try:

@@ -7,19 +7,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from speckv.connectors.metadata import (
-    RequestLoad,
-)
+from speckv.connectors.metadata import RequestLoad
 from speckv.connectors.nixl.layout_desc import KVLayoutDesc
-from speckv.connectors.nixl.params import (
-    KVTransferParams,
-)
-from speckv.connectors.nixl.side_channel import (
-    SideChannelClient,
-)
+from speckv.connectors.nixl.params import KVTransferParams
+from speckv.connectors.nixl.side_channel import SideChannelClient
 from speckv.connectors.nixl.transport import ReadHandle
 
 logger = logging.getLogger("speckv.connectors.nixl")
+
 
 @dataclass
 class PeerLink:
@@ -34,8 +29,10 @@ class Pull:
 
     params: KVTransferParams
     peer: PeerLink | None = None
-    local_block_ids: tuple[int, ...] = ()
-    remote_block_ids: tuple[int, ...] = ()
+    # per KV cache group, the blocks to READ (local i <- remote i): only what the hit reads
+    local_block_ids: tuple[tuple[int, ...], ...] = ()
+    remote_block_ids: tuple[tuple[int, ...], ...] = ()
+    num_blocks: int = 0  # blocks of every group the READ moves
     first_token: int = 0
     released: bool = False
     error: str | None = None  # why the handshake failed (None: it did not)

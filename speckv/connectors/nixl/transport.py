@@ -1,9 +1,10 @@
 """The NIXL data path: one agent per engine, the engine's paged KV registered, block READs.
 
 Owns the `nixl_agent` (UCX backend: host memory between processes here, VRAM over NVLink/RDMA on
-GPU machines), the registration of every segment's `PagedKVCache.storage`, the per-block
-descriptor lists (every layer's keys and values, every segment; addressing in
-`layout_desc`), and the READ of a list of a peer's blocks into local blocks. A READ returns a
+GPU machines), the registration of every device tensor of every KV cache group (paged KV of
+the target and the drafter, GDN conv and recurrent state), the per-chunk descriptor lists
+(every plane of every segment; addressing in `layout_desc`), and the READ of a peer's blocks,
+per group, into local blocks. A READ returns a
 handle at once; `poll` says DONE / PROC / ERR without blocking, so an engine step never waits
 on the network. The peer is told of a finished READ by the notification the READ carries.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speckv.connectors.layout import DeviceKV
+from speckv.connectors.layout import DeviceKV, GroupedDeviceKV
 from speckv.connectors.nixl.layout_desc import KVLayoutDesc, SegmentDesc
 
 logger = logging.getLogger("speckv.connectors.nixl")
@@ -38,30 +39,36 @@ def nixl_available() -> bool:
     return nixl_agent is not None
 
 
-def _chunk_table(segments: Sequence[SegmentDesc], num_blocks: int) -> np.ndarray:
-    """[chunks, 3] (address, bytes, device 0): every (segment, layer, k/v, block) chunk, in
-    segment-major then (layer * 2 + c) * num_blocks + block order."""
+def _chunk_table(segments: Sequence[SegmentDesc]) -> np.ndarray:
+    """[chunks, 3] (address, bytes, device 0): every (segment, plane, block) chunk, in
+    segment-major, then plane (in `planes` order), then block order."""
     rows = []
     for segment in segments:
-        count = segment.num_chunks_per_block * num_blocks
-        table = np.zeros((count, 3), dtype=np.uint64)
-        table[:, 0] = segment.base_addr + np.arange(count, dtype=np.uint64) * segment.chunk_bytes
+        n = segment.num_blocks
+        planes = np.asarray(segment.planes, dtype=np.uint64)
+        index = (planes[:, None] * np.uint64(n)
+                 + np.arange(n, dtype=np.uint64)[None, :]).reshape(-1)
+        table = np.zeros((len(index), 3), dtype=np.uint64)
+        table[:, 0] = np.uint64(segment.base_addr) + index * np.uint64(segment.chunk_bytes)
         table[:, 1] = segment.chunk_bytes
         rows.append(table)
     return np.concatenate(rows)
 
 
-def chunk_indices(segments: Sequence[SegmentDesc], num_blocks: int,
-                  block_ids: Sequence[int]) -> np.ndarray:
-    """Indices into `_chunk_table` of every chunk of `block_ids`, in a fixed order (segment,
-    layer, k/v, then the given block order), so a local and a remote list pair up."""
-    ids = np.asarray(block_ids, dtype=np.int64)
+def chunk_indices(segments: Sequence[SegmentDesc],
+                  block_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """Indices into `_chunk_table` of every chunk of `block_ids[g]` (per KV cache group), in a
+    fixed order (segment, plane, then the given block order), so a local and a remote list
+    pair up."""
     parts = []
     offset = 0
     for segment in segments:
-        starts = np.arange(segment.num_chunks_per_block, dtype=np.int64) * num_blocks
-        parts.append((offset + starts[:, None] + ids[None, :]).reshape(-1))
-        offset += segment.num_chunks_per_block * num_blocks
+        ids = np.asarray(block_ids[segment.group] if segment.group < len(block_ids) else (),
+                         dtype=np.int64)
+        starts = np.arange(len(segment.planes), dtype=np.int64) * segment.num_blocks
+        if len(ids):
+            parts.append((offset + starts[:, None] + ids[None, :]).reshape(-1))
+        offset += len(segment.planes) * segment.num_blocks
     return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
 
 
@@ -76,7 +83,8 @@ class ReadHandle:
 class NixlTransport:
     """One engine's NIXL agent over its registered paged KV."""
 
-    def __init__(self, kv: DeviceKV, agent_name: str, layout: KVLayoutDesc) -> None:
+    def __init__(self, kv: DeviceKV | GroupedDeviceKV, agent_name: str,
+                 layout: KVLayoutDesc) -> None:
         if nixl_agent is None:
             raise RuntimeError("the nixl connector needs the NIXL Python package: "
                                "pip install nixl-cu12")
@@ -88,10 +96,11 @@ class NixlTransport:
         self.agent = nixl_agent(agent_name, config)
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL has no UCX backend on this machine")
-        self._registered = [self.agent.register_memory(cache.storage) for cache in kv.caches]
+        tensors = {segment.storage.data_ptr(): segment.storage
+                   for group in kv.groups for segment in group.segments}
+        self._registered = [self.agent.register_memory(tensor) for tensor in tensors.values()]
         self._local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _chunk_table(layout.segments, layout.num_blocks),
-            layout.mem_type)
+            "NIXL_INIT_AGENT", _chunk_table(layout.segments), layout.mem_type)
         self._peers: dict[str, tuple[KVLayoutDesc, object]] = {}  # agent name -> layout, dlist
 
     def metadata(self) -> bytes:
@@ -108,8 +117,8 @@ class NixlTransport:
         if name != layout.agent_name:
             raise ValueError(f"the peer's NIXL agent is {name!r}, its layout says "
                              f"{layout.agent_name!r}")
-        remote = self.agent.prep_xfer_dlist(
-            name, _chunk_table(layout.segments, layout.num_blocks), layout.mem_type)
+        remote = self.agent.prep_xfer_dlist(name, _chunk_table(layout.segments),
+                                            layout.mem_type)
         self._peers[name] = (layout, remote)
         return name
 
@@ -119,25 +128,32 @@ class NixlTransport:
             entry[1].release()
             self.agent.remove_remote_agent(agent_name)
 
-    def start_read(self, peer: str, remote_block_ids: Sequence[int],
-                   local_block_ids: Sequence[int], notif: bytes = b"") -> ReadHandle:
-        """READ the peer's blocks `remote_block_ids[i]` into local `local_block_ids[i]` (every
-        layer, every segment); the peer gets `notif` when it is done."""
-        if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(f"{len(remote_block_ids)} remote blocks for "
-                             f"{len(local_block_ids)} local blocks")
+    def start_read(self, peer: str, remote_block_ids: Sequence[Sequence[int]],
+                   local_block_ids: Sequence[Sequence[int]], notif: bytes = b"") -> ReadHandle:
+        """READ, per KV cache group g, the peer's blocks `remote_block_ids[g][i]` into local
+        `local_block_ids[g][i]` (every tensor of the group, every plane); the peer gets
+        `notif` when it is done."""
         layout, remote = self._peers[peer]
-        for block_id in remote_block_ids:
-            if not 0 < block_id < layout.num_blocks:
-                raise IndexError(f"peer block {block_id} outside [1, {layout.num_blocks})")
-        for block_id in local_block_ids:
-            if not 0 < block_id < self.layout.num_blocks:
-                raise IndexError(f"local block {block_id} outside [1, {self.layout.num_blocks})")
-        local_idx = chunk_indices(self.layout.segments, self.layout.num_blocks, local_block_ids)
-        remote_idx = chunk_indices(layout.segments, layout.num_blocks, remote_block_ids)
+        if len(remote_block_ids) != len(local_block_ids) or \
+                len(local_block_ids) > len(self.layout.kv_groups):
+            raise ValueError(f"{len(remote_block_ids)} remote and {len(local_block_ids)} local "
+                             f"block lists for {len(self.layout.kv_groups)} KV cache groups")
+        for g, (theirs, mine) in enumerate(zip(remote_block_ids, local_block_ids)):
+            if len(theirs) != len(mine):
+                raise ValueError(f"group {g}: {len(theirs)} remote blocks for {len(mine)} "
+                                 "local blocks")
+            for ids, desc, who in ((theirs, layout, "peer"), (mine, self.layout, "local")):
+                count = desc.group_num_blocks(g)
+                for block_id in ids:
+                    if not 0 < block_id < count:
+                        raise IndexError(f"{who} block {block_id} of group {g} outside "
+                                         f"[1, {count})")
+        local_idx = chunk_indices(self.layout.segments, local_block_ids)
+        remote_idx = chunk_indices(layout.segments, remote_block_ids)
         handle = self.agent.make_prepped_xfer("READ", self._local, local_idx, remote,
                                               remote_idx, notif)
-        num_bytes = len(local_block_ids) * self.kv.layout.nbytes
+        num_bytes = sum(len(local_block_ids[s.group]) * len(s.planes) * s.chunk_bytes
+                        for s in self.layout.segments if s.group < len(local_block_ids))
         read = ReadHandle(peer, handle, num_bytes)
         read.state = self.agent.transfer(handle)
         return read

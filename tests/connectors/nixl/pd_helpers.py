@@ -76,4 +76,5 @@ def settle(engine: LLMEngine, timeout_s: float = 20.0) -> None:
 
 
 def all_free(engine: LLMEngine) -> bool:
-    return engine.manager.get_num_free_blocks() == engine.num_blocks - 1
+    """Every block of every pool free (per-group pools included)."""
+    return engine.manager.get_num_free_blocks() == engine.manager.get_num_blocks()

@@ -17,13 +17,13 @@ _CONTRACT = {"hash_algo": "sha256", "hash_seed": "0", "block_size": 4, "lookahea
              "drops_last_unit": False}
 _PARAMS = {"engine_id": "p", "epoch": "e", "host": "127.0.0.1", "port": 5000, "lease_id": "l",
            "block_ids": [[1, 2]], "num_tokens": 8, "first_token_id": 3,
-           "hash_contract": _CONTRACT, "manifest": ["00" * 32, "11" * 32],
+           "hash_contract": _CONTRACT, "manifest": [["00" * 32, "11" * 32]],
            "do_remote_prefill": True}
 
 
 def test_params_round_trip_through_json() -> None:
     params = parse_transfer_params(_PARAMS)
-    assert params.manifest[1] == b"\x11" * 32 and params.num_blocks == 2
+    assert params.manifest[0][1] == b"\x11" * 32 and params.num_blocks == 2
     assert parse_transfer_params(params.to_json_obj()) == params
     assert wants_remote_prefill(params.to_json_obj())
     assert wants_remote_decode({"do_remote_decode": True}) and not wants_remote_decode({})
@@ -32,10 +32,14 @@ def test_params_round_trip_through_json() -> None:
 @pytest.mark.parametrize(("change", "field"), [
     ({"num_tokens": 7}, "num_tokens"),
     ({"block_ids": [[1]]}, "block_ids[0]"),
-    ({"block_ids": [[0, 1]]}, "block_ids[0]"),
+    ({"block_ids": [[-1, 1]]}, "block_ids[0]"),
     ({"block_ids": [[1, 1]]}, "block_ids[0]"),
-    ({"manifest": ["00" * 32]}, "manifest"),
-    ({"manifest": ["zz", "00"]}, "manifest[0]"),
+    ({"manifest": [["00" * 32]]}, "manifest[0]"),
+    ({"manifest": [["zz", "00"]]}, "manifest[0][0]"),
+    ({"manifest": []}, "manifest"),
+    ({"group_block_sizes": [4, 8]}, "group_block_sizes"),
+    ({"block_ids": [[1, 2], [3]], "manifest": [["00", "11"], ["22"]],
+      "group_block_sizes": [4, 16]}, "num_tokens"),
     ({"port": "x"}, "port"),
     ({"port": 0}, "port"),
     ({"hash_contract": {**_CONTRACT, "block_size": "4"}}, "hash_contract.block_size"),
@@ -61,8 +65,8 @@ def test_hash_contract_reads_the_engine_contract_and_names_a_mismatch() -> None:
 @pytest.mark.parametrize(("shape", "contract", "field"), [
     (KVShape(block_size=8), CONTRACT, "layout.block_size"),
     (KVShape(dtype="bfloat16"), CONTRACT, "layout.segments[target].dtype"),
-    (KVShape(target_layers=3), CONTRACT, "layout.segments[target].num_layers"),
-    (KVShape(head_dim=4), CONTRACT, "layout.segments[target].head_dim"),
+    (KVShape(target_layers=3), CONTRACT, "layout.segments[target].planes"),
+    (KVShape(head_dim=4), CONTRACT, "layout.segments[target].chunk_shape"),
     (KVShape(), HashContract("sha256", "1", 4, 1, False), "hash_contract.hash_seed"),
 ])
 def test_a_peer_layout_mismatch_names_the_field(shape: KVShape, contract: HashContract,

@@ -62,7 +62,7 @@ def test_a_read_of_paged_blocks_arrives_bit_exact_and_releases_the_lease(peer, d
     remote, local = [3, 9, 5, 7], [1, 2, 11, 4]
     lease = peer.issue("r-read", [remote])
     assert isinstance(client.call(Admit(peer.epoch, lease, [remote], 10.0)), Admitted)
-    read = transport.start_read(name, remote, local, b"done:" + lease.encode())
+    read = transport.start_read(name, [remote], [local], b"done:" + lease.encode())
     deadline = time.monotonic() + 30
     while transport.poll(read) == "PROC" and time.monotonic() < deadline:
         time.sleep(0.001)
