@@ -11,10 +11,9 @@ engine; the test doubles (a fake remote engine, an echo assistant) live in `test
 """
 
 from speckv.simulation.paged_kv import PagedSymbolicKV
+from speckv.simulation.symbolic_kv import HitMismatch, SymbolicKV
 from speckv.simulation.tiers import CheckedStore, instrument_tiers
 from speckv.simulation.toy_runner import (
-    HitMismatch,
-    SymbolicKV,
     ToyRunner,
     next_token,
     run_to_completion,

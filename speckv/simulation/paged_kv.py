@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from speckv.attention import PagedKVCache
-from speckv.simulation.toy_runner import SymbolicKV
+from speckv.simulation.symbolic_kv import SymbolicKV
 
 
 class PagedSymbolicKV(SymbolicKV):
