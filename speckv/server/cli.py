@@ -84,6 +84,12 @@ def run(args: argparse.Namespace) -> int:
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
           + ")", flush=True)
     print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
+    transfer = _transfer_connector(engine.connector)
+    if transfer is not None:
+        print(f"speckv serve: KV transfer over NIXL, {transfer.config.role}, engine "
+              f"{transfer.config.engine_id}"
+              + (f", side channel {transfer.config.host}:{transfer.side_channel_port}"
+                 if transfer.side_channel_port is not None else ""), flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)
 
 

@@ -1,41 +1,30 @@
-"""`NixlConnector`: prefill/decode disaggregation, a request's target and draft KV moved from
-a prefill engine's blocks to a decode engine's blocks over NIXL.
+"""`NixlConnector`: prefill/decode disaggregation, a request's target KV, draft KV and (hybrid
+models) every other KV cache group's blocks moved from a prefill engine to a decode engine
+over NIXL. Owns both roles (an engine may play both, `kv_both`); the per-group rules are in
+`nixl/groups.py`.
 
-Owns both roles (an engine may play both, `kv_both`):
+prefill side (`kv_producer`), `do_remote_decode`: at its finish, the request's blocks stay
+allocated (`delay_free`) under a lease, its output names per group the held, provable blocks
+with their hashes (`KVTransferParams`); they are freed (`finished_sending`) on the decode
+side's READ notification or release, or when the lease expires.
 
-prefill side (`kv_producer`), for a request whose `kv_transfer_params` say
-`do_remote_decode`: at its finish, the blocks whose target and draft KV are complete and
-provable (`rules.num_storable_blocks`, at most the (N - 1) // B a hit may cover) stay
-allocated (`FinishDecision.delay_free`) under a lease, and the request's final output carries
-the `KVTransferParams` naming them, with the block-hash manifest. The blocks are freed
-(`ConnectorOutput.finished_sending`) when the decode side's READ notification or release
-arrives, or when the lease expires.
-
-decode side (`kv_consumer`), for a request whose `kv_transfer_params` say
-`do_remote_prefill`: after the local hit `h`, the external hit is the run of blocks from
-`h / B` on whose manifest hash equals the hash this engine computes itself (the same lookup
-rule as every tier: at most (N - 1) // B blocks, one block less under the legacy drop), so it
-pulls only what a local hit does not cover, and only blocks provably holding the same
-content. The READ (every layer of the target and the drafter) runs in the worker phase after
-the step's saves are snapshotted; a READ that fails or outlasts `transfer_timeout_s`, a dead
-prefill engine or an expired lease is a `LoadFailure` of the whole range: the engine
-recomputes it (nothing of a partial transfer is cached: the pool caches the loaded range only
-at the next allocation). Every way out (pulled, failed, not needed, request finished early)
-releases the prefill side's lease.
+decode side (`kv_consumer`), `do_remote_prefill`: after the local hit `h`, the hit is the
+longest prefix every group serves with the local blocks and the peer's blocks whose manifest
+hash equals this engine's own; it READs (every tensor of the groups: target and drafter KV,
+GDN conv and recurrent state) only what that hit reads beyond `h`, in the worker phase after
+the step's saves are snapshotted. A failed or timed-out READ, a dead prefill engine or an
+expired lease fails the whole range: the engine recomputes from the local hit, caching
+nothing of it. Every way out releases the prefill side's lease.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import queue
-import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from speckv.cache.block import NULL_BLOCK_ID
-from speckv.cache.group_rules import GroupRule, group_hashes, hit_given
 from speckv.connectors.base import (
     ExternalHit,
     FinishDecision,
@@ -54,6 +43,7 @@ from speckv.connectors.metadata import (
     StepMetadata,
 )
 from speckv.connectors.nixl.config import NixlConfig
+from speckv.connectors.nixl.groups import Groups, group_rules
 from speckv.connectors.nixl.layout_desc import KVLayoutDesc, check_peer_layout, describe_layout
 from speckv.connectors.nixl.params import (
     HashContract,
@@ -63,7 +53,7 @@ from speckv.connectors.nixl.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from speckv.connectors.nixl.pulls import PeerLink, Pull, ReadInFlight
+from speckv.connectors.nixl.pulls import ControlSender, PeerLink, Pull, ReadInFlight
 from speckv.connectors.nixl.side_channel import (
     Admit,
     Admitted,
@@ -82,23 +72,11 @@ from speckv.connectors.rules import (
     ConnectorMode,
     ConnectorRequest,
     describe_block,
-    num_lookup_candidates,
 )
 
 logger = logging.getLogger("speckv.connectors.nixl")
 
 MEDIUM_NIXL = "NIXL"
-
-
-def group_rules(mode: ConnectorMode) -> list[GroupRule]:
-    """Every KV cache group's hit rule (`cache.group_rules`) from the engine's mode: one
-    full-attention group, or a hybrid's groups. A sliding window enters by the blocks a hit
-    reads before it (`num_needed_blocks`): the smallest window that reads as many."""
-    if not mode.groups:
-        return [GroupRule(0, "full_attention", mode.block_size, mode.lookahead_tokens)]
-    return [GroupRule(g.group_id, g.kind, g.block_size, g.lookahead_tokens,
-                      g.num_needed_blocks * g.block_size + 1
-                      if g.kind == "sliding_window" else None) for g in mode.groups]
 _DONE_PREFIX = b"done:"
 
 
@@ -114,8 +92,7 @@ class NixlConnector(KVConnector):
         self._mode: ConnectorMode | None = None
         self._transport: NixlTransport | None = None
         self._layout: KVLayoutDesc | None = None
-        self._rules: list[GroupRule] = []
-        self._hash_unit = self._unit = 1
+        self._groups: Groups | None = None
         # prefill side
         self._leases: LeaseService | None = None
         self._server: SideChannelServer | None = None
@@ -128,8 +105,7 @@ class NixlConnector(KVConnector):
         self._recved: set[str] = set()  # asynchronous loads settled since the last report
         self._inflight: dict[str, ReadInFlight] = {}  # READs on the wire, by request id
         self._finished_pulls: dict[str, Pull] = {}  # finished while their READ runs
-        self._control: queue.Queue[tuple[SideChannelClient, Any, bool] | None] = queue.Queue(4096)
-        self._control_thread: threading.Thread | None = None
+        self._control: ControlSender | None = None
         self._heartbeat_at = 0.0
         self._step = 0
         self._stats: dict[str, Any] = {"lookups": 0, "hit_blocks": 0, "loaded_blocks": 0,
@@ -150,19 +126,14 @@ class NixlConnector(KVConnector):
 
     # ---- start-up ----------------------------------------------------------------------------
     def initialize(self, kv: DeviceKV | GroupedDeviceKV, mode: ConnectorMode) -> None:
-        import uuid
-
         self._kv, self._mode = kv, mode
-        self._rules = group_rules(mode)
-        sizes = [rule.block_size for rule in self._rules]
-        self._hash_unit = math.gcd(*sizes)
-        self._unit = math.lcm(*sizes)  # the hit alignment unit (the manager's)
+        self._groups = Groups(tuple(group_rules(mode)))
         self.epoch = uuid.uuid4().hex
         contract = HashContract(self.hash_algo, self.hash_seed, mode.block_size,
                                 mode.lookahead_tokens, mode.drops_last_block)
         agent_name = f"{self.config.engine_id}-{self.epoch[:8]}"
         self._layout = describe_layout(kv, self.config.engine_id, self.epoch, agent_name,
-                                       contract, self._rules)
+                                       contract, self._groups.rules)
         self._transport = NixlTransport(kv, agent_name, self._layout)
         if self.config.is_producer:
             self._leases = LeaseService(self.config.lease_s)
@@ -172,9 +143,7 @@ class NixlConnector(KVConnector):
                 max_pin_s=2 * self.config.transfer_timeout_s)
             logger.info("nixl: prefill side channel on %s:%d (engine %s)", self.config.host,
                         self._server.port, self.config.engine_id)
-        self._control_thread = threading.Thread(target=self._control_loop, daemon=True,
-                                                name="speckv-nixl-control")
-        self._control_thread.start()
+        self._control = ControlSender()
 
     @property
     def side_channel_port(self) -> int | None:
@@ -184,12 +153,6 @@ class NixlConnector(KVConnector):
     def hash_contract(self) -> HashContract:
         assert self._layout is not None
         return self._layout.hash_contract
-
-    def _group_hashes(self, request: ConnectorRequest, rule: GroupRule) -> Sequence[bytes]:
-        """A group's block hashes of `request`, as the cache manager names its blocks."""
-        chain = request.get_block_hashes(rule.lookahead_tokens)
-        return group_hashes(chain, rule.block_size // self._hash_unit)
-
 
     # ---- decode side: scheduler --------------------------------------------------------------
     def _pull_of(self, request: ConnectorRequest) -> Pull | None:
@@ -204,13 +167,15 @@ class NixlConnector(KVConnector):
         except ParamsError as error:
             logger.warning("request %s: %s; prefilling locally", request.request_id, error)
             return None
-        if len(params.block_ids) != len(self._rules) or any(
-                params.block_size_of(g) != rule.block_size for g, rule in enumerate(self._rules)):
+        assert self._groups is not None
+        rules = self._groups.rules
+        if len(params.block_ids) != len(rules) or any(
+                params.block_size_of(g) != rule.block_size for g, rule in enumerate(rules)):
             logger.warning("request %s: kv_transfer_params.block_ids: %d KV cache groups of %s "
                            "tokens, this engine has %s; prefilling locally", request.request_id,
                            len(params.block_ids), [params.block_size_of(g) for g in
                                                    range(len(params.block_ids))],
-                           [rule.block_size for rule in self._rules])
+                           [rule.block_size for rule in rules])
             return None
         pull = self._pulls[request.request_id] = Pull(params)
         try:
@@ -261,35 +226,20 @@ class NixlConnector(KVConnector):
 
     def _servable(self, request: ConnectorRequest, pull: Pull, num_local_hit_tokens: int
                   ) -> int:
-        """Tokens after the local hit the peer's blocks serve: the longest prefix every KV
-        cache group can serve (`cache.group_rules`, the manager's hit rule), a group's block
-        at hand where the local hit covers it or where the peer holds it under the hash this
-        engine computes itself."""
-        assert self._mode is not None
+        """Tokens after the local hit the peer's blocks serve (`Groups.servable`)."""
+        assert self._mode is not None and self._groups is not None
         if pull.released:
             return 0  # pulled (or given up) already: a preempted request recomputes locally
         if pull.peer is None and not self._fails:
             return 0  # prefill it locally
         # under policy "fail" a refused transfer still claims its range: the load fails it
-        params = pull.params
-        helds = []
-        for g, rule in enumerate(self._rules):
-            own = self._group_hashes(request, rule)
-            local = num_local_hit_tokens // rule.block_size
-            ids, manifest = params.block_ids[g], params.manifest[g]
-            held = [index < local or (index < len(ids) and ids[index] != 0
-                                      and manifest[index] == bytes(own[index]))
-                    for index in range(len(own))]
-            stale = [index for index in range(local, min(len(ids), len(own)))
-                     if ids[index] and not held[index]]
-            if stale:
-                logger.warning("request %s: kv_transfer_params.manifest[%d][%d] differs from "
-                               "this engine's block hash; that block is computed here",
-                               request.request_id, g, stale[0])
-            helds.append(held)
-        hit = hit_given(self._rules, helds, self._unit, request.num_tokens - 1,
-                        self._mode.drops_last_block)
-        return max(0, hit - num_local_hit_tokens)
+        tokens, stale = self._groups.servable(request, pull.params, num_local_hit_tokens,
+                                              self._mode.drops_last_block)
+        if stale is not None:
+            logger.warning("request %s: kv_transfer_params.manifest[%d][%d] differs from "
+                           "this engine's block hash; that block is computed here",
+                           request.request_id, *stale)
+        return tokens
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
                                    num_local_hit_tokens: int) -> ExternalHit:
@@ -326,18 +276,12 @@ class NixlConnector(KVConnector):
             self._release(pull)  # nothing to pull (a local hit covers it, or refused)
             return
         assert self._mode is not None
-        tables = group_block_ids
+        assert self._groups is not None
         end = num_local_hit_tokens + num_external_tokens
-        local_ids, remote_ids = [], []
-        for g, rule in enumerate(self._rules):
-            # only what the hit at `end` reads beyond the local hit: every full-attention
-            # block, the window's blocks before `end`, the GDN state at `end`
-            first = num_local_hit_tokens // rule.block_size
-            needed = [index for index in rule.needed_blocks(end) if index >= first]
-            local_ids.append(tuple(int(tables[g][index]) for index in needed))
-            remote_ids.append(tuple(int(pull.params.block_ids[g][index]) for index in needed))
-        pull.local_block_ids = tuple(local_ids)
-        pull.remote_block_ids = tuple(remote_ids)
+        local_ids, remote_ids = self._groups.reads(group_block_ids, pull.params,
+                                                   num_local_hit_tokens, end)
+        pull.local_block_ids = local_ids
+        pull.remote_block_ids = remote_ids
         pull.first_token = num_local_hit_tokens
         # the load as the engine sees it: group 0's blocks (the other groups ride along)
         size = self._mode.block_size
@@ -384,21 +328,11 @@ class NixlConnector(KVConnector):
         to the longest prefix every group serves with them (at most N - 1 prompt tokens)."""
         assert self._mode is not None and self._leases is not None and self._server is not None
         request = blocks.request
-        tables = blocks.group_block_ids or (blocks.block_ids,)
+        assert self._groups is not None
         num_prompt = getattr(request, "num_prompt_tokens", request.num_tokens)
-        held, hashes = [], []
-        for rule, table in zip(self._rules, tables):
-            group_hashes_ = self._group_hashes(request, rule)
-            limit = min(num_lookup_candidates(num_prompt, len(group_hashes_), rule.block_size),
-                        blocks.num_written_tokens // rule.block_size, len(table))
-            held.append([table[index] != NULL_BLOCK_ID for index in range(limit)])
-            hashes.append(group_hashes_)
-        num_tokens = hit_given(self._rules, held, self._unit, num_prompt - 1, False)
-        block_ids = [[int(table[index]) if held_g[index] else 0
-                      for index in range(num_tokens // rule.block_size)]
-                     for rule, table, held_g in zip(self._rules, tables, held)]
-        manifest = [[bytes(h[index]) if ids[index] else b"" for index in range(len(ids))]
-                    for h, ids in zip(hashes, block_ids)]
+        num_tokens, block_ids, manifest = self._groups.offer(
+            request, blocks.group_block_ids or (blocks.block_ids,), blocks.num_written_tokens,
+            num_prompt)
         tokens = request.all_token_ids
         first_token = int(tokens[num_prompt]) if len(tokens) > num_prompt else 0
         leased = [[block_id for block_id in ids if block_id] for ids in block_ids]
@@ -411,7 +345,7 @@ class NixlConnector(KVConnector):
             port=self._server.port, lease_id=lease_id or "none", block_ids=block_ids,
             num_tokens=num_tokens, first_token_id=first_token,
             hash_contract=self.hash_contract, manifest=manifest,
-            group_block_sizes=[rule.block_size for rule in self._rules])
+            group_block_sizes=[rule.block_size for rule in self._groups.rules])
         return FinishDecision(delay_free=bool(num_tokens),
                               kv_transfer_params=params.to_json_obj())
 
@@ -523,10 +457,8 @@ class NixlConnector(KVConnector):
 
     def _send_control(self, client: SideChannelClient, message: Any, close: bool = False
                       ) -> None:
-        try:
-            self._control.put_nowait((client, message, close))
-        except queue.Full:
-            logger.warning("nixl: control queue full; a lease is left to expire")
+        if self._control is not None:
+            self._control.send(client, message, close)
 
     def _heartbeats(self) -> None:
         now = time.monotonic()
@@ -541,20 +473,6 @@ class NixlConnector(KVConnector):
         for peer, lease_ids in by_peer.values():
             self._send_control(peer.client, Heartbeat(peer.layout.epoch, lease_ids))
 
-    def _control_loop(self) -> None:
-        while True:
-            item = self._control.get()
-            if item is None:
-                return
-            client, message, close = item
-            try:
-                client.call(message)
-            except SideChannelError as error:
-                logger.info("nixl: %s not delivered (%s)", type(message).__name__, error)
-            finally:
-                if close:
-                    client.close()
-
     # ---- both --------------------------------------------------------------------------------
     def stats(self) -> dict[str, ConnectorStats]:
         s = self._stats
@@ -568,10 +486,9 @@ class NixlConnector(KVConnector):
                    "pulls_open": len(self._pulls)})}
 
     def shutdown(self) -> None:
-        if self._control_thread is not None:
-            self._control.put(None)
-            self._control_thread.join(timeout=2.0)
-            self._control_thread = None
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -246,3 +246,20 @@ def test_the_nixl_connector_carries_every_group_and_composes_with_the_cpu_tier(h
         assert again.token_ids == expected.token_ids
         assert d.kv_connector_stats()["nixl"].loaded_blocks == blocks_read(
             d, params["num_tokens"])
+
+
+@pytest.mark.parametrize("model", ["hybrid-gdn", "hybrid-swa"])
+def test_serve_a_hybrid_model_as_a_prefill_engine(monkeypatch, capsys, model):
+    """`speckv serve hybrid-gdn --kv-transfer-config ...` starts (it was refused before: the
+    transfer did not carry the GDN / window groups)."""
+    import speckv.server.launch as launch
+    from speckv import cli
+
+    monkeypatch.setattr(launch, "serve_forever", lambda server, sock, log_level="warning":
+                        sock.close())
+    code = cli.main(["serve", model, "--port", "0", "--kv-cache-memory-bytes", "64M",
+                     "--threads", "1", "--hash-seed", "0", "--kv-transfer-config",
+                     '{"kv_connector": "nixl", "kv_role": "kv_producer"}'])
+    out = capsys.readouterr().out
+    assert code == 0 and "KV budget" in out
+    assert "KV transfer over NIXL, kv_producer" in out and "side channel 127.0.0.1:" in out
