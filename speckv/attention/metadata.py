@@ -147,14 +147,20 @@ class AttentionMetadata:
                              f"{int(s[r])}")
         width = block_table.shape[1]
         num_tokens = int(q.sum())
-        # request r's new tokens sit at positions s[r] - q[r] .. s[r] - 1
-        req = np.repeat(np.arange(num_reqs), q)  # [num_tokens] request of each token
-        starts = np.cumsum(q) - q  # [num_reqs] first token of each request
-        positions = (s - q)[req] + (np.arange(num_tokens) - starts[req])
         table64 = block_table.astype(np.int64, copy=False)
+        if num_tokens == num_reqs and int(q.min()) == 1:
+            # one new token per request (decode): token r is request r's, at s[r] - 1
+            req = np.arange(num_reqs)
+            positions = s - 1
+            query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+        else:
+            # request r's new tokens sit at positions s[r] - q[r] .. s[r] - 1
+            req = np.repeat(np.arange(num_reqs), q)  # [num_tokens] request of each token
+            starts = np.cumsum(q) - q  # [num_reqs] first token of each request
+            positions = (s - q)[req] + (np.arange(num_tokens) - starts[req])
+            query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+            np.cumsum(q, out=query_start_loc[1:])
         slots = table64[req, positions // block_size] * block_size + positions % block_size
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(q, out=query_start_loc[1:])
         md = cls(
             query_start_loc=torch.from_numpy(query_start_loc).to(device),
             seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),

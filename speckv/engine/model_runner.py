@@ -83,6 +83,9 @@ class _Forward:
     # blocks per request [num_reqs] (what the proposer's forwards address its KV with)
     draft_table: np.ndarray | None = None
     draft_table_lens: np.ndarray | None = None
+    # per request: positions computed this step, and one past the last of them
+    query_lens: list[int] | None = None
+    seq_lens: list[int] | None = None
 
 
 class ModelRunner:
@@ -281,7 +284,7 @@ class ModelRunner:
         draft_table, draft_lens = gathered[self.draft_group]
         return _Forward(output, token_offsets, logits, logit_offsets,
                         groups[self.draft_group].slot_mapping, state_plan, draft_table,
-                        draft_lens)
+                        draft_lens, query_lens, seq_lens)
 
     def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """The state group's block table of each scheduled request (hybrid models)."""
@@ -359,8 +362,10 @@ class ModelRunner:
         states = [requests[request_id] for request_id in request_ids]
         token_ids = [state.token_ids for state in states]
         num_tokens = np.fromiter(map(len, token_ids), np.int64, n)
-        starts = np.fromiter((item.start for item in scheduled), np.int64, n)
-        ends = starts + np.fromiter((item.num_new_tokens for item in scheduled), np.int64, n)
+        if forward.query_lens is None or forward.seq_lens is None:
+            raise RuntimeError("the forward kept no positions of the batch")
+        ends = np.asarray(forward.seq_lens, dtype=np.int64)  # start + num_new_tokens
+        starts = ends - np.asarray(forward.query_lens, dtype=np.int64)
         # a sampling request's rejected drafts' KV is garbage: its final positions end
         # after the accepted drafts
         sampling = np.fromiter((request_id in sampled_by_id for request_id in request_ids),
@@ -396,5 +401,5 @@ class ModelRunner:
             if want:
                 proposed_ids = drafts.get(request_id)
                 if proposed_ids:
-                    out[request_id] = [int(token) for token in proposed_ids[: max_drafts[index]]]
+                    out[request_id] = list(map(int, proposed_ids[: max_drafts[index]]))
         return out
