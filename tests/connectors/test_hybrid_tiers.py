@@ -12,9 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from speckv.attention.grouped import GroupedKVCache
-from speckv.bench.kv_probe import kv_at
-from speckv.cache.specs import MambaSpec, SlidingWindowSpec
+from speckv.bench.hybrid_tiers import group_reads
 from speckv.connectors import DiskConnector, OffloadConnector, StoreConnector
 from speckv.connectors.codec import CodecMiss, MissReason
 from speckv.connectors.embedded_valkey import EmbeddedValkey
@@ -78,36 +76,6 @@ def first_step(engine: LLMEngine, prompt, request_id: str, max_tokens: int = 3):
         outs = [o for o in engine.step() if o.request_id == request_id]
         if outs:
             return outs[0]
-
-
-def group_reads(engine: LLMEngine, request_id: str, hit: int) -> dict[str, torch.Tensor]:
-    """What a hit of `hit` tokens hands the request, per group: full attention's target KV
-    over [0, hit), the drafter's KV over [0, hit), a sliding window's tail before hit, the
-    GDN conv + recurrent state at hit."""
-    tables = engine.manager.get_block_ids(request_id)
-    layout, cache = engine.layout, engine.runner.kv_cache
-    attention = [g for g, group in enumerate(layout.groups)
-                 if not isinstance(group.spec, MambaSpec)]
-    reads = {}
-    for g, group in enumerate(layout.groups):
-        spec = group.spec
-        if isinstance(spec, MambaSpec):
-            block = tables[g][(hit - 1) // spec.block_size]
-            conv, recurrent = engine.runner.states.cache.snapshot(block)
-            reads[f"g{g} state"] = torch.cat([conv.float().flatten(), recurrent.flatten()])
-            continue
-        if isinstance(cache, GroupedKVCache):
-            group_cache, layers = cache.caches[g], None
-        else:
-            group_cache = cache
-            layers = None if len(attention) == 1 else list(group.layer_indices)
-        start = (max(0, hit - spec.sliding_window + 1)
-                 if isinstance(spec, SlidingWindowSpec) else 0)
-        reads[f"g{g} target"] = kv_at(group_cache, tables[g], hit, spec.block_size, layers,
-                                      start)
-        if g == layout.draft_group and engine.proposer.kv_cache is not None:
-            reads[f"g{g} draft"] = kv_at(engine.proposer.kv_cache, tables[g], hit, B)
-    return reads
 
 
 def serve_through_tier(hybrid: Hybrid, kind: str, tmp_path, valkey, prompt, *,
