@@ -44,6 +44,7 @@ from speckv.connectors.metadata import (
     MultiConnectorMetadata,
     StepMetadata,
 )
+from speckv.connectors.parts import PendingParts
 from speckv.connectors.rules import (
     ConnectorMode,
     ConnectorRequest,
@@ -74,7 +75,7 @@ class GroupedTiers:
         self._loads: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         self._failures: list[LoadFailure] = []
         self._failed_ids: frozenset[int] = frozenset()
-        self._saving: dict[str, set[int]] = {}  # exited request -> lanes not yet settled
+        self._saving = PendingParts()  # exited requests: lanes not yet settled
 
     # ---- lookups -----------------------------------------------------------------------------
     def peek(self, request: ConnectorRequest, num_local_hit_tokens: int) -> ExternalHit:
@@ -169,7 +170,7 @@ class GroupedTiers:
             lane.request_finished(self._lane_blocks(blocks, g))
         request_id = blocks.request.request_id
         self._loads.pop(request_id, None)
-        self._saving[request_id] = set(range(len(self.lanes)))
+        self._saving.expect(request_id, range(len(self.lanes)))
         return FinishDecision(delay_free=False)
 
     def request_preempted(self, blocks: RequestBlocks) -> None:
@@ -216,14 +217,7 @@ class GroupedTiers:
         for index, lane in enumerate(self.lanes):
             output = lane.get_finished()
             loads |= output.finished_loads
-            for request_id in output.finished_saves:
-                waiting = self._saving.get(request_id)
-                if waiting is None:
-                    continue
-                waiting.discard(index)
-                if not waiting:
-                    del self._saving[request_id]
-                    done.add(request_id)
+            done.update(self._saving.report(index, output.finished_saves))
         failures, self._failures = tuple(self._failures), []
         return ConnectorOutput(frozenset(loads), frozenset(done), failures)
 

@@ -33,6 +33,7 @@ from speckv.connectors.metadata import (
     MultiConnectorMetadata,
     StepMetadata,
 )
+from speckv.connectors.parts import PendingParts
 from speckv.connectors.rules import ConnectorMode, ConnectorRequest
 
 
@@ -44,9 +45,8 @@ class MultiConnector(KVConnector):
         self.children = tuple(children)
         self.name = name
         self._step = 0
-        self._sending: dict[str, set[int]] = {}  # children still sending, by finished request
-        # request id -> children that have not yet settled its saves
-        self._saving: dict[str, set[int]] = {}
+        self._sending = PendingParts()  # finished requests: children still sending
+        self._saving = PendingParts()  # exited requests: children not yet settled
 
     @property
     def supports_lookahead_block_hashes(self) -> bool:
@@ -127,10 +127,9 @@ class MultiConnector(KVConnector):
     def request_finished(self, blocks: RequestBlocks) -> FinishDecision:
         decisions = [child.request_finished(blocks) for child in self.children]
         request_id = blocks.request.request_id
-        self._saving[request_id] = set(range(len(self.children)))
-        delaying = {index for index, decision in enumerate(decisions) if decision.delay_free}
-        if delaying:
-            self._sending[request_id] = delaying
+        self._saving.expect(request_id, range(len(self.children)))
+        delaying = [index for index, decision in enumerate(decisions) if decision.delay_free]
+        self._sending.expect(request_id, delaying)
         params: dict[str, Any] = {}
         for decision in reversed(decisions):  # the first child's value wins a shared key
             params.update(decision.kv_transfer_params or {})
@@ -183,22 +182,8 @@ class MultiConnector(KVConnector):
             loads |= output.finished_loads
             recving |= output.finished_recving
             failures.extend(output.load_failures)
-            for request_id in output.finished_sending:
-                delaying = self._sending.get(request_id)
-                if delaying is None:
-                    continue
-                delaying.discard(index)
-                if not delaying:
-                    del self._sending[request_id]
-                    sent.add(request_id)
-            for request_id in output.finished_saves:
-                waiting = self._saving.get(request_id)
-                if waiting is None:
-                    continue
-                waiting.discard(index)
-                if not waiting:
-                    del self._saving[request_id]
-                    done.add(request_id)
+            sent.update(self._sending.report(index, output.finished_sending))
+            done.update(self._saving.report(index, output.finished_saves))
         return ConnectorOutput(frozenset(loads), frozenset(done), tuple(failures),
                                frozenset(recving), frozenset(sent))
 

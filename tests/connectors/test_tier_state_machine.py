@@ -144,21 +144,26 @@ class _TierRules(RuleBasedStateMachine):
 
 DRAFTERS = st.sampled_from([("eagle", 1, False), ("mtp", 2, False), ("eagle", 1, True),
                             ("none", 1, False)])
+TIERS = st.sampled_from(["offload", "disk", "offload,disk", "offload-nolookahead"])
+# what both machines draw besides the layout: tier size, drafter, faults, batching, seeds
+RUN_STRATEGIES = dict(
+    tier_blocks=st.integers(2, 40),
+    drafter=DRAFTERS,
+    num_spec_tokens=st.integers(0, 3),
+    fault_rate=st.sampled_from([0.0, 0.5]),
+    token_budget=st.sampled_from([5, 8, 16, 1024]),
+    max_num_seqs=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    copy_seed=st.none() | st.integers(0, 2**16),
+)
 
 
 class TierMachine(_TierRules):
     @initialize(
-        tiers=st.sampled_from(["offload", "disk", "offload,disk", "offload-nolookahead"]),
+        tiers=TIERS,
         block_size=st.sampled_from([2, 3, 4]),
         num_blocks=st.integers(8, 24),
-        tier_blocks=st.integers(2, 40),
-        drafter=DRAFTERS,
-        num_spec_tokens=st.integers(0, 3),
-        fault_rate=st.sampled_from([0.0, 0.5]),
-        token_budget=st.sampled_from([5, 8, 16, 1024]),
-        max_num_seqs=st.integers(1, 4),
-        seed=st.integers(0, 2**16),
-        copy_seed=st.none() | st.integers(0, 2**16),
+        **RUN_STRATEGIES,
     )
     def setup(self, tiers, block_size, num_blocks, **kwargs):
         self._build(tiers, [FullAttentionSpec(block_size)], num_blocks, **kwargs)
@@ -170,20 +175,13 @@ class HybridTierMachine(_TierRules):
     tiers' lanes copy, and every group checked on every hit and after every step."""
 
     @initialize(
-        tiers=st.sampled_from(["offload", "disk", "offload,disk", "offload-nolookahead"]),
+        tiers=TIERS,
         block_size=st.sampled_from([2, 4]),
         layout=st.sampled_from(["swa", "mamba", "swa,mamba"]),
         window=st.integers(2, 9),
         unit_blocks=st.sampled_from([1, 2, 3]),
         num_blocks=st.integers(12, 30),
-        tier_blocks=st.integers(2, 40),
-        drafter=DRAFTERS,
-        num_spec_tokens=st.integers(0, 3),
-        fault_rate=st.sampled_from([0.0, 0.5]),
-        token_budget=st.sampled_from([5, 8, 16, 1024]),
-        max_num_seqs=st.integers(1, 4),
-        seed=st.integers(0, 2**16),
-        copy_seed=st.none() | st.integers(0, 2**16),
+        **RUN_STRATEGIES,
     )
     def setup(self, tiers, block_size, layout, window, unit_blocks, num_blocks, **kwargs):
         specs = [FullAttentionSpec(block_size)]

@@ -61,6 +61,20 @@ def prefill(engine: LLMEngine, prompt) -> RequestOutput:
                 return output
 
 
+def pulled_hit(engine: LLMEngine, prompt, params: dict) -> tuple[str, int]:
+    """Add the decode half and step it until its first token (the READ is asynchronous: the
+    request's first step follows it); (request id, its transferred hit in tokens), with the
+    hit checked to be all of the prefill side's tokens."""
+    request_id = engine.add_request(prompt, SamplingParams(
+        max_tokens=4, ignore_eos=True, kv_transfer_params=params))
+    while not any(o.request_id == request_id and o.token_ids for o in engine.step()):
+        pass
+    request = engine.get_request(request_id)
+    length = request.num_external_cached_tokens
+    assert length == request.num_cached_tokens == params["num_tokens"] > 0
+    return request_id, length
+
+
 def decode(engine: LLMEngine, prompt, params: dict, max_tokens: int = 8) -> RequestOutput:
     return run(engine, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                               kv_transfer_params=params))

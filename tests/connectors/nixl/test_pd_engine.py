@@ -23,6 +23,7 @@ from tests.connectors.nixl.pd_helpers import (
     make_engine,
     prefill,
     prompt_of,
+    pulled_hit,
     run,
     settle,
 )
@@ -73,13 +74,7 @@ def test_the_decode_engines_transferred_kv_equals_a_cold_run(tiny_model, drafter
     with make_engine(tiny_model, drafter, "kv_producer") as p, \
             make_engine(tiny_model, drafter, "kv_consumer") as d:
         params = prefill(p, prompt).kv_transfer_params
-        request_id = d.add_request(prompt, SamplingParams(
-            max_tokens=4, ignore_eos=True, kv_transfer_params=params))
-        while not any(o.request_id == request_id and o.token_ids for o in d.step()):
-            pass  # the READ is asynchronous: the request's first step follows it
-        request = d.get_request(request_id)
-        length = request.num_external_cached_tokens
-        assert length == request.num_cached_tokens == params["num_tokens"] > 0
+        request_id, length = pulled_hit(d, prompt, params)
         warm_target = target_kv(d, request_id, length)
         warm_draft = kv_at(d.proposer.kv_cache,
                            d.runner.block_table(request_id, d.runner.draft_group), length, B)

@@ -26,7 +26,15 @@ from tests.connectors.nixl.hybrid_helpers import (
     hit_tensors,
     swa_model,
 )
-from tests.connectors.nixl.pd_helpers import all_free, decode, make_engine, prefill, run, settle
+from tests.connectors.nixl.pd_helpers import (
+    all_free,
+    decode,
+    make_engine,
+    prefill,
+    pulled_hit,
+    run,
+    settle,
+)
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs nixl-cu12")
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -88,13 +96,7 @@ def test_transferred_kv_draft_kv_and_state_equal_a_cold_run(hybrids, name, draft
                          **hybrid.engine_options) as p, \
                 _engine(hybrid, drafter, "kv_consumer") as d:
             params = prefill(p, prompt).kv_transfer_params
-            request_id = d.add_request(prompt, SamplingParams(
-                max_tokens=4, ignore_eos=True, kv_transfer_params=params))
-            while not any(o.request_id == request_id and o.token_ids for o in d.step()):
-                pass  # the READ is asynchronous: the request's first step follows it
-            request = d.get_request(request_id)
-            length = request.num_external_cached_tokens
-            assert length == request.num_cached_tokens == params["num_tokens"] > 0
+            request_id, length = pulled_hit(d, prompt, params)
             tensors = hit_tensors(d, request_id, length)
             settle(d)
             settle(p)
