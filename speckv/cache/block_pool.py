@@ -9,17 +9,20 @@ Free-queue policy:
 - blocks that hold no hash go to the head and are reused before any cached block.
 
 Divergent block reuse (groups whose manager asks for it) reads one more map per group, the
-successor index: `parent hash -> (hash, L successor tokens)` of the latest block cached after
-each parent; the latest first block of a chain has a slot of its own. A request whose own hash
-of block j misses finds there the block cached after its block j - 1 and checks that it holds
-its tokens. Caching a run of blocks only notes the run (references to the request's append-only
-hash chain and tokens, O(1)); runs become visible one step late (`commit_successors`: a copy
-reads its source at the start of a step, so only blocks whose KV an earlier step wrote may be
-sources), and are folded into the map (C-level slices and one `dict.update` per run) by the
-first lookup past a chain's first block that needs it. So a cold miss (its first block
-differs) and a whole hit pay nothing for the index. Runs beyond twice the pool's blocks are
-forgotten oldest first, entries whose block was evicted since are skipped at lookup and
-dropped when the map outgrows the pool.
+divergent-block index: `(parent hash, B tokens) -> (hash, L successor tokens)` of the latest
+block cached with that content, whatever its successors (b"" stands for a chain's first
+block's parent). A request whose own hash of block j misses looks up its block j's content
+there and finds a block that holds its tokens after its chain under another successor. Caching
+a run of blocks only notes the run (references to the request's append-only hash chain and
+tokens, O(1); a chain's first block is entered at once, O(B)); runs become copyable one step
+late (`commit_successors`: a copy reads its source at the start of a step, so only blocks
+whose KV an earlier step wrote may be sources), and are folded into the map (C-level strided
+slices and one `dict.update` per run) by the first lookup past a chain's first block that
+needs it. So a cold miss (its first block differs) and a whole hit pay nothing for the index.
+The blocks noted in this step have an index of their own, folded the same way, cleared at
+the commit (a request finding its block there waits a step and copies it then). Runs beyond
+twice the pool's blocks are forgotten oldest first, entries whose block was evicted since are
+skipped at lookup and dropped when the map outgrows the pool.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from speckv.cache.block import (
 )
 from speckv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
 from speckv.cache.hit_check import CachingRequest, HitCheck, TrustHashes, content_of
-from speckv.cache.successor_runs import SuccessorRun
+from speckv.cache.successor_runs import FIRST_PARENT, ContentKey, SuccessorRun
 from speckv.hashing.extra_keys import untag
 
 
@@ -76,12 +79,14 @@ class BlockPool:
         # group id -> {block hash -> block}: keyed by the bare hash, so a lookup or an insert
         # builds no key (the hot loops are C-level dict probes)
         self._cached: dict[int, dict[bytes, KVCacheBlock]] = {}
-        # the successor index (see the module docstring), per group id: successors are one
-        # int for L = 1, else an L-tuple
-        self._successors: dict[int, dict[bytes, tuple[bytes, Any]]] = {}
-        self._first_successor: dict[int, tuple[bytes, Any]] = {}
+        # the divergent-block index (see the module docstring), per group id: content key ->
+        # (hash, successors), successors one int for L = 1, else an L-tuple
+        self._by_content: dict[int, dict[ContentKey, tuple[bytes, Any]]] = {}
+        # the same for the runs noted this step (copyable from the next step on)
+        self._pending_by_content: dict[int, dict[ContentKey, tuple[bytes, Any]]] = {}
         self._pending_runs: list[SuccessorRun] = []  # noted this step
-        self._runs: deque[SuccessorRun] = deque()  # committed, not folded into `_successors` yet
+        self._num_pending_folded = 0  # of `_pending_runs`, folded into `_pending_by_content`
+        self._runs: deque[SuccessorRun] = deque()  # committed, not folded into `_by_content` yet
         self._num_run_blocks = 0  # blocks in `_runs`
         # NULL_BLOCK_ID stands for "no KV here" (e.g. outside a sliding window); never freed.
         self.null_block = self.free_queue.popleft()
@@ -114,29 +119,29 @@ class BlockPool:
         blocks = self._cached.get(group_id)
         return blocks.get(block_hash) if blocks is not None else None
 
-    def successor_of(self, parent_hash: bytes | None, group_id: int
-                     ) -> tuple[bytes, Any] | None:
-        """(hash, successors) of the latest block committed after `parent_hash` (None: the
-        latest first block of a chain) in a group, if any; the block may have been evicted
-        since. Folds the committed runs into the index first (the only mutation). """
+    def successor_of(self, parent_hash: bytes | None, token_ids: tuple[int, ...],
+                     group_id: int) -> tuple[bytes, Any] | None:
+        """(hash, successors) of the latest committed block of a group holding `token_ids`
+        after `parent_hash` (None: a chain's first block), under any successors, if any; the
+        block may have been evicted since. Folds the committed runs into the index first (the
+        only mutation)."""
         if parent_hash is None:
-            return self._first_successor.get(group_id)
-        if self._runs:
+            parent_hash = FIRST_PARENT
+        elif self._runs:
             self._fold_runs()
-        index = self._successors.get(group_id)
-        return index.get(parent_hash) if index is not None else None
+        index = self._by_content.get(group_id)
+        return index.get((parent_hash, token_ids)) if index is not None else None
 
-    def pending_successor_of(self, parent_hash: bytes | None, index: int, group_id: int
-                             ) -> tuple[bytes, Any] | None:
-        """As `successor_of`, among the runs noted this step (not yet copyable): the block
-        `index` of the latest such run whose chain has `parent_hash` before it. Chains align
-        by position, so each run is checked in O(1). Pure."""
-        for run in reversed(self._pending_runs):
-            if run.group_id != group_id or not run.start <= index < run.end:
-                continue
-            if index == 0 if parent_hash is None else run.block_hashes[index - 1] == parent_hash:
-                return run.block_hashes[index], run.successors(index)
-        return None
+    def pending_successor_of(self, parent_hash: bytes | None, token_ids: tuple[int, ...],
+                             group_id: int) -> tuple[bytes, Any] | None:
+        """As `successor_of`, among the runs noted this step (not yet copyable). Folds them
+        into this step's index first (the only mutation)."""
+        if parent_hash is None:
+            parent_hash = FIRST_PARENT
+        elif self._num_pending_folded < len(self._pending_runs):
+            self._fold_pending()
+        index = self._pending_by_content.get(group_id)
+        return index.get((parent_hash, token_ids)) if index is not None else None
 
     def noted_this_step(self, block_hash: bytes, index: int, group_id: int) -> bool:
         """Whether a run noted this step names `block_hash` at chain position `index`: the
@@ -282,50 +287,74 @@ class BlockPool:
         group: GroupInfo,
     ) -> None:
         """Note that blocks `[start, end)` of `request` were cached (their hashes exist), for
-        the successor index; they join it at the next `commit_successors`. `block_hashes` and
-        the request's tokens must only ever grow (a request's chain and real tokens do).
-        Mutates, O(1)."""
-        if self.enable_caching and end > start:
-            self._pending_runs.append(SuccessorRun(group.group_id, group.block_size,
-                                           group.lookahead_tokens, request.all_token_ids,
-                                           block_hashes, start, end))
+        the divergent-block index; they are copyable after the next `commit_successors`.
+        `block_hashes` and the request's tokens must only ever grow (a request's chain and
+        real tokens do). Mutates, O(1) (O(B) for a chain's first block)."""
+        if not self.enable_caching or end <= start:
+            return
+        run = SuccessorRun(group.group_id, group.block_size, group.lookahead_tokens,
+                           request.all_token_ids, block_hashes, start, end)
+        self._pending_runs.append(run)
+        if start == 0:
+            key, entry = run.first_entry()
+            self._index_of(self._pending_by_content, run.group_id)[key] = entry
 
     def commit_successors(self) -> None:
-        """Let lookups find the runs noted so far (call once their KV is written: after the
+        """Let lookups copy the runs noted so far (call once their KV is written: after the
         step that computes them). Mutates."""
         pending = self._pending_runs
         if not pending:
             return
         for run in pending:
             if run.start == 0:
-                self._first_successor[run.group_id] = (run.block_hashes[0], run.successors(0))
+                key, entry = run.first_entry()
+                self._index_of(self._by_content, run.group_id)[key] = entry
             self._runs.append(run)
             self._num_run_blocks += run.end - run.start
         pending.clear()
+        self._pending_by_content.clear()
+        self._num_pending_folded = 0
         limit = 2 * self.num_blocks
         while self._num_run_blocks > limit:  # oldest first: their blocks are evicted first
             old = self._runs.popleft()
             self._num_run_blocks -= old.end - old.start
+        self._drop_stale_entries()
 
     def _fold_runs(self) -> None:
-        """Enter the committed runs into `_successors` (C-level slices, one update each)."""
+        """Enter the committed runs into `_by_content` (C-level slices, one update each)."""
         for run in self._runs:
-            index = self._successors.get(run.group_id)
-            if index is None:
-                index = self._successors[run.group_id] = {}
-            first = max(run.start, 1)  # first blocks live in `_first_successor`
+            first = max(run.start, 1)  # first blocks were entered at the commit
             if first < run.end:
-                index.update(zip(run.block_hashes[first - 1 : run.end - 1],
-                                 zip(run.block_hashes[first : run.end],
-                                     run.successor_slice(first, run.end))))
+                self._index_of(self._by_content, run.group_id).update(run.entries(first, run.end))
         self._runs.clear()
         self._num_run_blocks = 0
-        for group_id, index in list(self._successors.items()):
-            # at most one live entry per cached block: past twice the pool, drop the stale ones
+        self._drop_stale_entries()
+
+    def _fold_pending(self) -> None:
+        """Enter the runs noted this step and not folded yet into `_pending_by_content`."""
+        for run in self._pending_runs[self._num_pending_folded:]:
+            first = max(run.start, 1)  # first blocks were entered when noted
+            if first < run.end:
+                self._index_of(self._pending_by_content, run.group_id).update(
+                    run.entries(first, run.end))
+        self._num_pending_folded = len(self._pending_runs)
+
+    def _drop_stale_entries(self) -> None:
+        """At most one live entry per cached block: past twice the pool, drop the entries
+        whose block was evicted since."""
+        for group_id, index in list(self._by_content.items()):
             if len(index) > 2 * self.num_blocks:
                 cached = self.cached_map(group_id)
-                self._successors[group_id] = {
-                    parent: entry for parent, entry in index.items() if entry[0] in cached}
+                self._by_content[group_id] = {
+                    key: entry for key, entry in index.items() if entry[0] in cached}
+
+    @staticmethod
+    def _index_of(indexes: dict[int, dict[ContentKey, tuple[bytes, Any]]], group_id: int
+                  ) -> dict[ContentKey, tuple[bytes, Any]]:
+        index = indexes.get(group_id)
+        if index is None:
+            index = indexes[group_id] = {}
+        return index
 
     def reset_prefix_cache(self, record: bool = True) -> bool:
         """Forget every cached hash, if no request holds a block. Mutates.
@@ -341,9 +370,10 @@ class BlockPool:
                 block.block_hash = None
                 block.content = None
             blocks.clear()
-        self._successors.clear()
-        self._first_successor.clear()
+        self._by_content.clear()
+        self._pending_by_content.clear()
         self._pending_runs.clear()
+        self._num_pending_folded = 0
         self._runs.clear()
         self._num_run_blocks = 0
         if self.event_sink is not None and record:

@@ -10,8 +10,8 @@ A hit list has one entry per block up to the hit length; groups that keep only p
 prefix (sliding window, Mamba) fill the rest with the pool's null block.
 
 `ReusingFullAttentionManager` adds divergent block reuse: it notes every cached run in the
-pool's successor index and finds, for a request whose own hash of block j misses, the cached
-block after its block j - 1 that holds its tokens under another successor.
+pool's divergent-block index and finds, for a request whose own hash of block j misses, a
+cached block holding its block j's tokens after its chain under another successor.
 """
 
 from __future__ import annotations
@@ -184,17 +184,21 @@ class ReusingFullAttentionManager(FullAttentionManager):
     def find_divergent_block(self, request, block_hashes: Sequence[bytes], index: int,
                              computed_this_step: bool = False) -> KVCacheBlock | None:
         """A cached block holding block `index` of `request` (tokens `[i * B, (i + 1) * B)`,
-        same chain before it) under another successor, or None. The block must hold the
-        request's tokens: its hash is recomputed from them with the block's own successors
-        (and, for fast hashes, its content compared as for a hit). `computed_this_step`: look
-        among the blocks cached this step instead (they can be copied from the next step on).
-        Touches no block, reference count or hash-map entry (the pool may fold its index)."""
+        same chain before it) under another successor, or None. The pool's index names the
+        latest block cached with that content; it must hold the request's tokens: its hash is
+        recomputed from them with the block's own successors (and, for fast hashes, its
+        content compared as for a hit). `computed_this_step`: look among the blocks cached
+        this step instead (they can be copied from the next step on). Touches no block,
+        reference count or hash-map entry (the pool may fold its index)."""
         group_id = self.group.group_id
-        parent = block_hashes[index - 1] if index else b""
+        start = index * self.block_size
+        end = start + self.block_size
+        tokens = tuple(request.all_token_ids[start:end])
+        parent = block_hashes[index - 1] if index else None
         if computed_this_step:
-            entry = self.pool.pending_successor_of(parent if index else None, index, group_id)
+            entry = self.pool.pending_successor_of(parent, tokens, group_id)
         else:
-            entry = self.pool.successor_of(parent if index else None, group_id)
+            entry = self.pool.successor_of(parent, tokens, group_id)
         if entry is None:
             return None
         block_hash, successors = entry
@@ -208,11 +212,9 @@ class ReusingFullAttentionManager(FullAttentionManager):
         lookahead = self.group.lookahead_tokens
         if request.hash_with_successors(lookahead, index, successors) != block_hash:
             return None
-        start = index * self.block_size
-        end = start + self.block_size
 
         def expected():
-            return BlockContent(parent, tuple(request.all_token_ids[start:end]), successors,
+            return BlockContent(b"" if parent is None else parent, tokens, successors,
                                 request.hash_inputs.extra_keys(start, end + lookahead))
 
         return block if self.pool.hit_check.accepts(block, expected) else None

@@ -1,18 +1,26 @@
-"""A run of blocks one request cached together, as the pool's successor index records it:
-blocks `[start, end)` of the request's chain, and each block's L successor tokens read
-from the request's (growing) token list, so noting a run copies nothing.
+"""A run of blocks one request cached together, as the pool's divergent-block index records
+it: blocks `[start, end)` of the request's chain, each block's tokens and its L successor
+tokens read from the request's (growing) token list, so noting a run copies nothing.
+
+The index is keyed by a block's successor-free content, `(parent hash, its B tokens)` (b""
+stands for the parent of a chain's first block): two blocks with the same key hold the same
+target KV, whatever token follows them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+# (parent hash or b"", the block's B tokens): what a block holds, its successors aside
+ContentKey = tuple[bytes, tuple[int, ...]]
+FIRST_PARENT = b""  # no chain hash is empty: the parent of a chain's first block
 
 
 @dataclass(frozen=True)
 class SuccessorRun:
-    """Blocks `[start, end)` of one request's chain, cached together (successor index)."""
+    """Blocks `[start, end)` of one request's chain, cached together (divergent-block index)."""
 
     group_id: int
     block_size: int
@@ -36,3 +44,17 @@ class SuccessorRun:
         if lookahead == 1:
             return tokens[first:stop:size]
         return list(zip(*(tokens[first + m : stop + m : size] for m in range(lookahead))))
+
+    def first_entry(self) -> tuple[ContentKey, tuple[bytes, Any]]:
+        """(content key, (hash, successors)) of the chain's first block (start must be 0)."""
+        return ((FIRST_PARENT, tuple(self.token_ids[: self.block_size])),
+                (self.block_hashes[0], self.successors(0)))
+
+    def entries(self, start: int, end: int) -> Iterator[tuple[ContentKey, tuple[bytes, Any]]]:
+        """(content key, (hash, successors)) of blocks [start, end), start >= 1, by C-level
+        strided slices (B of them: the k-th gives every block's k-th token)."""
+        size, tokens, hashes = self.block_size, self.token_ids, self.block_hashes
+        low, high = start * size, end * size
+        contents = zip(*(tokens[low + m : high : size] for m in range(size)))
+        return zip(zip(hashes[start - 1 : end - 1], contents),
+                   zip(hashes[start:end], self.successor_slice(start, end)))

@@ -155,9 +155,9 @@ def test_the_successor_index_stays_bounded(world_factory):
     for seed in range(60):  # each lookup hits the first block and folds the runs noted
         _compute(world, first_block + _prompt(3 * B, seed))
         assert pool._num_run_blocks <= 2 * pool.num_blocks
-        for index in pool._successors.values():
+        for index in pool._by_content.values():
             assert len(index) <= 2 * pool.num_blocks + 4 * B
-    assert pool._successors, "the lookups past the first block read the index"
+    assert pool._by_content, "the lookups past the first block read the index"
 
 
 @pytest.mark.parametrize("specs,reason", [
