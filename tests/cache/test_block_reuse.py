@@ -118,6 +118,41 @@ def test_a_sibling_arriving_with_its_source_waits_one_step_for_the_copy(world_fa
     world.manager.check_integrity()
 
 
+@pytest.mark.parametrize("same_step", [False, True])
+def test_a_sibling_finds_its_block_behind_a_later_block_holding_other_tokens(
+        world_factory, same_step):
+    """Three requests after one chain: a's block 2, then b's (the same first token, so the
+    same parent hash, then other tokens), then c with a's tokens under another successor.
+    The block cached last after that chain is b's; c must still find a's (cached, or computed
+    in this step: then it copies it next step)."""
+    world = world_factory(block_size=B)
+    shared, tokens = _prompt(2 * B), _prompt(B, 1)
+    first, _, _ = _compute(world, shared + tokens + [11, 12], step_done=not same_step)
+    _compute(world, shared + tokens[:1] + _prompt(B - 1, 2) + [13, 14],
+             step_done=not same_step)
+    sibling = world.request(shared + tokens + [21, 22])
+    hit = world.manager.get_computed_blocks(sibling)
+    if same_step:
+        assert hit.num_computed_tokens == 2 * B and hit.copy_next_step
+        world.manager.step_executed()
+        hit = world.manager.get_computed_blocks(sibling)
+    assert hit.num_computed_tokens == 3 * B - 1 and not hit.copy_next_step
+    (source,) = hit.copy_sources
+    assert source.block_hash == first.get_block_hashes(1)[2]
+
+
+def test_a_first_block_is_found_behind_a_later_first_block(world_factory):
+    """The same at a chain's first block: b's first block (other tokens) was cached after
+    a's; c shares a's and diverges right after it."""
+    world = world_factory(block_size=B)
+    tokens = _prompt(B, 1)
+    first, _, _ = _compute(world, tokens + [11, 12])
+    _compute(world, _prompt(B, 2) + [13, 14])
+    hit = world.manager.get_computed_blocks(world.request(tokens + [21, 22]))
+    assert hit.num_computed_tokens == B - 1
+    assert hit.copy_sources[0].block_hash == first.get_block_hashes(1)[0]
+
+
 def test_no_copy_when_the_block_differs_or_was_evicted(world_factory):
     world = world_factory(block_size=B, num_blocks=8)
     shared = _prompt(2 * B)
