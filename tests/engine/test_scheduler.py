@@ -156,3 +156,26 @@ def test_an_id_in_use_is_refused():
     core.scheduler.add_request(request("a", 5))
     with pytest.raises(ValueError, match="already in use"):
         core.scheduler.add_request(request("a", 5))
+
+
+def test_a_request_waiting_a_step_for_its_divergent_block_holds_up_no_one(world_factory):
+    """Divergent block reuse: c's block 2 (a's tokens, another successor) is computed in this
+    step by a, so c waits one step and copies it then, keeping its place in the queue; d,
+    behind c, is admitted at once."""
+    world = world_factory(block_size=4)
+    core = toy_core(world.manager, 2, vocab_size=50, kv=SymbolicKV(64, 4, 1))
+    shared = _prompt(12)
+    a, c, d, e = (world.request(prompt) for prompt in (
+        shared + [1, 2, 3], shared + [4, 5, 6], _prompt(10, seed=7), _prompt(9, seed=8)))
+    for request in (a, c, d, e):
+        core.scheduler.add_request(request)
+    first, _ = _step(core)
+    assert [s.request_id for s in first.scheduled] == [a.request_id, d.request_id, e.request_id]
+    assert [r.request_id for r in core.scheduler.waiting] == [c.request_id]
+    second, _ = _step(core)
+    (admitted,) = [s for s in second.scheduled if s.replaces_block_table]
+    assert admitted.request_id == c.request_id and admitted.num_hit_tokens == 11
+    assert len(second.block_copies) == 1
+    while core.scheduler.has_unfinished_requests():
+        _step(core)  # the toy runner checks every hit's and every copy's KV
+    assert core.runner.num_block_copies == 1
