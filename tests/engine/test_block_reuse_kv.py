@@ -102,3 +102,67 @@ def test_the_copied_block_needed_its_last_positions_recomputed(tiny_model, fmt, 
     plain.add_request(PREFIX + TAIL_B, PARAMS, "b")
     (first,) = plain.step()
     assert first.num_cached_tokens == len(PREFIX) - B
+
+
+# A first wave sharing a template: block 3 of "b" starts as "a"'s (the same parent hash for
+# L <= 2) and then holds other tokens; "c" and "d" hold "a"'s block 3 under other successors.
+TEMPLATE = [(7 * j) % 90 + 1 for j in range(3 * B)]
+BLOCK = [31, 32, 33, 34]
+WAVE = {"a": TEMPLATE + BLOCK + [40, 41, 42],
+        "b": TEMPLATE + BLOCK[:2] + [50, 51] + [52, 53, 54],
+        "c": TEMPLATE + BLOCK + [60, 61, 62],
+        "d": TEMPLATE + BLOCK + [70, 71, 72]}
+
+
+def _run_wave(engine: LLMEngine, prompts: dict[str, list[int]], kv_after_step: int = 0):
+    """Add every prompt at once, step to the end: (outputs, the last output of each request,
+    each request's KV of its first four blocks after step `kv_after_step`)."""
+    for request_id, prompt in prompts.items():
+        engine.add_request(prompt, PARAMS, request_id)
+    tokens: dict[str, list[int]] = {}
+    last: dict[str, object] = {}
+    kv: dict[str, tuple[torch.Tensor, ...]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            last[output.request_id] = output
+            if output.finished:
+                tokens[output.request_id] = list(output.token_ids)
+        step += 1
+        engine.manager.check_integrity()
+        if step == kv_after_step:
+            kv = {request_id: _kv(engine, request_id, 4) for request_id in prompts}
+    return tokens, last, kv
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("fmt,kwargs", [("eagle", {}), ("eagle3", {"aux_layers": (0, 1, 1)}),
+                                        ("mtp", {"num_modules": 2})])
+def test_a_first_wave_sharing_a_template_computes_no_more_than_without_a_drafter(
+        tiny_model, fmt, kwargs):
+    """Siblings arriving together copy the block their template shares (one step late:
+    it is computed in the first), so the wave computes the target tokens an engine without
+    a drafter computes plus the L recomputed positions of each copy; outputs and KV are a
+    cold run's."""
+    drafter = random_drafter(fmt, tiny_model, init_std=0.2, seed=2, **kwargs)
+    lookahead = drafter.draft_kv_lookahead_tokens
+    warm = _engine(tiny_model, drafter, fmt)
+    tokens, last, kv = _run_wave(warm, WAVE, kv_after_step=2)
+    plain = LLMEngine(tiny_model, engine_config(block_size=B, num_blocks=64))
+    plain_tokens, plain_last, _ = _run_wave(plain, WAVE)
+    assert tokens == plain_tokens  # greedy: speculation changes no token
+
+    def computed(outputs):
+        return sum(len(WAVE[r]) - outputs[r].num_cached_tokens for r in WAVE)
+
+    assert [last[r].num_cached_tokens for r in "cd"] == [4 * B - lookahead] * 2
+    assert computed(last) == computed(plain_last) + 2 * lookahead
+    for request_id in "cd":
+        cold = _engine(tiny_model, drafter, fmt)
+        cold_tokens, _, cold_kv = _run_wave(cold, {request_id: WAVE[request_id]},
+                                            kv_after_step=1)
+        assert cold_tokens[request_id] == tokens[request_id]
+        # target and draft KV of the four prompt blocks: a cold run's (the wave's prefill
+        # ran over other row counts: fp32 tolerance)
+        for hit, expected in zip(kv[request_id], cold_kv[request_id]):
+            torch.testing.assert_close(hit, expected, rtol=0, atol=1e-5)
