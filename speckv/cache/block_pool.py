@@ -16,9 +16,9 @@ there and finds a block that holds its tokens after its chain under another succ
 a run of blocks only notes the run (references to the request's append-only hash chain and
 tokens, O(1); a chain's first block is entered at once, O(B)); runs become copyable one step
 late (`commit_successors`: a copy reads its source at the start of a step, so only blocks
-whose KV an earlier step wrote may be sources), and are folded into the map (C-level strided
-slices and one `dict.update` per run) by the first lookup past a chain's first block that
-needs it. So a cold miss (its first block differs) and a whole hit pay nothing for the index.
+whose KV an earlier step wrote may be sources), and are folded into the map (one slice per
+block, one `dict.update` per run) by the first lookup past a chain's first block that needs
+it. So a cold miss (its first block differs) and a whole hit pay nothing for the index.
 The blocks noted in this step have an index of their own, folded the same way, cleared at
 the commit (a request finding its block there waits a step and copies it then). Runs beyond
 twice the pool's blocks are forgotten oldest first, entries whose block was evicted since are
