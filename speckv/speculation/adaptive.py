@@ -33,7 +33,8 @@ is spent finding out; where it is nearly free (memory-bound, batch 1) the first 
 measures g and a_1. Only with T measured at a single token count (no slope known) does it
 draft once to measure T at 2B. From then on it drafts only where
 that is predicted to pay by `enable_margin` (default 6%: with noisy costs a wrong "on" costs
-more than a wrong "off" saves), keeps the best k (a switch among draft lengths needs a
+more than a wrong "off" saves) and stops as soon as no drafting is predicted ahead (that band
+is the hysteresis), keeps the best k (a switch among draft lengths needs a
 `switch_margin` gain), and never considers more drafts than one beyond the token counts
 already measured (T beyond them is a guess along the last segment, which noise can make flat);
 while g is not measured, no more than one draft.
@@ -362,8 +363,10 @@ class AdaptiveSpeculation:
         known = {k: g for k, g in goodput.items() if g is not None}
         best = max(known, key=lambda k: known[k])
         current = known.get(self._current)
+        # on needs enable_margin, off none (a wrong "on" is the costly error; the band between
+        # is the hysteresis), a change among draft lengths switch_margin
         margin = (self.config.enable_margin if self._current == 0 and best > 0
-                  else self.config.switch_margin)
+                  else 0.0 if best == 0 else self.config.switch_margin)
         if current is None or known[best] > current * (1.0 + margin):
             self._current = best
         if known.get(0):

@@ -262,3 +262,29 @@ def test_the_prefill_catch_up_is_not_taken_for_the_catch_up_without_drafts():
     policy.observe_step(StepCost(32, target(32), 32, 0, 0.004, 0.0))
     assert policy.decide(32) == 0
     assert policy.predicted_goodput(32, 0) == pytest.approx(32 / (target(32) + 0.004))
+
+
+def test_drafting_stops_once_predicted_behind_no_drafting():
+    """Batch 8, one draft: accepted 80% at first (drafting pays), then 29%, where one draft
+    step is predicted 1.2% behind no drafting. Turning drafting on needs `enable_margin`; once
+    on, it must stop as soon as no drafting is predicted ahead (a wrong "on" is the costly
+    error), not only beyond `switch_margin` (it used to draft on at a loss)."""
+    def target(n):
+        return 0.060 + 0.003 * n
+
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(1))
+    after_prefill(policy, 8, 40, target)
+    chosen = []
+    owed = 0.0
+    for step in range(400):
+        rate = 0.8 if step < 100 else 0.29
+        k = policy.decide(8)
+        chosen.append(k)
+        if k:
+            owed += 8 * rate  # accepted drafts, spread evenly over the steps (no noise)
+            accepted = int(owed)
+            owed -= accepted
+            policy.observe_verifications([Verification(1, int(i < accepted)) for i in range(8)])
+        policy.observe_step(StepCost(8 * (1 + k), target(8 * (1 + k)), 8, k, 0.001, 0.002 * k))
+    assert chosen[60:100].count(1) >= 36  # drafting paid
+    assert chosen[-100:].count(0) >= 90
