@@ -41,9 +41,12 @@ while g is not measured, no more than one draft.
 The catch-up F is measured on decode-only steps: a step with prefill rows (more target tokens
 than B requests with k drafts each could verify) catches those rows up too, a cost that is
 paid whatever k and says nothing about F(B).
-T at unmeasured token counts follows the measured segments and never falls below T at fewer
-tokens (noise must not make verifying more tokens look cheaper); a mean falls fast towards a
-faster measurement and rises slowly (other processes' load only ever slows a step down).
+T (and g, F) are fitted non-decreasing in their key by pooling adjacent violators weighted
+by measurement counts, and T(B(1 + k)) is never taken below T(B): noise must not make
+verifying more tokens look cheaper, and a spike measured once at a smaller batch (as requests
+finish) must not raise a T(B) measured many times and make drafting look cheap; a mean falls
+fast towards a faster measurement and rises slowly (other processes' load only ever slows a
+step down).
 Every `probe_interval` steps it tries the runner-up for one step (8x less often when the
 runner-up is predicted to lose by more than 5%), so a change in batch size or acceptance is
 noticed; while drafting it also measures no drafting again, every `probe_interval` / 4 steps
@@ -165,17 +168,20 @@ class SpeculationReport:
 
 
 class _DecayedMeans:
-    """A decayed mean per integer key, and piecewise-linear prediction between keys."""
+    """A decayed mean per integer key, fitted non-decreasing in the key (costs do not fall as
+    work grows), and piecewise-linear prediction between keys."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.means: dict[int, float] = {}
         self.counts: dict[int, int] = {}  # measurements per key
         self._keys: list[int] = []
+        self._fitted: dict[int, float] | None = None  # cache of `fitted()`
 
     def add(self, key: int, value: float) -> None:
         old = self.means.get(key)
         self.counts[key] = self.counts.get(key, 0) + 1
+        self._fitted = None
         if old is None:
             bisect.insort(self._keys, key)
             self.means[key] = value
@@ -198,25 +204,42 @@ class _DecayedMeans:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def fitted(self) -> dict[int, float]:
+        """The means made non-decreasing in the key by pooling adjacent violators, weighted by
+        their measurement counts (the least-squares monotone fit). A mean above the next
+        key's (a load spike, e.g. at a batch size seen once as requests finish) is pooled with
+        it by weight: a key measured many times keeps nearly its own mean, and the spike
+        neither raises it (which made no drafting look dear) nor makes more work look cheaper
+        than less."""
+        if self._fitted is None:
+            blocks: list[list[float]] = []  # [mean, weight, number of keys]
+            for key in self._keys:
+                blocks.append([self.means[key], float(self.counts[key]), 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    v2, w2, n2 = blocks.pop()
+                    v1, w1, n1 = blocks[-1]
+                    blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+            keys = iter(self._keys)
+            self._fitted = {next(keys): v for v, _, n in blocks for _ in range(int(n))}
+        return self._fitted
+
     def predict(self, key: int) -> float | None:
-        """The mean at `key`, interpolated / extrapolated along the nearest measured segment
-        (never below 0); with a single key, proportional to the key. None: nothing measured."""
+        """The fitted mean at `key` (`fitted`), interpolated / extrapolated along the nearest
+        measured segment (never below 0); with a single key, proportional to the key. None:
+        nothing measured."""
         keys = self._keys
         if not keys:
             return None
-        i = bisect.bisect_right(keys, key)
-        # costs do not fall as work grows: never below a mean measured at fewer tokens
-        floor = max((self.means[k] for k in keys[:i]), default=0.0)
-        if key in self.means:
-            return max(floor, self.means[key])
+        means = self.fitted()
+        if key in means:
+            return means[key]
         if len(keys) == 1:
-            return max(floor, self.means[keys[0]] * key / keys[0])
+            return means[keys[0]] * key / keys[0]
         i = bisect.bisect_left(keys, key)
         lo, hi = (keys[0], keys[1]) if i == 0 else (
             (keys[-2], keys[-1]) if i == len(keys) else (keys[i - 1], keys[i]))
-        y0, y1 = self.means[lo], self.means[hi]
-        slope = max(0.0, (y1 - y0) / (hi - lo))
-        return max(floor, y0 + slope * (key - lo))
+        y0, y1 = means[lo], means[hi]
+        return max(0.0, y0 + (y1 - y0) / (hi - lo) * (key - lo))
 
 
 @dataclass
@@ -323,6 +346,8 @@ class AdaptiveSpeculation:
             return None
         draft = 0.0
         if k:
+            # noise must not make verifying more tokens look cheaper than B tokens
+            target = max(target, self._target.predict(b) or 0.0)
             per_position = self._draft.predict(b)
             if per_position is None and not unmeasured_drafts_free:
                 return None

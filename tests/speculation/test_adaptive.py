@@ -288,3 +288,22 @@ def test_drafting_stops_once_predicted_behind_no_drafting():
         policy.observe_step(StepCost(8 * (1 + k), target(8 * (1 + k)), 8, k, 0.001, 0.002 * k))
     assert chosen[60:100].count(1) >= 36  # drafting paid
     assert chosen[-100:].count(0) >= 90
+
+
+def test_a_slow_step_at_a_smaller_batch_does_not_raise_the_cost_of_no_drafting():
+    """Batch 32, requests finishing near the end of a wave: one step at 28 requests measured
+    22% slower than the 32-request steps (load). T at 32 is measured 10 times; the one spike
+    at fewer tokens must not stand in for it (it used to: T never below a mean at fewer
+    tokens), which made no drafting look 18% slower and one draft (1.49x the target time for
+    1.48 tokens) look like a win. Pooled by weight, the spike moves T(32) by 2%."""
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    policy.observe_step(StepCost(692, 1.958, 32, 0, 0.050, 0.0))  # prefill
+    policy.observe_step(StepCost(28, 0.211, 28, 0, 0.0004, 0.0))
+    for _ in range(10):
+        policy.observe_step(StepCost(32, 0.1727, 32, 0, 0.0004, 0.0))
+    for _ in range(2):
+        policy.observe_verifications([Verification(1, int(i < 15)) for i in range(32)])
+        policy.observe_step(StepCost(64, 0.2573, 32, 1, 0.015, 0.0068))
+    assert policy.predicted_goodput(32, 0) == pytest.approx(32 / (0.1727 + 0.0004), rel=0.03)
+    assert policy.predicted_goodput(32, 1) < policy.predicted_goodput(32, 0)
+    assert policy.decide(32) == 0
