@@ -16,7 +16,8 @@ positions are kept (their target hidden states, copied) and written in one batch
 the request drafts again or its block fills, whichever comes first.
 Every position of a full block is written in the step that fills it, before the scheduler
 appends the token that creates its hash: a hit never reads draft KV that is not written. On a
-step without drafts this skips the drafter entirely for most requests.
+step without drafts this skips the drafter entirely for most requests. The deferred rows live
+in `DeferredRows`' preallocated per-request slots: a step appends its rows once, batched.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from speckv.drafters.deferred_rows import DeferredRows, DeferredSpan, ranges
 from speckv.drafters.draft_state import CatchUpBatch, CatchUpRequest, DraftCarry, TargetStates
 from speckv.speculation.policy import DrafterPolicy
 from speckv.speculation.proposer import ProposerBatch, ProposerInput, ProposeTiming
@@ -45,16 +47,7 @@ def _target_states(items: Sequence[ProposerInput], num_aux: int) -> TargetStates
     if shared is not None and all(x.target_rows is shared for x in items):
         counts = np.fromiter((x.end - x.start for x in items), np.int64, len(items))
         firsts = np.fromiter((x.first_row for x in items), np.int64, len(items))
-        total = int(counts.sum())
-        # [total] row of every position: firsts[i] + 0 .. counts[i] - 1 per item
-        index = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(total)
-        num_rows = shared.hidden_states.shape[0]
-        if total == num_rows and bool((index == np.arange(total)).all()):
-            return TargetStates(shared.hidden_states, tuple(shared.aux_hidden_states[:num_aux]))
-        rows = torch.from_numpy(index).to(shared.hidden_states.device)
-        return TargetStates(shared.hidden_states.index_select(0, rows),
-                            tuple(h.index_select(0, rows)
-                                  for h in shared.aux_hidden_states[:num_aux]))
+        return _gather_rows(shared, firsts, counts, num_aux)
     return TargetStates(
         torch.cat([x.hidden_states for x in items]),
         tuple(torch.cat([x.aux_hidden_states[i] for x in items]) for i in range(num_aux)),
@@ -63,8 +56,8 @@ def _target_states(items: Sequence[ProposerInput], num_aux: int) -> TargetStates
 
 @dataclass(frozen=True)
 class _Deferred:
-    """Positions [start, end) of one request whose draft KV is not written yet (copies of the
-    target rows, each [end - start, hidden])."""
+    """Positions [start, end) of one request: the rows deferred before a pass joined with the
+    pass's own (the per-request path's catch-up input, each [end - start, hidden])."""
 
     start: int
     end: int
@@ -91,7 +84,8 @@ class DrafterProposer:
         self.aux_layers: tuple[int, ...] = drafter.target_aux_layers
         self.kv_cache = drafter.make_kv_cache(num_blocks, block_size)
         self._carries: dict[str, DraftCarry] = {}
-        self._deferred: dict[str, _Deferred] = {}  # lazy catch-up (module docstring)
+        # lazy catch-up (module docstring): deferred positions and their target rows
+        self._deferred = DeferredRows(block_size)
         self.clock = clock  # times the catch-up and the drafts (the adaptive policy's clock)
         self.last_timing = ProposeTiming()
 
@@ -101,24 +95,28 @@ class DrafterProposer:
     def free(self, request_id: str) -> None:
         """Forget a finished request's carry (the engine should call this when it frees one)."""
         self._carries.pop(request_id, None)
-        self._deferred.pop(request_id, None)
+        self._deferred.drop(request_id)
 
     def num_deferred_positions(self, request_id: str) -> int:
         """Final positions of a request whose draft KV is not written yet (lazy catch-up)."""
-        deferred = self._deferred.get(request_id)
-        return deferred.end - deferred.start if deferred is not None else 0
+        span = self._deferred.get(request_id)
+        return span.end - span.start if span is not None else 0
 
     def _with_deferred(self, x: ProposerInput) -> _Deferred | None:
         """x's rows after the positions deferred before them (dropped when x does not continue
         them: after a prefix hit or a preemption those positions are computed again); None
         when nothing deferred joins them (x's own rows, not sliced out here)."""
-        deferred = self._deferred.pop(x.request_id, None) if self._deferred else None
-        if deferred is None or deferred.end != x.start:
+        span = self._deferred.take(x.request_id) if self._deferred else None
+        if span is None:
             return None
-        return _Deferred(
-            deferred.start, x.end, torch.cat([deferred.hidden_states, x.hidden_states]),
-            tuple(torch.cat([a, b]) for a, b in zip(deferred.aux_hidden_states,
-                                                    x.aux_hidden_states)))
+        try:
+            if span.end != x.start:
+                return None
+            hidden, *aux = self._deferred.rows(span)
+            return _Deferred(span.start, x.end, torch.cat([hidden, x.hidden_states]),
+                             tuple(torch.cat([a, b]) for a, b in zip(aux, x.aux_hidden_states)))
+        finally:
+            self._deferred.release(span)  # its rows are copied (or not needed) by now
 
     def _first_unwritten(self, request_id: str, start: int) -> int:
         """The first position some module has not written the draft KV of: `start` (where
@@ -149,12 +147,11 @@ class DrafterProposer:
             first_open_block = len(x.token_ids) // block_size * block_size
             if not drafts and self._first_unwritten(x.request_id, first) >= first_open_block:
                 # no hash can name these positions yet: write them later, in one pass
-                self._deferred[x.request_id] = (
-                    _Deferred(x.start, x.end, x.hidden_states.clone(),
-                              tuple(a.clone() for a in x.aux_hidden_states))
-                    if rows is None else _Deferred(
-                        rows.start, rows.end, rows.hidden_states.clone(),
-                        tuple(a.clone() for a in rows.aux_hidden_states)))
+                kept = x if rows is None else rows
+                self._deferred.extend(
+                    [x.request_id], [None], np.array([first]), np.array([kept.end]),
+                    (kept.hidden_states, *kept.aux_hidden_states[:len(self.aux_layers)]),
+                    np.arange(kept.end - first))
                 continue
             if drafts:
                 want.append(len(items))
@@ -211,51 +208,61 @@ class DrafterProposer:
         live = ends > starts
         rows = batch.target_rows
         num_aux = len(self.aux_layers)
-        # rows that continue positions deferred before them (popped either way, as above)
-        joined: dict[int, _Deferred] = {}
-        if self._deferred:
-            deferred_map = self._deferred
+        sources = (rows.hidden_states, *rows.aux_hidden_states[:num_aux])
+        # rows that continue positions deferred before them (taken either way, as above; the
+        # spans that do not continue are dropped)
+        store = self._deferred
+        joined: dict[int, DeferredSpan] = {}
+        if store:
             for i in np.flatnonzero(live).tolist():
-                deferred = deferred_map.pop(batch.request_ids[i], None)
-                if deferred is not None and deferred.end == int(starts[i]):
-                    joined[i] = deferred
+                span = store.take(batch.request_ids[i])
+                if span is None:
+                    continue
+                if span.end == int(starts[i]):
+                    joined[i] = span
+                else:
+                    store.release(span)
         first = starts
         if joined:
             first = starts.copy()
-            for i, deferred in joined.items():
-                first[i] = deferred.start
+            for i, span in joined.items():
+                first[i] = span.start
         # Draft only for requests whose catch-up reaches their last real token.
         drafts = live & batch.wants_drafts & (batch.max_drafts > 0) & (ends == num_tokens - 1)
         block_size = self.kv_cache.block_size
         # no hash can name these positions yet: write them later, in one pass
         defer = live & ~drafts & (first >= num_tokens // block_size * block_size)
-        for i in np.flatnonzero(defer).tolist():
-            self._deferred[batch.request_ids[i]] = self._joined_rows(batch, i, joined.get(i),
-                                                                     clone=True)
         keep = np.flatnonzero(live & ~defer)
-        if keep.shape[0] == 0:
+        caught_up_spans = [joined[i] for i in keep.tolist() if i in joined]
+        states = None
+        if keep.shape[0]:
+            first_k, ends_k = first[keep], ends[keep]
+            if bool((ends_k >= num_tokens[keep]).any()):
+                raise ValueError("each request needs >= 1 position and a known next token for "
+                                 "each")
+            counts = ends_k - first_k
+            if caught_up_spans:
+                states = self._joined_states(batch, keep, first_k, counts, joined, sources)
+            else:
+                states = _gather_rows(rows, batch.first_row[keep], counts, num_aux)
+        deferred = np.flatnonzero(defer)
+        if deferred.shape[0]:
+            store.extend([batch.request_ids[i] for i in deferred.tolist()],
+                         [joined.get(i) for i in deferred.tolist()], starts[deferred],
+                         ends[deferred], sources,
+                         ranges(batch.first_row[deferred], ends[deferred] - starts[deferred]))
+        for span in caught_up_spans:  # after the gather above read their rows
+            store.release(span)
+        if states is None:
             self.last_timing = ProposeTiming(self.clock() - begin, 0.0)
             return {}
         whole = keep.shape[0] == n
-        first_k, ends_k = first[keep], ends[keep]
-        if bool((ends_k >= num_tokens[keep]).any()):
-            raise ValueError("each request needs >= 1 position and a known next token for each")
-        counts = ends_k - first_k
         tokens = batch.token_ids
         next_ids = np.fromiter(
             itertools.chain.from_iterable(
                 tokens[i][a + 1 : b + 1]
                 for i, a, b in zip(keep.tolist(), first_k.tolist(), ends_k.tolist())),
             np.int64, int(counts.sum()))
-        if joined and any(i in joined for i in keep.tolist()):
-            joined_rows = [self._joined_rows(batch, i, joined.get(i), clone=False)
-                           for i in keep.tolist()]
-            states = TargetStates(
-                torch.cat([r.hidden_states for r in joined_rows]),
-                tuple(torch.cat([r.aux_hidden_states[a] for r in joined_rows])
-                      for a in range(num_aux)))
-        else:
-            states = _gather_rows(rows, batch.first_row[keep], counts, num_aux)
         table = batch.block_table if whole else batch.block_table[keep]
         lens = batch.block_table_lens if whole else batch.block_table_lens[keep]
         want = np.flatnonzero(drafts[keep])
@@ -276,30 +283,39 @@ class DrafterProposer:
         return {request_ids[i]: d[:m]
                 for i, d, m in zip(asked.tolist(), out, max_drafts.tolist())}
 
-    @staticmethod
-    def _joined_rows(batch: ProposerBatch, i: int, deferred: _Deferred | None,
-                     clone: bool) -> _Deferred:
-        """Row i's positions and target rows, after the deferred ones they continue."""
-        start, end, first_row = int(batch.start[i]), int(batch.end[i]), int(batch.first_row[i])
-        span = slice(first_row, first_row + end - start)
-        rows = batch.target_rows
-        hidden = rows.hidden_states[span]
-        aux = tuple(h[span] for h in rows.aux_hidden_states)
-        if deferred is not None:
-            start = deferred.start
-            hidden = torch.cat([deferred.hidden_states, hidden])
-            aux = tuple(torch.cat([a, b]) for a, b in zip(deferred.aux_hidden_states, aux))
-        if clone:
-            hidden, aux = hidden.clone(), tuple(a.clone() for a in aux)
-        return _Deferred(start, end, hidden, aux)
+    def _joined_states(self, batch: ProposerBatch, keep: np.ndarray, first: np.ndarray,
+                       counts: np.ndarray, joined: dict[int, DeferredSpan],
+                       sources: Sequence[torch.Tensor]) -> TargetStates:
+        """The rows of requests `keep` (positions first .. first + counts - 1 each, in order),
+        the deferred ones (`joined`) from the store, the step's from `sources`: two gathers per
+        tensor, whatever the batch."""
+        spans = [joined.get(i) for i in keep.tolist()]
+        num_old = np.fromiter((0 if s is None else s.end - s.start for s in spans), np.int64,
+                              len(spans))
+        offsets = np.cumsum(counts) - counts  # each request's first row in the output
+        has_old = np.flatnonzero(num_old)
+        old_dest = torch.from_numpy(ranges(offsets[has_old], num_old[has_old]))
+        old_rows = self._deferred.gather(
+            self._deferred.slot_rows_index([spans[j] for j in has_old.tolist()]))
+        num_new = counts - num_old
+        new_dest = torch.from_numpy(ranges(offsets + num_old, num_new))
+        new_src = torch.from_numpy(ranges(batch.first_row[keep], num_new))
+        total = int(counts.sum())
+        out = []
+        for source, old in zip(sources, old_rows, strict=True):
+            t = source.new_empty((total, source.shape[1]))
+            t.index_copy_(0, old_dest.to(t.device), old.to(t.dtype))
+            t.index_copy_(0, new_dest.to(t.device), source.index_select(0, new_src.to(
+                source.device)))
+            out.append(t)
+        return TargetStates(out[0], tuple(out[1:]))
 
 
 def _gather_rows(shared, firsts: np.ndarray, counts: np.ndarray, num_aux: int) -> TargetStates:
     """Rows firsts[i] .. firsts[i] + counts[i] - 1 of the step's shared target rows, in order:
     the rows themselves when that is all of them, else one gather."""
     total = int(counts.sum())
-    # [total] row of every position: firsts[i] + 0 .. counts[i] - 1 per item
-    index = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(total)
+    index = ranges(firsts, counts)  # [total] row of every position
     if total == shared.hidden_states.shape[0] and bool((index == np.arange(total)).all()):
         return TargetStates(shared.hidden_states, tuple(shared.aux_hidden_states[:num_aux]))
     rows = torch.from_numpy(index).to(shared.hidden_states.device)

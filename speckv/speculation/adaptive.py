@@ -23,15 +23,30 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
                  apart for k = 0 and k > 0: without drafts the catch-up only writes draft KV,
                  with drafts it also computes the outputs drafting starts from
 
-It starts with one draft per request (cheap even where drafting does not pay; it measures
-g, a_1 and T at 2B), then no drafts for one step (T at B). From then on it drafts only where
+It starts without drafts: until T is measured below 2B tokens (the prefill steps measure it
+at many tokens, the first decode step at B) there is nothing to weigh drafting against. Then,
+before any draft is measured, g(B) is taken as zero and the catch-up as no dearer than without
+drafts: the most one draft could pay at the prior acceptance. T(2B) comes from the measured
+segments (B and the prefills' token counts), so where verifying B more tokens costs nearly as
+much as B tokens (a compute-bound target: T(2B) ~ 2 T(B)), even that does not pay and no draft
+is spent finding out; where it is nearly free (memory-bound, batch 1) the first draft step
+measures g and a_1. Only with T measured at a single token count (no slope known) does it
+draft once to measure T at 2B. From then on it drafts only where
 that is predicted to pay by `enable_margin` (default 6%: with noisy costs a wrong "on" costs
-more than a wrong "off" saves), keeps the best k (a switch among draft lengths needs a
+more than a wrong "off" saves) and stops as soon as no drafting is predicted ahead (that band
+is the hysteresis), keeps the best k (a switch among draft lengths needs a
 `switch_margin` gain), and never considers more drafts than one beyond the token counts
-already measured (T beyond them is a guess along the last segment, which noise can make flat).
-T at unmeasured token counts follows the measured segments and never falls below T at fewer
-tokens (noise must not make verifying more tokens look cheaper); a mean falls fast towards a
-faster measurement and rises slowly (other processes' load only ever slows a step down).
+already measured (T beyond them is a guess along the last segment, which noise can make flat);
+while g is not measured, no more than one draft.
+The catch-up F is measured on decode-only steps: a step with prefill rows (more target tokens
+than B requests with k drafts each could verify) catches those rows up too, a cost that is
+paid whatever k and says nothing about F(B).
+T (and g, F) are fitted non-decreasing in their key by pooling adjacent violators weighted
+by measurement counts, and T(B(1 + k)) is never taken below T(B): noise must not make
+verifying more tokens look cheaper, and a spike measured once at a smaller batch (as requests
+finish) must not raise a T(B) measured many times and make drafting look cheap; a mean falls
+fast towards a faster measurement and rises slowly (other processes' load only ever slows a
+step down).
 Every `probe_interval` steps it tries the runner-up for one step (8x less often when the
 runner-up is predicted to lose by more than 5%), so a change in batch size or acceptance is
 noticed; while drafting it also measures no drafting again, every `probe_interval` / 4 steps
@@ -153,17 +168,20 @@ class SpeculationReport:
 
 
 class _DecayedMeans:
-    """A decayed mean per integer key, and piecewise-linear prediction between keys."""
+    """A decayed mean per integer key, fitted non-decreasing in the key (costs do not fall as
+    work grows), and piecewise-linear prediction between keys."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.means: dict[int, float] = {}
         self.counts: dict[int, int] = {}  # measurements per key
         self._keys: list[int] = []
+        self._fitted: dict[int, float] | None = None  # cache of `fitted()`
 
     def add(self, key: int, value: float) -> None:
         old = self.means.get(key)
         self.counts[key] = self.counts.get(key, 0) + 1
+        self._fitted = None
         if old is None:
             bisect.insort(self._keys, key)
             self.means[key] = value
@@ -180,25 +198,48 @@ class _DecayedMeans:
     def max_key(self) -> int:
         return self._keys[-1] if self._keys else 0
 
+    def min_key(self) -> int | None:
+        return self._keys[0] if self._keys else None
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def fitted(self) -> dict[int, float]:
+        """The means made non-decreasing in the key by pooling adjacent violators, weighted by
+        their measurement counts (the least-squares monotone fit). A mean above the next
+        key's (a load spike, e.g. at a batch size seen once as requests finish) is pooled with
+        it by weight: a key measured many times keeps nearly its own mean, and the spike
+        neither raises it (which made no drafting look dear) nor makes more work look cheaper
+        than less."""
+        if self._fitted is None:
+            blocks: list[list[float]] = []  # [mean, weight, number of keys]
+            for key in self._keys:
+                blocks.append([self.means[key], float(self.counts[key]), 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    v2, w2, n2 = blocks.pop()
+                    v1, w1, n1 = blocks[-1]
+                    blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+            keys = iter(self._keys)
+            self._fitted = {next(keys): v for v, _, n in blocks for _ in range(int(n))}
+        return self._fitted
+
     def predict(self, key: int) -> float | None:
-        """The mean at `key`, interpolated / extrapolated along the nearest measured segment
-        (never below 0); with a single key, proportional to the key. None: nothing measured."""
+        """The fitted mean at `key` (`fitted`), interpolated / extrapolated along the nearest
+        measured segment (never below 0); with a single key, proportional to the key. None:
+        nothing measured."""
         keys = self._keys
         if not keys:
             return None
-        i = bisect.bisect_right(keys, key)
-        # costs do not fall as work grows: never below a mean measured at fewer tokens
-        floor = max((self.means[k] for k in keys[:i]), default=0.0)
-        if key in self.means:
-            return max(floor, self.means[key])
+        means = self.fitted()
+        if key in means:
+            return means[key]
         if len(keys) == 1:
-            return max(floor, self.means[keys[0]] * key / keys[0])
+            return means[keys[0]] * key / keys[0]
         i = bisect.bisect_left(keys, key)
         lo, hi = (keys[0], keys[1]) if i == 0 else (
             (keys[-2], keys[-1]) if i == len(keys) else (keys[i - 1], keys[i]))
-        y0, y1 = self.means[lo], self.means[hi]
-        slope = max(0.0, (y1 - y0) / (hi - lo))
-        return max(floor, y0 + slope * (key - lo))
+        y0, y1 = means[lo], means[hi]
+        return max(0.0, y0 + (y1 - y0) / (hi - lo) * (key - lo))
 
 
 @dataclass
@@ -226,7 +267,6 @@ class AdaptiveSpeculation:
         self._current = 0 if config.adaptive else s
         self._steps_since_probe = 0
         self._steps_since_zero = 0
-        self._tried_zero = False
         self._predicted_speedup: float | None = None
 
     # ---- measurements -------------------------------------------------------------------------
@@ -268,10 +308,14 @@ class AdaptiveSpeculation:
             self._target.add(cost.num_target_tokens, cost.target_s)
         b = cost.num_decode_requests
         if b > 0:
+            # more tokens than b decoding requests could verify: prefill rows were caught up
+            # too (module docstring), not a measure of F(b)
+            decode_only = cost.num_target_tokens <= b * (1 + self.config.max_spec_tokens)
             if cost.num_spec_tokens > 0:
-                self._fixed.add(b, cost.catch_up_s)
+                if decode_only:
+                    self._fixed.add(b, cost.catch_up_s)
                 self._draft.add(b, cost.propose_s / cost.num_spec_tokens)
-            else:
+            elif decode_only:
                 self._fixed_no_draft.add(b, cost.catch_up_s)
 
     # ---- the decision -------------------------------------------------------------------------
@@ -290,22 +334,30 @@ class AdaptiveSpeculation:
             total += run
         return total
 
-    def predicted_goodput(self, num_requests: int, k: int) -> float | None:
+    def predicted_goodput(self, num_requests: int, k: int, unmeasured_drafts_free: bool = False
+                          ) -> float | None:
         """Tokens per second with k drafts for `num_requests` decoding requests (None: the
-        costs are not measured yet)."""
+        costs are not measured yet). `unmeasured_drafts_free`: before drafting is measured,
+        its cost is taken as zero (draft positions free, the catch-up no dearer than without
+        drafts): the most drafting could pay at the current acceptance."""
         b = num_requests
         target = self._target.predict(b * (1 + k))
         if target is None:
             return None
         draft = 0.0
         if k:
+            # noise must not make verifying more tokens look cheaper than B tokens
+            target = max(target, self._target.predict(b) or 0.0)
             per_position = self._draft.predict(b)
-            if per_position is None:
+            if per_position is None and not unmeasured_drafts_free:
                 return None
-            draft = k * per_position
-        fixed = (self._fixed_no_draft.predict(b) if k == 0 else None)
-        if fixed is None:  # k = 0 not measured yet: its catch-up costs at most the drafting one
-            fixed = self._fixed.predict(b) or 0.0
+            draft = k * (per_position or 0.0)
+        no_draft = self._fixed_no_draft.predict(b)
+        fixed = no_draft if k == 0 else self._fixed.predict(b)
+        if fixed is None:
+            # k = 0 not measured yet: its catch-up costs at most the drafting one; k > 0 not
+            # measured yet (only with unmeasured_drafts_free): at least the one without drafts
+            fixed = (self._fixed.predict(b) if k == 0 else no_draft) or 0.0
         return b * self.expected_tokens(k) / max(1e-9, target + draft + fixed)
 
     def decide(self, num_requests: int) -> int:
@@ -321,20 +373,25 @@ class AdaptiveSpeculation:
         s = self.config.max_spec_tokens
         if not self.config.adaptive:
             return s
-        if self._draft.predict(num_requests) is None:
-            return 1  # measure drafting at its cheapest first
-        if not self._tried_zero:  # then no drafting once, so T is measured at both ends
-            self._tried_zero = True
-            return 0
+        low = self._target.min_key()
+        if low is None or low >= 2 * num_requests:
+            return 0  # T below 2B would be a guess: measure the cost drafting must beat first
+        measured = self._draft.predict(num_requests) is not None
+        if not measured and len(self._target) == 1:
+            return 1  # T at one token count only, no slope: measure drafting at its cheapest
         # T beyond the most tokens measured is a guess along the last segment, which noise can
-        # make flat: explore one draft further than measured at a time, never more
-        reach = max(1, self._target.max_key() // num_requests)
-        goodput = {k: self.predicted_goodput(num_requests, k) for k in range(min(s, reach) + 1)}
+        # make flat: explore one draft further than measured at a time, never more; before a
+        # draft is measured, at most one (at the most it could pay: module docstring)
+        reach = max(1, self._target.max_key() // num_requests) if measured else 1
+        goodput = {k: self.predicted_goodput(num_requests, k, unmeasured_drafts_free=True)
+                   for k in range(min(s, reach) + 1)}
         known = {k: g for k, g in goodput.items() if g is not None}
         best = max(known, key=lambda k: known[k])
         current = known.get(self._current)
+        # on needs enable_margin, off none (a wrong "on" is the costly error; the band between
+        # is the hysteresis), a change among draft lengths switch_margin
         margin = (self.config.enable_margin if self._current == 0 and best > 0
-                  else self.config.switch_margin)
+                  else 0.0 if best == 0 else self.config.switch_margin)
         if current is None or known[best] > current * (1.0 + margin):
             self._current = best
         if known.get(0):

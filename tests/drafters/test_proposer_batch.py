@@ -21,33 +21,43 @@ SCRIPT = [3, 0, 0, 2, 3, 1, 0, 3]  # draft lengths per step: deferrals, then the
 
 
 class ScriptedSpeculation(AdaptiveSpeculation):
-    def __init__(self, max_spec_tokens: int) -> None:
+    def __init__(self, max_spec_tokens: int, script: list[int] = SCRIPT) -> None:
         super().__init__(AdaptiveSpecConfig(max_spec_tokens))
         self.calls = 0
+        self.script = script
 
     def _decide(self, num_requests: int) -> int:
         self.calls += 1
-        return SCRIPT[(self.calls - 1) % len(SCRIPT)]
+        return self.script[(self.calls - 1) % len(self.script)]
 
 
-def _engine(model, drafter, per_request: bool) -> LLMEngine:
+def _engine(model, drafter, per_request: bool, max_num_seqs: int = 4,
+            script: list[int] = SCRIPT) -> LLMEngine:
     config = engine_config(num_blocks=96, block_size=4, speculative_method=drafter.policy.name,
-                           num_spec_tokens=3, max_num_batched_tokens=24, max_num_seqs=4)
+                           num_spec_tokens=3, max_num_batched_tokens=24,
+                           max_num_seqs=max_num_seqs)
     engine = LLMEngine(model, config, drafter=drafter)
-    engine.spec_policy = engine.runner.spec_policy = ScriptedSpeculation(3)
+    engine.spec_policy = engine.runner.spec_policy = ScriptedSpeculation(3, script)
     if per_request:
         batched = engine.proposer.propose
         engine.proposer.propose = lambda inputs: batched(list(inputs))  # ProposerInputs
     return engine
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_batch_and_per_request_inputs_propose_alike(tiny_model, method):
+@pytest.mark.parametrize(("method", "num_prompts", "max_num_seqs", "script"), [
+    ("eagle", 6, 4, SCRIPT), ("eagle3", 6, 4, SCRIPT), ("mtp", 6, 4, SCRIPT),
+    # mostly no drafts: more requests deferring at once than the row store's first slots
+    ("eagle3", 12, 12, [0, 0, 0, 0, 0, 2, 0, 0, 0]),
+])
+def test_batch_and_per_request_inputs_propose_alike(tiny_model, method, num_prompts,
+                                                    max_num_seqs, script):
     kw = {"mtp": {"num_modules": 1}, "eagle3": {"aux_layers": (0, 0, 0)}}.get(method, {})
     drafter = random_drafter(method, tiny_model, init_std=0.2, seed=5, **kw)
-    engines = [_engine(tiny_model, drafter, per_request) for per_request in (False, True)]
+    engines = [_engine(tiny_model, drafter, per_request, max_num_seqs, script)
+               for per_request in (False, True)]
+    prompts = (PROMPTS * 2)[:num_prompts]
     for engine in engines:
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True),
                                f"r{i}")
     outputs: list[dict[str, list[int]]] = [{}, {}]
@@ -64,9 +74,9 @@ def test_batch_and_per_request_inputs_propose_alike(tiny_model, method):
                 b.proposer.num_deferred_positions(request_id)
         assert torch.equal(a.proposer.kv_cache.storage, b.proposer.kv_cache.storage)
         steps += 1
-    assert outputs[0] == outputs[1] and len(outputs[0]) == len(PROMPTS)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == len(prompts)
     assert torch.equal(engines[0].runner.kv_cache.storage, engines[1].runner.kv_cache.storage)
-    assert steps > len(SCRIPT)
+    assert steps > len(script)
 
 
 def test_batch_reads_as_its_proposer_inputs():
