@@ -369,37 +369,39 @@ class ModelRunner:
         else:
             num_accepted = np.zeros(n, dtype=np.int64)
             careful = samples
-        # the greedy ones that keep every token they sampled and go on
+        # every sampling request's greedy tokens, in batch order (C-level slicing); the
+        # careful ones (seeded, or a stop may end them) are then redone one by one
         num_kept = np.where(samples, num_accepted + 1, 0)
-        plain_list = (samples & ~careful).tolist()
-        first_list, accepted_list = first_rows.tolist(), num_accepted.tolist()
-        for index in sampling.tolist():
-            state = states[index]
-            token_ids = state.token_ids
-            lo = first_list[index]
-            if plain_list[index]:
-                sampled = argmax[lo : lo + accepted_list[index] + 1]
-                token_ids.extend(sampled)
-                sampled_by_id[request_ids[index]] = sampled
-                continue
-            drafts = scheduled[index].draft_token_ids
-            data = state.data
-            if data.sampling_seed is not None:
-                sampled = verify_random(logits[lo : lo + int(forward.num_logit_rows[index])],
-                                        drafts, data.sampling_params, data.sampling_seed,
-                                        len(token_ids))
-                num_accepted[index] = len(sampled) - 1
-            else:
-                sampled = argmax[lo : lo + accepted_list[index] + 1]
-            num_stop, reason = first_stop(sampled, len(token_ids), len(data.prompt_token_ids),
-                                          data.stop_limits)
-            if reason is not None:
-                sampled = sampled[:num_stop]
-                reasons[request_ids[index]] = reason
-                stopped[index] = True
-            num_kept[index] = len(sampled)
-            token_ids.extend(sampled)
-            sampled_by_id[request_ids[index]] = sampled
+        firsts = first_rows[sampling]
+        ends = firsts + num_kept[sampling]
+        sampled_lists = list(map(argmax.__getitem__, map(slice, firsts.tolist(), ends.tolist())))
+        careful_rows = np.flatnonzero(careful & samples)
+        if careful_rows.shape[0]:
+            logit_rows = forward.num_logit_rows
+            positions = np.searchsorted(sampling, careful_rows).tolist()
+            for index, position in zip(careful_rows.tolist(), positions):
+                state = states[index]
+                data = state.data
+                num_real = len(state.token_ids)
+                sampled = sampled_lists[position]
+                if data.sampling_seed is not None:
+                    lo = int(first_rows[index])
+                    sampled = verify_random(logits[lo : lo + int(logit_rows[index])],
+                                            scheduled[index].draft_token_ids,
+                                            data.sampling_params, data.sampling_seed, num_real)
+                    num_accepted[index] = len(sampled) - 1
+                num_stop, reason = first_stop(sampled, num_real, len(data.prompt_token_ids),
+                                              data.stop_limits)
+                if reason is not None:
+                    sampled = sampled[:num_stop]
+                    reasons[request_ids[index]] = reason
+                    stopped[index] = True
+                num_kept[index] = len(sampled)
+                sampled_lists[position] = sampled
+        sampling_list = sampling.tolist()
+        for state, sampled in zip([states[i] for i in sampling_list], sampled_lists):
+            state.token_ids.extend(sampled)
+        sampled_by_id = dict(zip([request_ids[i] for i in sampling_list], sampled_lists))
         request_rows.num_tokens[rows] = num_tokens + num_kept
         verifying = np.flatnonzero(num_drafts)  # sampling requests that verified drafts
         accepted: dict[str, int] = {}
