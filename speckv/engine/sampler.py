@@ -99,6 +99,10 @@ def accepted_greedy(argmax: np.ndarray, first_rows: np.ndarray, num_drafts: np.n
     total = int(num_drafts.sum()) if n else 0
     if total == 0:
         return np.zeros(n, dtype=np.int64)
+    k = int(num_drafts[0])
+    if total == n * k and bool((num_drafts == k).all()):  # k drafts each (decode)
+        matches = argmax[first_rows[:, None] + np.arange(k)] == draft_ids.reshape(n, k)
+        return np.cumprod(matches, axis=1).sum(axis=1)
     # [total] request of every draft, and its index among the request's drafts
     owner = np.repeat(np.arange(n), num_drafts)
     index = np.arange(total) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
