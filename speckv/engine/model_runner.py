@@ -3,7 +3,9 @@
 Owns the model, its `PagedKVCache`, the proposer (with the drafter's own KV cache) and, per
 request, what it needs across steps: real token ids (it appends what it samples), one block
 table per KV cache group of the model's `KVCacheLayout` (kept from the scheduler's deltas; the
-runner never reads the cache manager) and its sampling seed. Each forward gets one
+runner never reads the cache manager) and its sampling seed; the scalars the step's array ops
+read (real tokens so far, where a length stop falls, seeded or greedy) also as persistent
+arrays by row (`RequestRows`), beside the block tables'. Each forward gets one
 `AttentionMetadata` per group (`GroupedAttentionMetadata`; each layer reads its group's); the
 drafter's KV follows the block table of the layout's `draft_group` (full attention). One step:
 
@@ -333,7 +335,6 @@ class ModelRunner:
         assert self.states is not None
         return [self.requests[item.request_id].block_ids[self.states.group]
                 for item in scheduled]
-
 
     def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward) -> _Sampled:
         """Verified tokens per sampling request, cut at the first stop and appended to the
