@@ -78,6 +78,7 @@ class _Forward:
     slot_mapping: torch.Tensor
     request_ids: list[str]
     states: list[_RunnerRequest]  # the runner's copy of each scheduled request
+    token_ids: list[list[int]]  # their real token lists (`_RunnerRequest.token_ids`)
     rows: np.ndarray  # int64, their rows in the runner's persistent arrays
     samples: np.ndarray  # bool, the request's logits sample this step
     # int64, of a sampling request: its first row in `logits` and its rows (1 + drafts
@@ -259,10 +260,10 @@ class ModelRunner:
         request_ids = [item.request_id for item in scheduled]
         requests = self.requests
         states = [requests[request_id] for request_id in request_ids]
-        for item, state in zip(scheduled, states):
+        token_lists = [state.token_ids for state in states]
+        for item, token_ids in zip(scheduled, token_lists):
             start, num_new = item.start, item.num_new_tokens
             end = start + num_new
-            token_ids = state.token_ids
             num_real = len(token_ids)
             drafts = item.draft_token_ids
             if end <= num_real:
@@ -327,7 +328,7 @@ class ModelRunner:
         draft_table, draft_lens = gathered[self.draft_group]
         return _Forward(
             output, token_offsets, logits, groups[self.draft_group].slot_mapping, request_ids,
-            states, rows_array, samples, first_logit_rows, num_logit_rows, num_drafts,
+            states, token_lists, rows_array, samples, first_logit_rows, num_logit_rows, num_drafts,
             draft_ids, draft_table, draft_lens, q, ends, state_plan)
 
     def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
@@ -399,10 +400,14 @@ class ModelRunner:
                     stopped[index] = True
                 num_kept[index] = len(sampled)
                 sampled_lists[position] = sampled
-        sampling_list = sampling.tolist()
-        for state, sampled in zip([states[i] for i in sampling_list], sampled_lists):
-            state.token_ids.extend(sampled)
-        sampled_by_id = dict(zip([request_ids[i] for i in sampling_list], sampled_lists))
+        token_lists, sampling_ids = forward.token_ids, request_ids
+        if sampling.shape[0] != n:
+            sampling_list = sampling.tolist()
+            token_lists = [token_lists[i] for i in sampling_list]
+            sampling_ids = [request_ids[i] for i in sampling_list]
+        for token_ids, sampled in zip(token_lists, sampled_lists):
+            token_ids.extend(sampled)
+        sampled_by_id = dict(zip(sampling_ids, sampled_lists))
         request_rows.num_tokens[rows] = num_tokens + num_kept
         verifying = np.flatnonzero(num_drafts)  # sampling requests that verified drafts
         accepted: dict[str, int] = {}
@@ -439,7 +444,7 @@ class ModelRunner:
         # drafts allowed next step, before the engine's draft length (the length limits)
         rooms = self._rows.stop_len[rows] - 1 - num_tokens
         inputs = ProposerBatch(
-            request_ids, [state.token_ids for state in states], starts, ends,
+            request_ids, forward.token_ids, starts, ends,
             forward.token_offsets, wants, np.clip(rooms, 0, num_spec), target_rows,
             forward.draft_table, forward.draft_table_lens,
             [state.block_ids for state in states], self.draft_group)
@@ -450,11 +455,11 @@ class ModelRunner:
             self.spec_policy.observe_step(StepCost(
                 int(forward.query_lens.sum()), target_s, num_decode, proposed,
                 timing.catch_up_s, timing.draft_s))
-        max_drafts = inputs.max_drafts.tolist()
+        wanted = np.flatnonzero(wants)
         out: dict[str, list[int]] = {}
-        for index in np.flatnonzero(wants).tolist():
-            request_id = request_ids[index]
+        for request_id, limit in zip([request_ids[i] for i in wanted.tolist()],
+                                     inputs.max_drafts[wanted].tolist()):
             proposed_ids = drafts.get(request_id)
             if proposed_ids:
-                out[request_id] = list(map(int, proposed_ids[: max_drafts[index]]))
+                out[request_id] = list(map(int, proposed_ids[:limit]))
         return out
