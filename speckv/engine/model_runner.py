@@ -29,6 +29,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -48,13 +49,17 @@ from speckv.engine.messages import (
     SchedulerOutput,
 )
 from speckv.engine.request_rows import RequestRows
-from speckv.engine.sampler import accepted_greedy, greedy_tokens, verify_random
+from speckv.engine.sampler import accepted_greedy, greedy_tokens, verify_greedy, verify_random
 from speckv.engine.stopping import first_stop, may_stop
 from speckv.models.base import TargetModel
 from speckv.models.common.decoder import ModelOutput
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
 from speckv.speculation.proposer import Proposer, ProposerBatch, TargetRows
+
+# up to this many scheduled requests, sampling goes request by request (array ops' fixed cost
+# would dominate; see `_sample`)
+_SMALL_BATCH = 32
 
 
 @dataclass
@@ -69,10 +74,13 @@ class _RunnerRequest:
 
 @dataclass(frozen=True)
 class _Forward:
-    """One forward's rows, by batch index of `SchedulerOutput.scheduled` (arrays: [num_reqs])."""
+    """One forward's rows, by batch index of `SchedulerOutput.scheduled` ([num_reqs] each):
+    host lists, and the same as arrays built on first read (a small batch's sampling reads
+    the lists only; array ops' fixed cost would dominate there)."""
 
     output: ModelOutput  # hidden states, each [num_tokens, hidden]
-    token_offsets: np.ndarray  # int64, batch index -> first row of that request on the token axis
+    scheduled: list[ScheduledRequest]
+    token_offsets: list[int]  # batch index -> first row of that request on the token axis
     logits: torch.Tensor  # [num_sample_rows, vocab] fp32
     # [num_tokens] int64 physical slot of every computed token in the drafter's group
     slot_mapping: torch.Tensor
@@ -80,22 +88,54 @@ class _Forward:
     states: list[_RunnerRequest]  # the runner's copy of each scheduled request
     token_ids: list[list[int]]  # their real token lists (`_RunnerRequest.token_ids`)
     rows: np.ndarray  # int64, their rows in the runner's persistent arrays
-    samples: np.ndarray  # bool, the request's logits sample this step
-    # int64, of a sampling request: its first row in `logits` and its rows (1 + drafts
-    # verified); 0 for the others
-    first_logit_rows: np.ndarray
-    num_logit_rows: np.ndarray
-    num_drafts: np.ndarray  # int64, drafts verified (0 unless it samples)
-    draft_ids: np.ndarray  # [sum(num_drafts)] int64, those drafts, requests in batch order
+    samples_host: list[bool]  # the request's logits sample this step
+    # of a sampling request: its first row in `logits` and its rows (1 + drafts verified);
+    # 0 for the others
+    first_logit_rows_host: list[int]
+    num_logit_rows_host: list[int]
+    num_drafts_host: list[int]  # drafts verified (0 unless it samples)
     # the drafter's group's block tables of the batch: [num_reqs, width] int32 0-padded, and
     # blocks per request [num_reqs] (what the proposer's forwards address its KV with)
     draft_table: np.ndarray
     draft_table_lens: np.ndarray
-    # int64, per request: positions computed this step, and one past the last of them
-    query_lens: np.ndarray
-    seq_lens: np.ndarray
+    # per request: positions computed this step, and one past the last of them
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
     # linear-attention layers' plan (hybrid models only): recorded verification windows
     state_plan: StatePlan | None = None
+
+    @cached_property
+    def samples(self) -> np.ndarray:  # bool
+        return np.asarray(self.samples_host, dtype=bool)
+
+    @cached_property
+    def first_logit_rows(self) -> np.ndarray:  # int64
+        return np.asarray(self.first_logit_rows_host, dtype=np.int64)
+
+    @cached_property
+    def num_drafts(self) -> np.ndarray:  # int64
+        return np.asarray(self.num_drafts_host, dtype=np.int64)
+
+    @cached_property
+    def query_lens(self) -> np.ndarray:  # int64
+        return np.asarray(self.query_lens_host, dtype=np.int64)
+
+    @cached_property
+    def seq_lens(self) -> np.ndarray:  # int64
+        return np.asarray(self.seq_lens_host, dtype=np.int64)
+
+    @cached_property
+    def token_offsets_array(self) -> np.ndarray:  # int64
+        return np.asarray(self.token_offsets, dtype=np.int64)
+
+    @cached_property
+    def draft_ids(self) -> np.ndarray:
+        """[sum(num_drafts)] int64: the drafts verified, requests in batch order."""
+        return np.fromiter(
+            itertools.chain.from_iterable(
+                item.draft_token_ids for item, sampling in zip(self.scheduled, self.samples_host)
+                if sampling),
+            np.int64, sum(self.num_drafts_host))
 
 
 @dataclass(frozen=True)
@@ -106,8 +146,9 @@ class _Sampled:
     by_id: dict[str, list[int]]  # per sampling request: accepted drafts + bonus, cut at a stop
     reasons: dict[str, FinishReason]  # the requests those tokens end
     accepted: dict[str, int]  # drafts accepted per request that verified drafts
-    num_kept: np.ndarray  # int64, len(by_id[request]) (0 where it did not sample)
-    stopped: np.ndarray  # bool, named in `reasons`
+    # (arrays, or lists from a small batch's sampling)
+    num_kept: np.ndarray | list[int]  # len(by_id[request]) (0 where it did not sample)
+    stopped: np.ndarray | list[bool]  # named in `reasons`
 
 
 class ModelRunner:
@@ -254,9 +295,13 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        num_real_tokens: list[int] = []
-        num_drafts_list: list[int] = []
-        samples_list: list[bool] = []
+        sample_rows: list[int] = []  # token-axis row of each logit row
+        first_logit_rows: list[int] = []
+        num_logit_rows: list[int] = []
+        num_drafts: list[int] = []
+        samples: list[bool] = []
+        token_offsets: list[int] = []
+        num_tokens = 0
         request_ids = [item.request_id for item in scheduled]
         requests = self.requests
         states = [requests[request_id] for request_id in request_ids]
@@ -276,32 +321,22 @@ class ModelRunner:
                 assert start <= num_real, "scheduled tokens do not exist"
                 input_ids.extend(token_ids[start:])
                 input_ids.extend(drafts)
+            if item.samples:
+                # its logits: from its last real token (1 bonus row + 1 per draft)
+                first = num_tokens + (num_real - 1 - start)
+                first_logit_rows.append(len(sample_rows))
+                num_logit_rows.append(end - num_real + 1)
+                sample_rows.extend(range(first, num_tokens + num_new))
+                num_drafts.append(len(item.draft_token_ids))
+            else:
+                first_logit_rows.append(0)
+                num_logit_rows.append(0)
+                num_drafts.append(0)
+            samples.append(item.samples)
+            token_offsets.append(num_tokens)
             query_lens.append(num_new)
             seq_lens.append(end)
-            num_real_tokens.append(num_real)
-            num_drafts_list.append(len(item.draft_token_ids))
-            samples_list.append(item.samples)
-        q = np.asarray(query_lens, dtype=np.int64)
-        ends = np.asarray(seq_lens, dtype=np.int64)
-        num_real_array = np.asarray(num_real_tokens, dtype=np.int64)
-        samples = np.asarray(samples_list, dtype=bool)
-        num_drafts = np.where(samples, np.asarray(num_drafts_list, dtype=np.int64), 0)
-        token_offsets = np.cumsum(q) - q  # [n] first row of each request on the token axis
-        num_tokens = int(token_offsets[-1] + q[-1]) if q.shape[0] else 0
-        # a sampling request's logits: from its last real token (1 bonus row + 1 per draft)
-        num_logit_rows = np.where(samples, ends - num_real_array + 1, 0)
-        first_logit_rows = np.cumsum(num_logit_rows) - num_logit_rows
-        num_sample_rows = int(first_logit_rows[-1] + num_logit_rows[-1]) if q.shape[0] else 0
-        # [num_sample_rows] token-axis row of each logit row
-        first_token_rows = token_offsets + (num_real_array - 1 - (ends - q))
-        sample_rows = (np.repeat(first_token_rows - first_logit_rows, num_logit_rows)
-                       + np.arange(num_sample_rows))
-        first_logit_rows = np.where(samples, first_logit_rows, 0)
-        draft_ids = np.fromiter(
-            itertools.chain.from_iterable(
-                item.draft_token_ids for item, sampling in zip(scheduled, samples_list)
-                if sampling),
-            np.int64, int(num_drafts.sum()))
+            num_tokens += num_new
         rows_array = np.fromiter((state.row for state in states), np.int64, len(states))
         groups = []
         gathered = []
@@ -322,14 +357,16 @@ class ModelRunner:
             output = self.model(ids, metadata.positions(), self.kv_cache, metadata,
                                 self.aux_layers, state=state_plan)
         hidden = output.hidden_states
-        if num_sample_rows != num_tokens:  # (else every row samples, in order: no gather)
-            hidden = hidden.index_select(0, torch.from_numpy(sample_rows).to(self.device))
+        if len(sample_rows) != num_tokens:  # (else every row samples, in order: no gather)
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64,
+                                                         device=self.device))
         logits = self.model.compute_logits(hidden)
         draft_table, draft_lens = gathered[self.draft_group]
         return _Forward(
-            output, token_offsets, logits, groups[self.draft_group].slot_mapping, request_ids,
-            states, token_lists, rows_array, samples, first_logit_rows, num_logit_rows, num_drafts,
-            draft_ids, draft_table, draft_lens, q, ends, state_plan)
+            output, scheduled, token_offsets, logits, groups[self.draft_group].slot_mapping,
+            request_ids, states, token_lists, rows_array, samples, first_logit_rows,
+            num_logit_rows, num_drafts, draft_table, draft_lens, query_lens, seq_lens,
+            state_plan)
 
     def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """The state group's block table of each scheduled request (hybrid models)."""
@@ -340,62 +377,49 @@ class ModelRunner:
     def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward) -> _Sampled:
         """Verified tokens per sampling request, cut at the first stop and appended to the
         runner's token ids; why the stopped ones stop; drafts accepted per request that
-        verified drafts (before the cut: what verification accepted). Greedy requests are
-        verified for the whole batch at once (`accepted_greedy`); only seeded ones and those
-        a stop may end (`may_stop`) take the per-request path (`verify_random`,
-        `first_stop`)."""
+        verified drafts (before the cut: what verification accepted). In a large batch the
+        greedy requests are verified at once (`accepted_greedy`) and only seeded ones and
+        those a stop may end (`may_stop`) go one by one; a small batch goes one by one
+        (`verify_greedy`): there array ops' fixed cost would dominate."""
+        if len(scheduled) <= _SMALL_BATCH:
+            return self._sample_each(scheduled, forward)
         logits = forward.logits  # [num_sample_rows, vocab]
-        states, samples, rows = forward.states, forward.samples, forward.rows
+        states, rows, samples = forward.states, forward.rows, forward.samples
         request_ids = forward.request_ids
         n = len(scheduled)
         stopped = np.zeros(n, dtype=bool)
-        sampled_by_id: dict[str, list[int]] = {}
         reasons: dict[str, FinishReason] = {}
-        sampling = np.flatnonzero(samples)
-        if sampling.shape[0] == 0:
-            return _Sampled(sampled_by_id, reasons, {}, np.zeros(n, dtype=np.int64), stopped)
         request_rows = self._rows
         seeded = request_rows.seeded[rows] & samples
-        first_rows = forward.first_logit_rows
-        num_drafts = forward.num_drafts
+        first_rows, num_drafts = forward.first_logit_rows, forward.num_drafts
         num_tokens = request_rows.num_tokens[rows]  # real tokens before the step
+        sampling = np.flatnonzero(samples)
         argmax: list[int] = []
         if bool((samples & ~seeded).any()):
             argmax_rows = greedy_tokens(logits)  # [num_sample_rows] int64
             num_accepted = accepted_greedy(argmax_rows, first_rows, num_drafts,
                                            forward.draft_ids)
-            careful = seeded | may_stop(argmax_rows, first_rows, num_accepted + 1, num_tokens,
-                                        request_rows.stop_len[rows],
+            careful = seeded | may_stop(argmax_rows, first_rows, num_accepted + 1,
+                                        num_tokens, request_rows.stop_len[rows],
                                         request_rows.stop_token_ids)
             argmax = argmax_rows.tolist()
         else:
             num_accepted = np.zeros(n, dtype=np.int64)
             careful = samples
-        # every sampling request's greedy tokens, in batch order (C-level slicing); the
-        # careful ones (seeded, or a stop may end them) are then redone one by one
+        # every sampling request's greedy tokens, in batch order (C-level slicing)
         num_kept = np.where(samples, num_accepted + 1, 0)
         firsts = first_rows[sampling]
         ends = firsts + num_kept[sampling]
         sampled_lists = list(map(argmax.__getitem__, map(slice, firsts.tolist(), ends.tolist())))
+        # then one by one: seeded requests' rejection sampling, and the stop rules
         careful_rows = np.flatnonzero(careful & samples)
         if careful_rows.shape[0]:
-            logit_rows = forward.num_logit_rows
             positions = np.searchsorted(sampling, careful_rows).tolist()
             for index, position in zip(careful_rows.tolist(), positions):
-                state = states[index]
-                data = state.data
-                num_real = len(state.token_ids)
-                sampled = sampled_lists[position]
-                if data.sampling_seed is not None:
-                    lo = int(first_rows[index])
-                    sampled = verify_random(logits[lo : lo + int(logit_rows[index])],
-                                            scheduled[index].draft_token_ids,
-                                            data.sampling_params, data.sampling_seed, num_real)
-                    num_accepted[index] = len(sampled) - 1
-                num_stop, reason = first_stop(sampled, num_real, len(data.prompt_token_ids),
-                                              data.stop_limits)
+                sampled, num_accepted[index], reason = self._verify_one(
+                    scheduled[index], states[index], logits, int(first_rows[index]),
+                    forward.num_logit_rows_host[index], sampled_lists[position])
                 if reason is not None:
-                    sampled = sampled[:num_stop]
                     reasons[request_ids[index]] = reason
                     stopped[index] = True
                 num_kept[index] = len(sampled)
@@ -407,7 +431,6 @@ class ModelRunner:
             sampling_ids = [request_ids[i] for i in sampling_list]
         for token_ids, sampled in zip(token_lists, sampled_lists):
             token_ids.extend(sampled)
-        sampled_by_id = dict(zip(sampling_ids, sampled_lists))
         request_rows.num_tokens[rows] = num_tokens + num_kept
         verifying = np.flatnonzero(num_drafts)  # sampling requests that verified drafts
         accepted: dict[str, int] = {}
@@ -417,7 +440,76 @@ class ModelRunner:
             if self.spec_policy is not None:
                 self.spec_policy.observe_acceptance_counts(num_drafts[verifying],
                                                            num_accepted[verifying])
+        return _Sampled(dict(zip(sampling_ids, sampled_lists)), reasons, accepted, num_kept,
+                        stopped)
+
+    def _sample_each(self, scheduled: list[ScheduledRequest], forward: _Forward) -> _Sampled:
+        """`_sample` request by request (a small batch), on the forward's host lists."""
+        logits = forward.logits  # [num_sample_rows, vocab]
+        states = forward.states
+        argmax: list[int] = []
+        if any(sampling and state.data.sampling_seed is None
+               for sampling, state in zip(forward.samples_host, states)):
+            argmax = logits.argmax(-1).tolist()  # (torch's: cheaper than numpy's for a few rows)
+        n = len(scheduled)
+        num_kept = [0] * n
+        stopped = [False] * n
+        sampled_by_id: dict[str, list[int]] = {}
+        reasons: dict[str, FinishReason] = {}
+        accepted: dict[str, int] = {}
+        verified: list[int] = []  # drafts verified, per request that had drafts
+        verified_accepted: list[int] = []  # of them accepted
+        for index, (item, state, sampling, lo, num_rows) in enumerate(zip(
+                scheduled, states, forward.samples_host, forward.first_logit_rows_host,
+                forward.num_logit_rows_host)):
+            if not sampling:
+                continue
+            drafts = item.draft_token_ids
+            greedy = (verify_greedy(argmax[lo : lo + num_rows], drafts) if drafts
+                      else [argmax[lo]]) if state.data.sampling_seed is None else []
+            sampled, num_accepted, reason = self._verify_one(item, state, logits, lo,
+                                                             num_rows, greedy)
+            request_id = item.request_id
+            if drafts:
+                accepted[request_id] = num_accepted
+                verified.append(len(drafts))
+                verified_accepted.append(num_accepted)
+            if reason is not None:
+                reasons[request_id] = reason
+                stopped[index] = True
+            state.token_ids.extend(sampled)
+            sampled_by_id[request_id] = sampled
+            num_kept[index] = len(sampled)
+        row_num_tokens = self._rows.num_tokens  # (element by element: a few requests)
+        for state, sampling, token_ids in zip(states, forward.samples_host, forward.token_ids):
+            if sampling:
+                row_num_tokens[state.row] = len(token_ids)
+        if self.spec_policy is not None and verified:
+            self.spec_policy.observe_acceptance(verified, verified_accepted)
         return _Sampled(sampled_by_id, reasons, accepted, num_kept, stopped)
+
+    @staticmethod
+    def _verify_one(item: ScheduledRequest, state: _RunnerRequest, logits: torch.Tensor,
+                    first_row: int, num_rows: int, greedy: list[int]
+                    ) -> tuple[list[int], int, FinishReason | None]:
+        """One request's verification, before its tokens are appended: `greedy` (its greedy
+        tokens, accepted drafts + bonus) or, with a seed, rejection sampling of its logit
+        rows (`num_rows` of the step's `logits` from `first_row`: 1 + drafts); then cut at
+        its first stop. (tokens kept, drafts
+        accepted before the cut, the reason the tokens end it or None)"""
+        data = state.data
+        num_real = len(state.token_ids)
+        sampled = greedy
+        if data.sampling_seed is not None:
+            sampled = verify_random(logits[first_row : first_row + num_rows],
+                                    item.draft_token_ids, data.sampling_params,
+                                    data.sampling_seed, num_real)
+        num_accepted = len(sampled) - 1
+        num_stop, reason = first_stop(sampled, num_real, len(data.prompt_token_ids),
+                                      data.stop_limits)
+        if reason is not None:
+            sampled = sampled[:num_stop]
+        return sampled, num_accepted, reason
 
     def _propose(self, scheduled: list[ScheduledRequest], forward: _Forward,
                  verified: _Sampled, target_s: float) -> dict[str, list[int]]:
@@ -425,7 +517,7 @@ class ModelRunner:
             return {}
         output = forward.output
         sampling = forward.samples
-        wants = sampling & ~verified.stopped
+        wants = sampling & ~np.asarray(verified.stopped, dtype=bool)
         num_decode = int(wants.sum())
         num_spec = self.num_spec_tokens
         if self.spec_policy is not None:
@@ -440,12 +532,13 @@ class ModelRunner:
         starts = ends - forward.query_lens
         # a sampling request's rejected drafts' KV is garbage: its final positions end
         # after the accepted drafts
-        ends = ends - np.where(sampling, forward.num_drafts - (verified.num_kept - 1), 0)
+        ends = ends - np.where(sampling, forward.num_drafts - (
+            np.asarray(verified.num_kept, dtype=np.int64) - 1), 0)
         # drafts allowed next step, before the engine's draft length (the length limits)
         rooms = self._rows.stop_len[rows] - 1 - num_tokens
         inputs = ProposerBatch(
             request_ids, forward.token_ids, starts, ends,
-            forward.token_offsets, wants, np.clip(rooms, 0, num_spec), target_rows,
+            forward.token_offsets_array, wants, np.clip(rooms, 0, num_spec), target_rows,
             forward.draft_table, forward.draft_table_lens,
             [state.block_ids for state in states], self.draft_group)
         drafts = self.proposer.propose(inputs)
@@ -453,7 +546,7 @@ class ModelRunner:
             timing = self.proposer.last_timing
             proposed = max((len(d) for d in drafts.values()), default=0)  # k actually drafted
             self.spec_policy.observe_step(StepCost(
-                int(forward.query_lens.sum()), target_s, num_decode, proposed,
+                sum(forward.query_lens_host), target_s, num_decode, proposed,
                 timing.catch_up_s, timing.draft_s))
         wanted = np.flatnonzero(wants)
         out: dict[str, list[int]] = {}

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speckv.engine import model_runner
 from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.messages import StopLimits
@@ -125,11 +126,15 @@ def _outputs(model, requests, proposer=None):
 
 
 @pytest.mark.exactness
+@pytest.mark.parametrize("small_batch", [0, 1000], ids=["batched", "one-by-one"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_verification_keeps_the_outputs_of_no_speculation(tiny_model, seed):
+def test_batched_verification_keeps_the_outputs_of_no_speculation(tiny_model, seed,
+                                                                  small_batch, monkeypatch):
     """Drafts on most requests (accepted in part, rejected in part, none on some), stop
     tokens, max_tokens and max_model_len cuts, seeded sampling mixed with greedy: the outputs
-    equal a run without speculation, token for token, reason for reason."""
+    equal a run without speculation, token for token, reason for reason, whether the runner
+    verifies the batch at once or (a small batch) request by request."""
+    monkeypatch.setattr(model_runner, "_SMALL_BATCH", small_batch)
     rng = random.Random(seed)
     requests = {}
     assert tiny_model.config.vocab_size >= VOCAB_SIZE
@@ -146,7 +151,9 @@ def test_batched_verification_keeps_the_outputs_of_no_speculation(tiny_model, se
         got = _outputs(tiny_model, requests, _SomeDrafts(full, k, VOCAB_SIZE))
         assert {i: (o.token_ids, o.finish_reason) for i, o in got.items()} == {
             i: (o.token_ids, o.finish_reason) for i, o in reference.items()}
-        assert 0 < sum(o.num_accepted_tokens for o in got.values()) < sum(
-            o.num_draft_tokens for o in got.values())
+        for seeded in (False, True):  # both kinds accept drafts in part
+            outs = [o for i, o in got.items() if (requests[i][1].seed is not None) == seeded]
+            assert 0 < sum(o.num_accepted_tokens for o in outs) < sum(
+                o.num_draft_tokens for o in outs)
     reasons = {str(o.finish_reason) for o in reference.values()}
     assert {"stop", "length"} <= reasons
