@@ -113,8 +113,12 @@ class _SomeDrafts(OracleProposer):
 
 
 def _outputs(model, requests, proposer=None):
-    engine = LLMEngine(model, engine_config(block_size=4, num_blocks=400, max_model_len=40),
-                       proposer=proposer)
+    # a fixed draft length (no adaptive policy): every step drafts what the proposer offers
+    spec = {} if proposer is None else dict(
+        speculative_method="ngram", num_spec_tokens=proposer.num_spec_tokens,
+        adaptive_speculation=False)
+    engine = LLMEngine(model, engine_config(block_size=4, num_blocks=400, max_model_len=40,
+                                            **spec), proposer=proposer)
     for request_id, (prompt, params) in requests.items():
         engine.add_request(prompt, params, request_id)
     done = {}
