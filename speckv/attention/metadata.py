@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,8 +56,10 @@ class AttentionMetadata:
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     # positions() of a `build`-made metadata, computed alongside the slot mapping.
     _positions: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # True: the maker has checked the host lengths already (`from_block_table`, with arrays)
+    host_checked: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, host_checked: bool) -> None:
         if self.query_lens_host is None:
             qsl = self.query_start_loc.tolist()
             self.query_lens_host = tuple(b - a for a, b in itertools.pairwise(qsl))
@@ -67,8 +69,8 @@ class AttentionMetadata:
         if len(query_lens) != len(seq_lens):
             raise ValueError("query_start_loc and seq_lens disagree on num_reqs")
         # the whole batch checked in C (built once per forward, for every request)
-        if query_lens and (min(query_lens) < 0 or not all(map(operator.le, query_lens,
-                                                               seq_lens))):
+        if query_lens and not host_checked and (
+                min(query_lens) < 0 or not all(map(operator.le, query_lens, seq_lens))):
             for q, s in zip(query_lens, seq_lens):
                 if q < 0 or q > s:
                     raise ValueError(f"seq_lens must be >= new tokens per request (got {q} > "
@@ -133,8 +135,8 @@ class AttentionMetadata:
                 width, block_size, device)
         q = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)
         s = np.asarray(seq_lens, dtype=np.int64).reshape(num_reqs)
-        bad = (q < 0) | (q > s)
-        if bad.any():
+        if int(q.min()) < 0 or bool((q > s).any()):
+            bad = (q < 0) | (q > s)
             r = int(np.argmax(bad))
             raise ValueError(f"query_lens must be in [0, seq_len], got {int(q[r])} for seq_len "
                              f"{int(s[r])}")
@@ -147,7 +149,6 @@ class AttentionMetadata:
                              f"{int(s[r])}")
         width = block_table.shape[1]
         num_tokens = int(q.sum())
-        table64 = block_table.astype(np.int64, copy=False)
         if num_tokens == num_reqs and int(q.min()) == 1:
             # one new token per request (decode): token r is request r's, at s[r] - 1
             req = np.arange(num_reqs)
@@ -160,7 +161,8 @@ class AttentionMetadata:
             positions = (s - q)[req] + (np.arange(num_tokens) - starts[req])
             query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
             np.cumsum(q, out=query_start_loc[1:])
-        slots = table64[req, positions // block_size] * block_size + positions % block_size
+        slots = (block_table[req, positions // block_size].astype(np.int64) * block_size
+                 + positions % block_size)
         md = cls(
             query_start_loc=torch.from_numpy(query_start_loc).to(device),
             seq_lens=torch.from_numpy(s.astype(np.int32)).to(device),
@@ -170,6 +172,7 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_host=tuple(q.tolist()),
             seq_lens_host=tuple(s.tolist()),
+            host_checked=True,
         )
         md._positions = torch.from_numpy(positions).to(device)
         return md

@@ -3,7 +3,9 @@
 Owns the model, its `PagedKVCache`, the proposer (with the drafter's own KV cache) and, per
 request, what it needs across steps: real token ids (it appends what it samples), one block
 table per KV cache group of the model's `KVCacheLayout` (kept from the scheduler's deltas; the
-runner never reads the cache manager) and its sampling seed. Each forward gets one
+runner never reads the cache manager) and its sampling seed; the scalars the step's array ops
+read (real tokens so far, where a length stop falls, seeded or greedy) also as persistent
+arrays by row (`RequestRows`), beside the block tables'. Each forward gets one
 `AttentionMetadata` per group (`GroupedAttentionMetadata`; each layer reads its group's); the
 drafter's KV follows the block table of the layout's `draft_group` (full attention). One step:
 
@@ -23,9 +25,11 @@ connector's report goes back in the ModelRunnerOutput.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -44,13 +48,18 @@ from speckv.engine.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from speckv.engine.sampler import verify_greedy, verify_random
-from speckv.engine.stopping import first_stop
+from speckv.engine.request_rows import RequestRows
+from speckv.engine.sampler import accepted_greedy, greedy_tokens, verify_greedy, verify_random
+from speckv.engine.stopping import first_stop, may_stop
 from speckv.models.base import TargetModel
 from speckv.models.common.decoder import ModelOutput
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
 from speckv.speculation.proposer import Proposer, ProposerBatch, TargetRows
+
+# up to this many scheduled requests, sampling goes request by request (array ops' fixed cost
+# would dominate; see `_sample`)
+_SMALL_BATCH = 32
 
 
 @dataclass
@@ -60,32 +69,86 @@ class _RunnerRequest:
     data: NewRequestData
     token_ids: list[int]  # real tokens: prompt + sampled
     block_ids: list[list[int]]  # one block table per KV cache group
-    row: int = 0  # its row in the runner's persistent block tables (`BatchBlockTable`)
-    # drafts allowed next step, before the engine's draft length: min(output_room - real
-    # tokens, context_room - real tokens), from the request's stop limits
-    output_room: int = 0
-    context_room: int = 0
+    row: int = 0  # its row in the runner's persistent arrays (`BatchBlockTable`, `RequestRows`)
 
 
 @dataclass(frozen=True)
 class _Forward:
-    """One forward's rows, by batch index of `SchedulerOutput.scheduled`."""
+    """One forward's rows, by batch index of `SchedulerOutput.scheduled` ([num_reqs] each):
+    host lists, and the same as arrays built on first read (a small batch's sampling reads
+    the lists only; array ops' fixed cost would dominate there)."""
 
     output: ModelOutput  # hidden states, each [num_tokens, hidden]
+    scheduled: list[ScheduledRequest]
     token_offsets: list[int]  # batch index -> first row of that request on the token axis
     logits: torch.Tensor  # [num_sample_rows, vocab] fp32
-    logit_offsets: dict[int, tuple[int, int]]  # batch index -> [start, end) rows in `logits`
     # [num_tokens] int64 physical slot of every computed token in the drafter's group
     slot_mapping: torch.Tensor
-    # linear-attention layers' plan (hybrid models only): recorded verification windows
-    state_plan: StatePlan | None = None
+    request_ids: list[str]
+    states: list[_RunnerRequest]  # the runner's copy of each scheduled request
+    token_ids: list[list[int]]  # their real token lists (`_RunnerRequest.token_ids`)
+    rows: np.ndarray  # int64, their rows in the runner's persistent arrays
+    samples_host: list[bool]  # the request's logits sample this step
+    # of a sampling request: its first row in `logits` and its rows (1 + drafts verified);
+    # 0 for the others
+    first_logit_rows_host: list[int]
+    num_logit_rows_host: list[int]
+    num_drafts_host: list[int]  # drafts verified (0 unless it samples)
     # the drafter's group's block tables of the batch: [num_reqs, width] int32 0-padded, and
     # blocks per request [num_reqs] (what the proposer's forwards address its KV with)
-    draft_table: np.ndarray | None = None
-    draft_table_lens: np.ndarray | None = None
+    draft_table: np.ndarray
+    draft_table_lens: np.ndarray
     # per request: positions computed this step, and one past the last of them
-    query_lens: list[int] | None = None
-    seq_lens: list[int] | None = None
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    # linear-attention layers' plan (hybrid models only): recorded verification windows
+    state_plan: StatePlan | None = None
+
+    @cached_property
+    def samples(self) -> np.ndarray:  # bool
+        return np.asarray(self.samples_host, dtype=bool)
+
+    @cached_property
+    def first_logit_rows(self) -> np.ndarray:  # int64
+        return np.asarray(self.first_logit_rows_host, dtype=np.int64)
+
+    @cached_property
+    def num_drafts(self) -> np.ndarray:  # int64
+        return np.asarray(self.num_drafts_host, dtype=np.int64)
+
+    @cached_property
+    def query_lens(self) -> np.ndarray:  # int64
+        return np.asarray(self.query_lens_host, dtype=np.int64)
+
+    @cached_property
+    def seq_lens(self) -> np.ndarray:  # int64
+        return np.asarray(self.seq_lens_host, dtype=np.int64)
+
+    @cached_property
+    def token_offsets_array(self) -> np.ndarray:  # int64
+        return np.asarray(self.token_offsets, dtype=np.int64)
+
+    @cached_property
+    def draft_ids(self) -> np.ndarray:
+        """[sum(num_drafts)] int64: the drafts verified, requests in batch order."""
+        return np.fromiter(
+            itertools.chain.from_iterable(
+                item.draft_token_ids for item, sampling in zip(self.scheduled, self.samples_host)
+                if sampling),
+            np.int64, sum(self.num_drafts_host))
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """One step's verified tokens (what `ModelRunnerOutput` carries), and the same as arrays
+    by batch index ([num_reqs]) for the proposer's batch."""
+
+    by_id: dict[str, list[int]]  # per sampling request: accepted drafts + bonus, cut at a stop
+    reasons: dict[str, FinishReason]  # the requests those tokens end
+    accepted: dict[str, int]  # drafts accepted per request that verified drafts
+    # (arrays, or lists from a small batch's sampling)
+    num_kept: np.ndarray | list[int]  # len(by_id[request]) (0 where it did not sample)
+    stopped: np.ndarray | list[bool]  # named in `reasons`
 
 
 class ModelRunner:
@@ -129,6 +192,7 @@ class ModelRunner:
         self.requests: dict[str, _RunnerRequest] = {}
         # the same block tables as one persistent array per group (rows kept in lockstep)
         self._tables = [BatchBlockTable() for _ in self.group_block_sizes]
+        self._rows = RequestRows()  # per-row scalars, the same row numbers
         # the draft length per step (speckv/speculation/adaptive.py); None: always num_spec_tokens
         self.spec_policy = spec_policy
 
@@ -164,13 +228,14 @@ class ModelRunner:
             clock = self.spec_policy.clock if self.spec_policy is not None else time.perf_counter
             start = clock()
             forward = self._forward(scheduled)
-            sampled, reasons, accepted = self._sample(scheduled, forward)
+            verified = self._sample(scheduled, forward)
+            sampled, reasons, accepted = verified.by_id, verified.reasons, verified.accepted
             if self.states is not None and forward.state_plan is not None:
                 # rejected drafts must not advance the recurrent state
                 self.states.commit(forward.state_plan, scheduled, self._state_tables(scheduled),
                                    sampled)
             target_s = clock() - start
-            drafts = self._propose(scheduled, forward, sampled, reasons, target_s)
+            drafts = self._propose(scheduled, forward, verified, target_s)
         if self.connector is None:
             return ModelRunnerOutput(sampled, drafts, None, reasons, accepted)
         return ModelRunnerOutput(sampled, drafts, self.connector.finish_step(), reasons,
@@ -183,24 +248,29 @@ class ModelRunner:
             if state is not None:
                 for batch_table in tables:
                     batch_table.free_row(state.row)
+                self._rows.free(state.data.stop_limits)
             if self.proposer is not None:
                 self.proposer.free(request_id)
         for data in scheduler_output.new_requests:
             rows = {batch_table.add_row() for batch_table in tables}
             assert len(rows) == 1, "the groups' block tables hold their rows in lockstep"
-            limits = data.stop_limits
+            row = rows.pop()
+            num_prompt = len(data.prompt_token_ids)
+            self._rows.add(row, num_prompt, num_prompt, data.stop_limits,
+                           data.sampling_seed is not None)
             self.requests[data.request_id] = _RunnerRequest(
-                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes],
-                rows.pop(), limits.max_tokens + len(data.prompt_token_ids) - 1,
-                limits.max_model_len - 1,
-            )
+                data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes], row)
         num_groups = len(self.group_block_sizes)
+        requests = self.requests
         for item in scheduler_output.scheduled:
-            state = self.requests[item.request_id]
-            if len(item.new_block_ids) != num_groups:
-                raise ValueError(f"the scheduler sent {len(item.new_block_ids)} block-id "
+            new_block_ids = item.new_block_ids
+            if len(new_block_ids) != num_groups:
+                raise ValueError(f"the scheduler sent {len(new_block_ids)} block-id "
                                  f"groups; the model has {num_groups}")
-            for table, new, batch_table in zip(state.block_ids, item.new_block_ids, tables):
+            if not item.replaces_block_table and not any(new_block_ids):
+                continue  # most decode steps: no block added
+            state = requests[item.request_id]
+            for table, new, batch_table in zip(state.block_ids, new_block_ids, tables):
                 if item.replaces_block_table:
                     table[:] = new
                     batch_table.replace(state.row, new)
@@ -225,39 +295,49 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        sample_rows: list[int] = []  # token-axis row of each logit row
+        first_logit_rows: list[int] = []
+        num_logit_rows: list[int] = []
+        num_drafts: list[int] = []
+        samples: list[bool] = []
         token_offsets: list[int] = []
-        sample_rows: list[int] = []
-        logit_offsets: dict[int, tuple[int, int]] = {}
-        batch_rows: list[int] = []
-        requests = self.requests
         num_tokens = 0
-        for index, item in enumerate(scheduled):
-            state = requests[item.request_id]
-            batch_rows.append(state.row)
-            token_offsets.append(num_tokens)
+        request_ids = [item.request_id for item in scheduled]
+        requests = self.requests
+        states = [requests[request_id] for request_id in request_ids]
+        token_lists = [state.token_ids for state in states]
+        for item, token_ids in zip(scheduled, token_lists):
             start, num_new = item.start, item.num_new_tokens
             end = start + num_new
-            token_ids = state.token_ids
             num_real = len(token_ids)
+            drafts = item.draft_token_ids
             if end <= num_real:
                 input_ids.extend(token_ids[start:end])
             else:  # the last real token(s), then drafts
-                num_drafts = end - max(start, num_real)
-                drafts = item.draft_token_ids[:num_drafts]
-                assert len(drafts) == num_drafts and start <= num_real, \
-                    "scheduled tokens do not exist"
+                num_input_drafts = end - max(start, num_real)
+                if num_input_drafts != len(drafts):
+                    drafts = drafts[:num_input_drafts]
+                    assert len(drafts) == num_input_drafts, "scheduled tokens do not exist"
+                assert start <= num_real, "scheduled tokens do not exist"
                 input_ids.extend(token_ids[start:])
                 input_ids.extend(drafts)
             if item.samples:
+                # its logits: from its last real token (1 bonus row + 1 per draft)
                 first = num_tokens + (num_real - 1 - start)
-                last = num_tokens + num_new
-                num_rows = len(sample_rows)
-                logit_offsets[index] = (num_rows, num_rows + last - first)
-                sample_rows.extend(range(first, last))
+                first_logit_rows.append(len(sample_rows))
+                num_logit_rows.append(end - num_real + 1)
+                sample_rows.extend(range(first, num_tokens + num_new))
+                num_drafts.append(len(item.draft_token_ids))
+            else:
+                first_logit_rows.append(0)
+                num_logit_rows.append(0)
+                num_drafts.append(0)
+            samples.append(item.samples)
+            token_offsets.append(num_tokens)
             query_lens.append(num_new)
             seq_lens.append(end)
             num_tokens += num_new
-        rows_array = np.asarray(batch_rows, dtype=np.int64)
+        rows_array = np.fromiter((state.row for state in states), np.int64, len(states))
         groups = []
         gathered = []
         for batch_table, block_size in zip(self._tables, self.group_block_sizes):
@@ -282,9 +362,11 @@ class ModelRunner:
                                                          device=self.device))
         logits = self.model.compute_logits(hidden)
         draft_table, draft_lens = gathered[self.draft_group]
-        return _Forward(output, token_offsets, logits, logit_offsets,
-                        groups[self.draft_group].slot_mapping, state_plan, draft_table,
-                        draft_lens, query_lens, seq_lens)
+        return _Forward(
+            output, scheduled, token_offsets, logits, groups[self.draft_group].slot_mapping,
+            request_ids, states, token_lists, rows_array, samples, first_logit_rows,
+            num_logit_rows, num_drafts, draft_table, draft_lens, query_lens, seq_lens,
+            state_plan)
 
     def _state_tables(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """The state group's block table of each scheduled request (hybrid models)."""
@@ -292,114 +374,185 @@ class ModelRunner:
         return [self.requests[item.request_id].block_ids[self.states.group]
                 for item in scheduled]
 
-    def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward
-                ) -> tuple[dict[str, list[int]], dict[str, FinishReason], dict[str, int]]:
+    def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward) -> _Sampled:
         """Verified tokens per sampling request, cut at the first stop and appended to the
         runner's token ids; why the stopped ones stop; drafts accepted per request that
-        verified drafts (before the cut: what verification accepted)."""
+        verified drafts (before the cut: what verification accepted). In a large batch the
+        greedy requests are verified at once (`accepted_greedy`) and only seeded ones and
+        those a stop may end (`may_stop`) go one by one; a small batch goes one by one
+        (`verify_greedy`): there array ops' fixed cost would dominate."""
+        if len(scheduled) <= _SMALL_BATCH:
+            return self._sample_each(scheduled, forward)
         logits = forward.logits  # [num_sample_rows, vocab]
-        requests = self.requests
-        states = [requests[item.request_id] for item in scheduled]
+        states, rows, samples = forward.states, forward.rows, forward.samples
+        request_ids = forward.request_ids
+        n = len(scheduled)
+        stopped = np.zeros(n, dtype=bool)
+        reasons: dict[str, FinishReason] = {}
+        request_rows = self._rows
+        seeded = request_rows.seeded[rows] & samples
+        first_rows, num_drafts = forward.first_logit_rows, forward.num_drafts
+        num_tokens = request_rows.num_tokens[rows]  # real tokens before the step
+        sampling = np.flatnonzero(samples)
         argmax: list[int] = []
-        for item, state in zip(scheduled, states):
-            if item.samples and state.data.sampling_seed is None:
-                argmax = logits.argmax(-1).tolist()
-                break
+        if bool((samples & ~seeded).any()):
+            argmax_rows = greedy_tokens(logits)  # [num_sample_rows] int64
+            num_accepted = accepted_greedy(argmax_rows, first_rows, num_drafts,
+                                           forward.draft_ids)
+            careful = seeded | may_stop(argmax_rows, first_rows, num_accepted + 1,
+                                        num_tokens, request_rows.stop_len[rows],
+                                        request_rows.stop_token_ids)
+            argmax = argmax_rows.tolist()
+        else:
+            num_accepted = np.zeros(n, dtype=np.int64)
+            careful = samples
+        # every sampling request's greedy tokens, in batch order (C-level slicing)
+        num_kept = np.where(samples, num_accepted + 1, 0)
+        firsts = first_rows[sampling]
+        ends = firsts + num_kept[sampling]
+        sampled_lists = list(map(argmax.__getitem__, map(slice, firsts.tolist(), ends.tolist())))
+        # then one by one: seeded requests' rejection sampling, and the stop rules
+        careful_rows = np.flatnonzero(careful & samples)
+        if careful_rows.shape[0]:
+            positions = np.searchsorted(sampling, careful_rows).tolist()
+            for index, position in zip(careful_rows.tolist(), positions):
+                sampled, num_accepted[index], reason = self._verify_one(
+                    scheduled[index], states[index], logits, int(first_rows[index]),
+                    forward.num_logit_rows_host[index], sampled_lists[position])
+                if reason is not None:
+                    reasons[request_ids[index]] = reason
+                    stopped[index] = True
+                num_kept[index] = len(sampled)
+                sampled_lists[position] = sampled
+        token_lists, sampling_ids = forward.token_ids, request_ids
+        if sampling.shape[0] != n:
+            sampling_list = sampling.tolist()
+            token_lists = [token_lists[i] for i in sampling_list]
+            sampling_ids = [request_ids[i] for i in sampling_list]
+        for token_ids, sampled in zip(token_lists, sampled_lists):
+            token_ids.extend(sampled)
+        request_rows.num_tokens[rows] = num_tokens + num_kept
+        verifying = np.flatnonzero(num_drafts)  # sampling requests that verified drafts
+        accepted: dict[str, int] = {}
+        if verifying.shape[0]:
+            verified_accepted = num_accepted[verifying].tolist()
+            accepted = dict(zip([request_ids[i] for i in verifying.tolist()], verified_accepted))
+            if self.spec_policy is not None:
+                self.spec_policy.observe_acceptance_counts(num_drafts[verifying],
+                                                           num_accepted[verifying])
+        return _Sampled(dict(zip(sampling_ids, sampled_lists)), reasons, accepted, num_kept,
+                        stopped)
+
+    def _sample_each(self, scheduled: list[ScheduledRequest], forward: _Forward) -> _Sampled:
+        """`_sample` request by request (a small batch), on the forward's host lists."""
+        logits = forward.logits  # [num_sample_rows, vocab]
+        states = forward.states
+        argmax: list[int] = []
+        if any(sampling and state.data.sampling_seed is None
+               for sampling, state in zip(forward.samples_host, states)):
+            argmax = logits.argmax(-1).tolist()  # (torch's: cheaper than numpy's for a few rows)
+        n = len(scheduled)
+        num_kept = [0] * n
+        stopped = [False] * n
         sampled_by_id: dict[str, list[int]] = {}
         reasons: dict[str, FinishReason] = {}
         accepted: dict[str, int] = {}
         verified: list[int] = []  # drafts verified, per request that had drafts
         verified_accepted: list[int] = []  # of them accepted
-        logit_offsets = forward.logit_offsets
-        for index, item in enumerate(scheduled):
-            if not item.samples:
+        for index, (item, state, sampling, lo, num_rows) in enumerate(zip(
+                scheduled, states, forward.samples_host, forward.first_logit_rows_host,
+                forward.num_logit_rows_host)):
+            if not sampling:
                 continue
-            state = states[index]
-            data = state.data
-            lo, hi = logit_offsets[index]
             drafts = item.draft_token_ids
-            seed = data.sampling_seed
-            if seed is None:
-                # no drafts: the argmax of the one row (what verify_greedy returns)
-                sampled = verify_greedy(argmax[lo:hi], drafts) if drafts else [argmax[lo]]
-            else:
-                sampled = verify_random(logits[lo:hi], drafts, data.sampling_params, seed,
-                                        len(state.token_ids))
+            greedy = (verify_greedy(argmax[lo : lo + num_rows], drafts) if drafts
+                      else [argmax[lo]]) if state.data.sampling_seed is None else []
+            sampled, num_accepted, reason = self._verify_one(item, state, logits, lo,
+                                                             num_rows, greedy)
+            request_id = item.request_id
             if drafts:
-                num_accepted = len(sampled) - 1
-                accepted[item.request_id] = num_accepted
+                accepted[request_id] = num_accepted
                 verified.append(len(drafts))
                 verified_accepted.append(num_accepted)
-            token_ids = state.token_ids
-            num_kept, reason = first_stop(sampled, len(token_ids), len(data.prompt_token_ids),
-                                          data.stop_limits)
             if reason is not None:
-                sampled = sampled[:num_kept]
-                reasons[item.request_id] = reason
-            token_ids.extend(sampled)
-            sampled_by_id[item.request_id] = sampled
+                reasons[request_id] = reason
+                stopped[index] = True
+            state.token_ids.extend(sampled)
+            sampled_by_id[request_id] = sampled
+            num_kept[index] = len(sampled)
+        row_num_tokens = self._rows.num_tokens  # (element by element: a few requests)
+        for state, sampling, token_ids in zip(states, forward.samples_host, forward.token_ids):
+            if sampling:
+                row_num_tokens[state.row] = len(token_ids)
         if self.spec_policy is not None and verified:
             self.spec_policy.observe_acceptance(verified, verified_accepted)
-        return sampled_by_id, reasons, accepted
+        return _Sampled(sampled_by_id, reasons, accepted, num_kept, stopped)
+
+    @staticmethod
+    def _verify_one(item: ScheduledRequest, state: _RunnerRequest, logits: torch.Tensor,
+                    first_row: int, num_rows: int, greedy: list[int]
+                    ) -> tuple[list[int], int, FinishReason | None]:
+        """One request's verification, before its tokens are appended: `greedy` (its greedy
+        tokens, accepted drafts + bonus) or, with a seed, rejection sampling of its logit
+        rows (`num_rows` of the step's `logits` from `first_row`: 1 + drafts); then cut at
+        its first stop. (tokens kept, drafts
+        accepted before the cut, the reason the tokens end it or None)"""
+        data = state.data
+        num_real = len(state.token_ids)
+        sampled = greedy
+        if data.sampling_seed is not None:
+            sampled = verify_random(logits[first_row : first_row + num_rows],
+                                    item.draft_token_ids, data.sampling_params,
+                                    data.sampling_seed, num_real)
+        num_accepted = len(sampled) - 1
+        num_stop, reason = first_stop(sampled, num_real, len(data.prompt_token_ids),
+                                      data.stop_limits)
+        if reason is not None:
+            sampled = sampled[:num_stop]
+        return sampled, num_accepted, reason
 
     def _propose(self, scheduled: list[ScheduledRequest], forward: _Forward,
-                 sampled_by_id: dict[str, list[int]], stopped: dict[str, FinishReason],
-                 target_s: float
-                 ) -> dict[str, list[int]]:
+                 verified: _Sampled, target_s: float) -> dict[str, list[int]]:
         if self.proposer is None:
             return {}
         output = forward.output
-        num_decode = sum(1 for item in scheduled if item.request_id in sampled_by_id
-                         and item.request_id not in stopped)
+        sampling = forward.samples
+        wants = sampling & ~np.asarray(verified.stopped, dtype=bool)
+        num_decode = int(wants.sum())
         num_spec = self.num_spec_tokens
         if self.spec_policy is not None:
             num_spec = self.spec_policy.decide(num_decode)
         target_rows = TargetRows(output.hidden_states, output.prenorm_hidden,
                                  tuple(output.aux_hidden_states), forward.slot_mapping)
-        requests = self.requests
-        n = len(scheduled)
-        request_ids = [item.request_id for item in scheduled]
-        states = [requests[request_id] for request_id in request_ids]
-        token_ids = [state.token_ids for state in states]
-        num_tokens = np.fromiter(map(len, token_ids), np.int64, n)
-        if forward.query_lens is None or forward.seq_lens is None:
-            raise RuntimeError("the forward kept no positions of the batch")
-        ends = np.asarray(forward.seq_lens, dtype=np.int64)  # start + num_new_tokens
-        starts = ends - np.asarray(forward.query_lens, dtype=np.int64)
+        request_ids = forward.request_ids
+        states = forward.states
+        rows = forward.rows
+        num_tokens = self._rows.num_tokens[rows]
+        ends = forward.seq_lens  # start + num_new_tokens
+        starts = ends - forward.query_lens
         # a sampling request's rejected drafts' KV is garbage: its final positions end
         # after the accepted drafts
-        sampling = np.fromiter((request_id in sampled_by_id for request_id in request_ids),
-                               bool, n)
-        num_sampled = np.fromiter((len(sampled_by_id.get(request_id, ()))
-                                   for request_id in request_ids), np.int64, n)
-        num_drafts = np.fromiter((len(item.draft_token_ids) for item in scheduled), np.int64, n)
-        ends -= np.where(sampling, num_drafts - (num_sampled - 1), 0)
-        wants = sampling
-        if stopped:
-            wants = sampling & np.fromiter((request_id not in stopped
-                                            for request_id in request_ids), bool, n)
-        rooms = np.minimum(
-            np.fromiter((state.output_room for state in states), np.int64, n),
-            np.fromiter((state.context_room for state in states), np.int64, n)) - num_tokens
-        if forward.draft_table is None or forward.draft_table_lens is None:
-            raise RuntimeError("the forward kept no block table of the drafter's group")
+        ends = ends - np.where(sampling, forward.num_drafts - (
+            np.asarray(verified.num_kept, dtype=np.int64) - 1), 0)
+        # drafts allowed next step, before the engine's draft length (the length limits)
+        rooms = self._rows.stop_len[rows] - 1 - num_tokens
         inputs = ProposerBatch(
-            request_ids, token_ids, starts, ends,
-            np.asarray(forward.token_offsets, dtype=np.int64), wants,
-            np.clip(rooms, 0, num_spec), target_rows, forward.draft_table,
-            forward.draft_table_lens, [state.block_ids for state in states], self.draft_group)
+            request_ids, forward.token_ids, starts, ends,
+            forward.token_offsets_array, wants, np.clip(rooms, 0, num_spec), target_rows,
+            forward.draft_table, forward.draft_table_lens,
+            [state.block_ids for state in states], self.draft_group)
         drafts = self.proposer.propose(inputs)
         if self.spec_policy is not None:
             timing = self.proposer.last_timing
             proposed = max((len(d) for d in drafts.values()), default=0)  # k actually drafted
             self.spec_policy.observe_step(StepCost(
-                sum(item.num_new_tokens for item in scheduled), target_s, num_decode, proposed,
+                sum(forward.query_lens_host), target_s, num_decode, proposed,
                 timing.catch_up_s, timing.draft_s))
-        max_drafts = inputs.max_drafts.tolist()
+        wanted = np.flatnonzero(wants)
         out: dict[str, list[int]] = {}
-        for index, (request_id, want) in enumerate(zip(request_ids, wants.tolist())):
-            if want:
-                proposed_ids = drafts.get(request_id)
-                if proposed_ids:
-                    out[request_id] = list(map(int, proposed_ids[: max_drafts[index]]))
+        for request_id, limit in zip([request_ids[i] for i in wanted.tolist()],
+                                     inputs.max_drafts[wanted].tolist()):
+            proposed_ids = drafts.get(request_id)
+            if proposed_ids:
+                out[request_id] = list(map(int, proposed_ids[:limit]))
         return out

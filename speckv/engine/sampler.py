@@ -15,12 +15,15 @@ Owns greedy / temperature / top-k / top-p sampling, and draft verification:
 
 Logits in: `[1 + num_drafts, vocab]` fp32 rows of one request (row i predicts the token after
 draft i - 1). Out: accepted drafts + one bonus/resampled token, as Python ints.
+`accepted_greedy` is `verify_greedy` of a whole batch at once (the runner's hot path): the
+accepted count of every request from one comparison of the argmax rows with the drafts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from speckv.engine.sampling_params import SamplingParams
@@ -75,6 +78,38 @@ def verify_greedy(argmax_rows: Sequence[int], drafts: Sequence[int]) -> list[int
             return sampled
     sampled.append(argmax_rows[len(drafts)])
     return sampled
+
+
+def greedy_tokens(logits: torch.Tensor) -> np.ndarray:
+    """[n, vocab] logits -> [n] int64 host array: the argmax of each row (the first of equal
+    maxima, NaN counting as the maximum, as `torch.argmax`). Host logits go through numpy,
+    whose argmax is several times faster than torch's on CPU."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(-1).astype(np.int64, copy=False)
+    return logits.argmax(-1).cpu().numpy()
+
+
+def accepted_greedy(argmax: np.ndarray, first_rows: np.ndarray, num_drafts: np.ndarray,
+                    draft_ids: np.ndarray) -> np.ndarray:
+    """`verify_greedy` of a batch: drafts accepted per request, [n] int64. Request i's rows
+    are argmax[first_rows[i] : first_rows[i] + num_drafts[i] + 1] (its sampled tokens are the
+    first accepted + 1 of them); `draft_ids` [sum(num_drafts)] its drafts, requests in
+    order. Pure."""
+    n = num_drafts.shape[0]
+    total = int(num_drafts.sum()) if n else 0
+    if total == 0:
+        return np.zeros(n, dtype=np.int64)
+    k = int(num_drafts[0])
+    if total == n * k and bool((num_drafts == k).all()):  # k drafts each (decode)
+        matches = argmax[first_rows[:, None] + np.arange(k)] == draft_ids.reshape(n, k)
+        return np.cumprod(matches, axis=1).sum(axis=1)
+    # [total] request of every draft, and its index among the request's drafts
+    owner = np.repeat(np.arange(n), num_drafts)
+    index = np.arange(total) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
+    matches = np.zeros((n, int(num_drafts.max())), dtype=np.int64)  # 0 past a row's drafts
+    matches[owner, index] = argmax[first_rows[owner] + index] == draft_ids
+    # accepted: the leading run of matches (cumulative product, summed)
+    return np.cumprod(matches, axis=1).sum(axis=1)
 
 
 def verify_random(

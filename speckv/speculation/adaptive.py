@@ -67,6 +67,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 Clock = Callable[[], float]  # seconds, monotonic within a run
 
 
@@ -302,6 +304,45 @@ class AdaptiveSpeculation:
                 tested[j] += 1.0
                 if j < a:
                     accepted_decayed[j] += 1.0
+
+    def observe_acceptance_counts(self, num_drafts: np.ndarray, num_accepted: np.ndarray
+                                  ) -> None:
+        """`observe_acceptance` from two [n] int arrays (the runner's batch), counted per
+        position with array ops. The decayed sums still get 1.0 added once per request, in
+        the same order, so they round exactly as there."""
+        if num_drafts.shape != num_accepted.shape:
+            raise ValueError("num_drafts and num_accepted must have one entry per request")
+        if bool(((num_accepted < 0) | (num_accepted > num_drafts)).any()):
+            bad = int(np.argmax((num_accepted < 0) | (num_accepted > num_drafts)))
+            raise ValueError(f"accepted {int(num_accepted[bad])} of {int(num_drafts[bad])} "
+                             "drafts")
+        c = self._decayed
+        decay = self.config.acceptance_decay
+        c.tested = [x * decay for x in c.tested]
+        c.accepted = [x * decay for x in c.accepted]
+        s = self.config.max_spec_tokens
+
+        def at_least(values: np.ndarray) -> list[int]:
+            """[s] requests whose min(value, s) exceeds j, per position j."""
+            counts = np.bincount(np.minimum(values, s), minlength=s + 1)
+            return np.cumsum(counts[::-1])[::-1][1:].tolist()
+
+        # drafts verified and accepted at j; tested at j: drafts before j all accepted
+        # (j < min(d, a + 1)); accepted there: j < a (a <= d)
+        drafted, accepted = at_least(num_drafts), at_least(num_accepted)
+        tested = at_least(np.minimum(num_drafts, num_accepted + 1))
+        tested_decayed, accepted_decayed = c.tested, c.accepted
+        for j in range(s):
+            self._drafts[j] += drafted[j]
+            self._accepted[j] += accepted[j]
+            value = tested_decayed[j]
+            for _ in range(tested[j]):
+                value += 1.0
+            tested_decayed[j] = value
+            value = accepted_decayed[j]
+            for _ in range(accepted[j]):
+                value += 1.0
+            accepted_decayed[j] = value
 
     def observe_step(self, cost: StepCost) -> None:
         if cost.num_target_tokens > 0:
