@@ -52,7 +52,11 @@ runner-up is predicted to lose by more than 5%), so a change in batch size or ac
 noticed; while drafting it also measures no drafting again, every `probe_interval` / 4 steps
 until T at B has 3 measurements, then every `probe_interval` steps (8x less often when
 drafting is predicted more than 15% ahead): one slow measurement of the cost drafting must
-beat must not keep drafts that lose.
+beat must not keep drafts that lose. The mirror case: while not drafting, a runner-up whose
+T was measured only once or twice, above the other segments' line by enough to hide a gain
+within 5%, is tried every `probe_interval` / 4 steps until T there has 3 measurements: one
+cold first step (the first forward over a new number of rows) must not stop drafting that
+pays.
 
 The costs are read from one injectable clock (`AdaptiveSpeculation.clock`, which the runner
 and the proposer use too): on CPU the process's CPU time by default, because the steps the
@@ -224,6 +228,14 @@ class _DecayedMeans:
             keys = iter(self._keys)
             self._fitted = {next(keys): v for v, _, n in blocks for _ in range(int(n))}
         return self._fitted
+
+    def predict_without(self, excluded: int) -> float | None:
+        """`predict(excluded)` from the other keys' measurements only (None: no other key)."""
+        other = _DecayedMeans(self.decay)
+        other.means = {k: v for k, v in self.means.items() if k != excluded}
+        other.counts = {k: c for k, c in self.counts.items() if k != excluded}
+        other._keys = [k for k in self._keys if k != excluded]
+        return other.predict(excluded)
 
     def predict(self, key: int) -> float | None:
         """The fitted mean at `key` (`fitted`), interpolated / extrapolated along the nearest
@@ -457,10 +469,31 @@ class AdaptiveSpeculation:
         if ranked:
             runner_up = ranked[0]
             close = known[runner_up] >= 0.95 * known[self._current]
-            if self._steps_since_probe >= interval * (1 if close else 8):
+            wait = interval * (1 if close else 8)
+            if self._current == 0 and self._cold_measurement_hides_a_gain(
+                    num_requests, runner_up, known[runner_up], known[0]):
+                wait = max(2, interval // 4)
+            if self._steps_since_probe >= wait:
                 self._steps_since_probe = 0
                 return runner_up
         return self._current
+
+    def _cold_measurement_hides_a_gain(self, num_requests: int, k: int, goodput: float,
+                                       no_draft: float) -> bool:
+        """Whether T at B(1 + k) tokens is measured only once or twice, above what the other
+        token counts' segments predict there, by enough that at their prediction k drafts
+        would be within 5% of no drafting. Such a measurement may be a cold first step (the
+        first forward over a new number of rows pays one-time costs: seen at batch 1 as
+        T(2) = 1.4 T(1), then T(1)), and while no draft runs nothing measures it again."""
+        key = num_requests * (1 + k)
+        if not 0 < self._target.counts.get(key, 0) < 3:
+            return False
+        measured = self._target.predict(key)
+        others = self._target.predict_without(key)
+        if measured is None or others is None or others >= measured:
+            return False
+        step_s = num_requests * self.expected_tokens(k) / goodput
+        return goodput * step_s / (step_s - measured + others) >= 0.95 * no_draft
 
     # ---- reporting ----------------------------------------------------------------------------
     def stats(self) -> SpeculationReport:

@@ -307,3 +307,30 @@ def test_a_slow_step_at_a_smaller_batch_does_not_raise_the_cost_of_no_drafting()
     assert policy.predicted_goodput(32, 0) == pytest.approx(32 / (0.1727 + 0.0004), rel=0.03)
     assert policy.predicted_goodput(32, 1) < policy.predicted_goodput(32, 0)
     assert policy.decide(32) == 0
+
+
+def test_a_cold_first_draft_step_does_not_stop_drafting_for_good():
+    """Batch 1, memory bound, 40% of drafts accepted (drafting pays ~25%). The first step with
+    a draft is a cold one (the first forward over two rows: T(2) measured 1.4 T(1), as seen on
+    this CPU), its one draft rejected, so one draft looks 20% behind. Not drafting, nothing
+    measures T(2) again: the policy must retry it soon and draft on (it used to wait 128 steps
+    for a probe, a whole request at batch 1)."""
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(1))
+    after_prefill(policy, 1, 64, memory_bound)
+    chosen = []
+    owed = 0.0
+    num_drafted = 0
+    for _ in range(60):
+        k = policy.decide(1)
+        chosen.append(k)
+        target_s = memory_bound(1 + k)
+        if k:
+            num_drafted += 1
+            owed += 0.4 if num_drafted > 1 else 0.0
+            accepted = int(owed)
+            owed -= accepted
+            policy.observe_verifications([Verification(1, accepted)])
+            if num_drafted == 1:
+                target_s *= 1.4
+        policy.observe_step(StepCost(1 + k, target_s, 1, k, 0.002 + 0.001 * k, 0.003 * k))
+    assert chosen[20:].count(1) >= 32
