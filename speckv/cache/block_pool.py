@@ -322,22 +322,24 @@ class BlockPool:
 
     def _fold_runs(self) -> None:
         """Enter the committed runs into `_by_content` (C-level slices, one update each)."""
-        for run in self._runs:
-            first = max(run.start, 1)  # first blocks were entered at the commit
-            if first < run.end:
-                self._index_of(self._by_content, run.group_id).update(run.entries(first, run.end))
+        self._fold_into(self._by_content, self._runs)  # first blocks: entered at the commit
         self._runs.clear()
         self._num_run_blocks = 0
         self._drop_stale_entries()
 
     def _fold_pending(self) -> None:
         """Enter the runs noted this step and not folded yet into `_pending_by_content`."""
-        for run in self._pending_runs[self._num_pending_folded:]:
-            first = max(run.start, 1)  # first blocks were entered when noted
-            if first < run.end:
-                self._index_of(self._pending_by_content, run.group_id).update(
-                    run.entries(first, run.end))
+        # first blocks were entered when noted
+        self._fold_into(self._pending_by_content, self._pending_runs[self._num_pending_folded:])
         self._num_pending_folded = len(self._pending_runs)
+
+    def _fold_into(self, indexes: dict[int, dict[ContentKey, tuple[bytes, Any]]],
+                   runs: Iterable[SuccessorRun]) -> None:
+        """Enter every run's blocks but a chain's first (entered eagerly) into `indexes`."""
+        for run in runs:
+            first = max(run.start, 1)
+            if first < run.end:
+                self._index_of(indexes, run.group_id).update(run.entries(first, run.end))
 
     def _drop_stale_entries(self) -> None:
         """At most one live entry per cached block: past twice the pool, drop the entries

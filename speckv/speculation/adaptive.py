@@ -299,10 +299,7 @@ class AdaptiveSpeculation:
         for d, a in zip(num_drafts, num_accepted):
             if not 0 <= a <= d:
                 raise ValueError(f"accepted {a} of {d} drafts")
-        c = self._decayed
-        decay = self.config.acceptance_decay
-        c.tested = [x * decay for x in c.tested]
-        c.accepted = [x * decay for x in c.accepted]
+        c = self._age_acceptance()
         s = self.config.max_spec_tokens
         drafts, accepted = self._drafts, self._accepted
         tested, accepted_decayed = c.tested, c.accepted
@@ -317,6 +314,15 @@ class AdaptiveSpeculation:
                 if j < a:
                     accepted_decayed[j] += 1.0
 
+    def _age_acceptance(self) -> _Counts:
+        """Decay the conditional acceptance counts by one step (before a step's counts join
+        them); returns them."""
+        c = self._decayed
+        decay = self.config.acceptance_decay
+        c.tested = [x * decay for x in c.tested]
+        c.accepted = [x * decay for x in c.accepted]
+        return c
+
     def observe_acceptance_counts(self, num_drafts: np.ndarray, num_accepted: np.ndarray
                                   ) -> None:
         """`observe_acceptance` from two [n] int arrays (the runner's batch), counted per
@@ -328,10 +334,7 @@ class AdaptiveSpeculation:
             bad = int(np.argmax((num_accepted < 0) | (num_accepted > num_drafts)))
             raise ValueError(f"accepted {int(num_accepted[bad])} of {int(num_drafts[bad])} "
                              "drafts")
-        c = self._decayed
-        decay = self.config.acceptance_decay
-        c.tested = [x * decay for x in c.tested]
-        c.accepted = [x * decay for x in c.accepted]
+        c = self._age_acceptance()
         s = self.config.max_spec_tokens
 
         def at_least(values: np.ndarray) -> list[int]:
