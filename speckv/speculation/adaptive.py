@@ -17,7 +17,10 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
     E[k]       = 1 + a1 + a1 a2 + ... + a1 .. ak        expected tokens per request per step
     a_j        = P(draft j accepted | drafts 1..j-1 accepted), decayed counts with a prior
     T(n)       = target step seconds for n tokens: a decayed mean per n measured, linear
-                 interpolation between measured n, extrapolation along the nearest segment
+                 interpolation between measured n, extrapolation along the nearest segment;
+                 for k > 0, once forwards close in time measured both B and B (1 + k)
+                 tokens, T(B) times their paired ratio (a step's cost drifts with the
+                 machine's load, so two means measured at different times are not comparable)
     g(B)       = seconds per draft token position for B requests (proposal forward)
     F(B)       = the rest of the step (the drafter's catch-up), paid for every k, but measured
                  apart for k = 0 and k > 0: without drafts the catch-up only writes draft KV,
@@ -256,6 +259,70 @@ class _DecayedMeans:
         return max(0.0, y0 + (y1 - y0) / (hi - lo) * (key - lo))
 
 
+class _PairedRatios:
+    """T(n) / T(m) for token counts m < n, measured on forwards close in time.
+
+    Each forward at n tokens gives one observation of log T(n) - log T(m) for each
+    m = n / (1 + k) (k = 1 .. `max_spec_tokens`): against the mean of the forwards at m just
+    before it and just after it (the one before only, until the one after comes), each at most
+    `window` forwards away, so that a drift of the machine's speed cancels. The ratio is the
+    median of the latest `num_kept` observations: one cold first forward over a new number of
+    rows (seen at batch 1: T(2) = 1.4 T(1) once, then T(1)) is outvoted by the next two.
+    On a shared machine a step's cost drifts by a third within one wave (seen at batch 8:
+    75 to 117 ms of CPU for the same work), so T(2B) measured early and T(B) measured late, as
+    two decayed means, can promise drafts a gain the run never sees; their ratio on
+    neighbouring forwards drifts little."""
+
+    num_kept = 5
+
+    def __init__(self, max_spec_tokens: int, window: int) -> None:
+        self.max_spec_tokens = max_spec_tokens
+        self.window = window
+        self._latest: dict[int, tuple[int, float]] = {}  # n -> (forward index, log seconds)
+        self._num_forwards = 0
+        # (m, n) -> the latest observations, oldest first
+        self._observed: dict[tuple[int, int], list[float]] = {}
+        # (m, n) -> the latest forward at n while it waits for the next forward at m:
+        # (its index, its log seconds, the log seconds of the forward at m before it or None)
+        self._open: dict[tuple[int, int], tuple[int, float, float | None]] = {}
+
+    def add(self, num_tokens: int, seconds: float) -> None:
+        self._num_forwards += 1
+        now = self._num_forwards
+        if seconds <= 0.0:
+            return  # a clock too coarse to tell: nothing to compare
+        log_s = float(np.log(seconds))
+        for k in range(1, self.max_spec_tokens + 1):
+            if num_tokens % (1 + k) == 0:  # as the n of (m, n): against the latest m
+                key = (num_tokens // (1 + k), num_tokens)
+                before = self._latest.get(key[0])
+                before_s = before[1] if before is not None and now - before[0] <= self.window \
+                    else None
+                if before_s is not None:
+                    self._observe(key, log_s - before_s)
+                self._open[key] = (now, log_s, before_s)
+            key = (num_tokens, num_tokens * (1 + k))  # as the m: closes the open forward at n
+            waiting = self._open.pop(key, None)
+            if waiting is not None and now - waiting[0] <= self.window:
+                _, n_s, before_s = waiting
+                if before_s is None:
+                    self._observe(key, n_s - log_s)
+                else:  # replace its one-sided observation with the two-sided one
+                    self._observed[key][-1] = n_s - 0.5 * (before_s + log_s)
+        self._latest[num_tokens] = (now, log_s)
+
+    def _observe(self, key: tuple[int, int], value: float) -> None:
+        kept = self._observed.setdefault(key, [])
+        kept.append(value)
+        if len(kept) > self.num_kept:
+            del kept[0]
+
+    def ratio(self, m: int, n: int) -> float | None:
+        """T(n) / T(m) from paired forwards (None: no pair measured)."""
+        kept = self._observed.get((m, n))
+        return None if not kept else float(np.exp(np.median(kept)))
+
+
 @dataclass
 class _Counts:
     tested: list[float] = field(default_factory=list)  # decayed drafts verified at j
@@ -270,6 +337,8 @@ class AdaptiveSpeculation:
         self.clock = clock  # what the runner and the proposer time the step with
         s = config.max_spec_tokens
         self._target = _DecayedMeans(config.cost_decay)  # n tokens -> seconds
+        # T(B (1 + k)) / T(B) on neighbouring forwards (the drift-free part of T)
+        self._paired = _PairedRatios(s, config.probe_interval)
         self._draft = _DecayedMeans(config.cost_decay)  # B -> seconds per draft position
         self._fixed = _DecayedMeans(config.cost_decay)  # B -> catch-up seconds, k > 0
         self._fixed_no_draft = _DecayedMeans(config.cost_decay)  # B -> catch-up seconds, k = 0
@@ -362,6 +431,7 @@ class AdaptiveSpeculation:
     def observe_step(self, cost: StepCost) -> None:
         if cost.num_target_tokens > 0:
             self._target.add(cost.num_target_tokens, cost.target_s)
+            self._paired.add(cost.num_target_tokens, cost.target_s)
         b = cost.num_decode_requests
         if b > 0:
             # more tokens than b decoding requests could verify: prefill rows were caught up
@@ -402,8 +472,14 @@ class AdaptiveSpeculation:
             return None
         draft = 0.0
         if k:
+            no_draft_target = self._target.predict(b) or 0.0
+            # drift between when T(B) and T(B (1 + k)) were measured must not pass for the
+            # cost of k drafts: where forwards close in time measured both, their ratio
+            ratio = self._paired.ratio(b, b * (1 + k))
+            if ratio is not None:
+                target = no_draft_target * ratio
             # noise must not make verifying more tokens look cheaper than B tokens
-            target = max(target, self._target.predict(b) or 0.0)
+            target = max(target, no_draft_target)
             per_position = self._draft.predict(b)
             if per_position is None and not unmeasured_drafts_free:
                 return None
