@@ -70,6 +70,8 @@ held the cores, which drifts between them; on an accelerator the wall clock.
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -269,7 +271,7 @@ class _PairedRatios:
     median of the latest `num_kept` observations: one cold first forward over a new number of
     rows (seen at batch 1: T(2) = 1.4 T(1) once, then T(1)) is outvoted by the next two.
     On a shared machine a step's cost drifts by a third within one wave (seen at batch 8:
-    75 to 117 ms of CPU for the same work), so T(2B) measured early and T(B) measured late, as
+    72 to 129 ms of CPU for the same work), so T(2B) measured early and T(B) measured late, as
     two decayed means, can promise drafts a gain the run never sees; their ratio on
     neighbouring forwards drifts little."""
 
@@ -280,8 +282,10 @@ class _PairedRatios:
         self.window = window
         self._latest: dict[int, tuple[int, float]] = {}  # n -> (forward index, log seconds)
         self._num_forwards = 0
-        # (m, n) -> the latest observations, oldest first
+        # (m, n) -> the latest observations, oldest first, and their median (read every
+        # decision, changed only by a forward)
         self._observed: dict[tuple[int, int], list[float]] = {}
+        self._median: dict[tuple[int, int], float] = {}
         # (m, n) -> the latest forward at n while it waits for the next forward at m:
         # (its index, its log seconds, the log seconds of the forward at m before it or None)
         self._open: dict[tuple[int, int], tuple[int, float, float | None]] = {}
@@ -291,7 +295,7 @@ class _PairedRatios:
         now = self._num_forwards
         if seconds <= 0.0:
             return  # a clock too coarse to tell: nothing to compare
-        log_s = float(np.log(seconds))
+        log_s = math.log(seconds)
         for k in range(1, self.max_spec_tokens + 1):
             if num_tokens % (1 + k) == 0:  # as the n of (m, n): against the latest m
                 key = (num_tokens // (1 + k), num_tokens)
@@ -307,20 +311,24 @@ class _PairedRatios:
                 _, n_s, before_s = waiting
                 if before_s is None:
                     self._observe(key, n_s - log_s)
-                else:  # replace its one-sided observation with the two-sided one
-                    self._observed[key][-1] = n_s - 0.5 * (before_s + log_s)
+                else:  # its one-sided observation becomes the two-sided one
+                    self._observe(key, n_s - 0.5 * (before_s + log_s), replace_last=True)
         self._latest[num_tokens] = (now, log_s)
 
-    def _observe(self, key: tuple[int, int], value: float) -> None:
+    def _observe(self, key: tuple[int, int], value: float, replace_last: bool = False) -> None:
         kept = self._observed.setdefault(key, [])
-        kept.append(value)
-        if len(kept) > self.num_kept:
-            del kept[0]
+        if replace_last:
+            kept[-1] = value
+        else:
+            kept.append(value)
+            if len(kept) > self.num_kept:
+                del kept[0]
+        self._median[key] = statistics.median(kept)
 
     def ratio(self, m: int, n: int) -> float | None:
         """T(n) / T(m) from paired forwards (None: no pair measured)."""
-        kept = self._observed.get((m, n))
-        return None if not kept else float(np.exp(np.median(kept)))
+        median = self._median.get((m, n))
+        return None if median is None else math.exp(median)
 
 
 @dataclass

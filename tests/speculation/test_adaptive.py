@@ -339,7 +339,7 @@ def test_a_cold_first_draft_step_does_not_stop_drafting_for_good():
 def test_a_slow_period_after_drafting_was_measured_does_not_make_drafting_look_cheap():
     """Batch 8, one draft accepted 3 times in 8, verifying it costs 32% more target time:
     drafting loses ~1%. After the quiet steps that measured both T(8) and T(16), a slow period
-    (every forward 1.4x, as when the machine's other tenants get busy: seen as 75 to 117 ms
+    (every forward 1.4x, as when the machine's other tenants get busy: seen as 72 to 129 ms
     within a wave) measures only T(8), since nothing drafts. As decayed means apart, T(8)
     then catches up with the slow period while T(16) keeps its quiet value, and one draft
     looks nearly free; measured on neighbouring forwards, T(16) / T(8) does not move."""
