@@ -520,7 +520,10 @@ class ModelRunner:
         wants = sampling & ~np.asarray(verified.stopped, dtype=bool)
         num_decode = int(wants.sum())
         num_spec = self.num_spec_tokens
+        num_target_tokens = sum(forward.query_lens_host)
         if self.spec_policy is not None:
+            # this step's target cost first: the decision weighs the forward it follows
+            self.spec_policy.observe_target(num_target_tokens, target_s)
             num_spec = self.spec_policy.decide(num_decode)
         target_rows = TargetRows(output.hidden_states, output.prenorm_hidden,
                                  tuple(output.aux_hidden_states), forward.slot_mapping)
@@ -545,8 +548,8 @@ class ModelRunner:
         if self.spec_policy is not None:
             timing = self.proposer.last_timing
             proposed = max((len(d) for d in drafts.values()), default=0)  # k actually drafted
-            self.spec_policy.observe_step(StepCost(
-                sum(forward.query_lens_host), target_s, num_decode, proposed,
+            self.spec_policy.observe_drafter(StepCost(
+                num_target_tokens, target_s, num_decode, proposed,
                 timing.catch_up_s, timing.draft_s))
         wanted = np.flatnonzero(wants)
         out: dict[str, list[int]] = {}

@@ -6,9 +6,11 @@ asks it for the next step's draft length; it never touches tensors, the schedule
 Greedy output does not depend on its choices (verification is lossless); only speed does.
 
 Per step the runner reports
-    `StepCost`      the target forward's token count and seconds, the drafter's catch-up
-                    seconds (paid whatever the draft length: the draft KV of every position
-                    made final must be written) and the proposal seconds for `k` drafts;
+    `StepCost`      the target forward's token count and seconds (`observe_target`, before
+                    it asks for the next draft length), the drafter's catch-up seconds (paid
+                    whatever the draft length: the draft KV of every position made final
+                    must be written) and the proposal seconds for `k` drafts
+                    (`observe_drafter`, after the proposals);
     `Verification`  per request, drafts offered and accepted (before any stop cut).
 
 The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens:
@@ -270,12 +272,18 @@ class _PairedRatios:
     `window` forwards away, so that a drift of the machine's speed cancels. The ratio is the
     median of the latest `num_kept` observations: one cold first forward over a new number of
     rows (seen at batch 1: T(2) = 1.4 T(1) once, then T(1)) is outvoted by the next two.
+    While a pair has fewer than `num_kept` observations of its own, the latest ones of the
+    same k at the nearest m' within `neighbour_span` of m fill the median up: the ratio
+    changes slowly with m, and as a wave's requests finish every step meets a new m, whose
+    first observation alone (one noisy pair) would decide (seen at batch 8 -> 7: T(14) / T(7)
+    measured 0.94 once, drafting turned on, the next pairs said 1.2, at m = 8 it was 1.33).
     On a shared machine a step's cost drifts by a third within one wave (seen at batch 8:
     72 to 129 ms of CPU for the same work), so T(2B) measured early and T(B) measured late, as
     two decayed means, can promise drafts a gain the run never sees; their ratio on
     neighbouring forwards drifts little."""
 
     num_kept = 5
+    neighbour_span = 1.25  # m' / m (or m / m') at most, for a pair to lend its observations
 
     def __init__(self, max_spec_tokens: int, window: int) -> None:
         self.max_spec_tokens = max_spec_tokens
@@ -285,7 +293,8 @@ class _PairedRatios:
         # (m, n) -> the latest observations, oldest first, and their median (read every
         # decision, changed only by a forward)
         self._observed: dict[tuple[int, int], list[float]] = {}
-        self._median: dict[tuple[int, int], float] = {}
+        self._median: dict[tuple[int, int], float] = {}  # own observations only
+        self._ratio: dict[tuple[int, int], float | None] = {}  # ratio(), cleared by a change
         # (m, n) -> the latest forward at n while it waits for the next forward at m:
         # (its index, its log seconds, the log seconds of the forward at m before it or None)
         self._open: dict[tuple[int, int], tuple[int, float, float | None]] = {}
@@ -324,11 +333,30 @@ class _PairedRatios:
             if len(kept) > self.num_kept:
                 del kept[0]
         self._median[key] = statistics.median(kept)
+        self._ratio.clear()
 
     def ratio(self, m: int, n: int) -> float | None:
-        """T(n) / T(m) from paired forwards (None: no pair measured)."""
-        median = self._median.get((m, n))
-        return None if median is None else math.exp(median)
+        """T(n) / T(m) from paired forwards: this pair's latest observations, filled up from
+        its neighbours' (class docstring). None: no pair measured, here or near."""
+        key = (m, n)
+        if key not in self._ratio:
+            self._ratio[key] = self._pooled_ratio(m, n)
+        return self._ratio[key]
+
+    def _pooled_ratio(self, m: int, n: int) -> float | None:
+        pooled = list(self._observed.get((m, n), ()))
+        if len(pooled) >= self.num_kept:
+            return math.exp(self._median[(m, n)])
+        k = n // m - 1
+        near = sorted((abs(math.log(m2 / m)), m2) for m2, n2 in self._observed
+                      if m2 != m and n2 == m2 * (1 + k)
+                      and max(m2 / m, m / m2) <= self.neighbour_span)
+        for _, m2 in near:
+            lent = self._observed[(m2, m2 * (1 + k))]
+            pooled.extend(reversed(lent[-(self.num_kept - len(pooled)):]))
+            if len(pooled) >= self.num_kept:
+                break
+        return math.exp(statistics.median(pooled)) if pooled else None
 
 
 @dataclass
@@ -437,9 +465,27 @@ class AdaptiveSpeculation:
             accepted_decayed[j] = value
 
     def observe_step(self, cost: StepCost) -> None:
-        if cost.num_target_tokens > 0:
-            self._target.add(cost.num_target_tokens, cost.target_s)
-            self._paired.add(cost.num_target_tokens, cost.target_s)
+        """A whole step's costs: `observe_target`, then `observe_drafter`."""
+        self.observe_target(cost.num_target_tokens, cost.target_s)
+        self.observe_drafter(cost)
+
+    def observe_target(self, num_target_tokens: int, target_s: float) -> None:
+        """The step's target forward (`StepCost.num_target_tokens`, `target_s`). The runner
+        reports it before it asks `decide` for the next step's draft length, and the drafter's
+        costs after the proposals (`observe_drafter`): a step that verified drafts for the
+        first time then weighs its own T(B (1 + k)), and drafting that loses stops one step
+        sooner (with T observed only after the decision, every draft length tried cost two
+        steps of drafts: at batch 32 one draft measured 1.5x the target time, and the next
+        step drafted again on the guess)."""
+        if not target_s >= 0.0:
+            raise ValueError(f"target_s must be >= 0 seconds, got {target_s!r}")
+        if num_target_tokens > 0:
+            self._target.add(num_target_tokens, target_s)
+            self._paired.add(num_target_tokens, target_s)
+
+    def observe_drafter(self, cost: StepCost) -> None:
+        """The drafter's side of a step: its catch-up and proposal seconds (the target fields
+        only tell whether the step was decode-only)."""
         b = cost.num_decode_requests
         if b > 0:
             # more tokens than b decoding requests could verify: prefill rows were caught up

@@ -180,3 +180,40 @@ def test_the_policy_reads_an_injected_clock_and_stops_drafts_that_do_not_pay(
     assert choices[0] == choices[1]  # the same clock readings, the same choices
     steps_without, *steps_with = choices[0]
     assert steps_without >= 3 * sum(steps_with)  # a random head's drafts never pay here
+
+
+class RecordingSpeculation(ScriptedSpeculation):
+    """A scripted policy that logs what the runner reports to it, in order."""
+
+    def __init__(self, max_spec_tokens: int, script: list[int]) -> None:
+        super().__init__(max_spec_tokens, script)
+        self.log: list[tuple[str, int]] = []
+
+    def observe_target(self, num_target_tokens: int, target_s: float) -> None:
+        self.log.append(("target", num_target_tokens))
+        super().observe_target(num_target_tokens, target_s)
+
+    def decide(self, num_requests: int) -> int:
+        self.log.append(("decide", num_requests))
+        return super().decide(num_requests)
+
+    def observe_drafter(self, cost) -> None:
+        self.log.append(("drafter", cost.num_spec_tokens))
+        super().observe_drafter(cost)
+
+
+def test_the_draft_length_is_chosen_after_the_forward_it_follows_is_measured(tiny_model):
+    """Every step reports its target forward before the runner asks for the next draft
+    length, and the drafter's costs after the proposals: the decision after a step that
+    verified drafts has seen what verifying them cost (drafting that loses stops a step
+    sooner)."""
+    drafter = random_drafter("eagle", tiny_model, init_std=0.2, seed=5)
+    engine = _engine(tiny_model, drafter)
+    policy = RecordingSpeculation(3, [2])
+    engine.spec_policy = engine.runner.spec_policy = policy
+    run_engine(engine, [PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True))
+    kinds = [kind for kind, _ in policy.log]
+    assert len(kinds) >= 9 and kinds == ["target", "decide", "drafter"] * (len(kinds) // 3)
+    # after the prefill, each forward verifies the two drafts the step before proposed
+    targets = [n for kind, n in policy.log if kind == "target"]
+    assert targets[0] == len(PROMPTS[1]) and targets[1:3] == [3, 3]

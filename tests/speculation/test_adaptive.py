@@ -367,3 +367,36 @@ def test_a_slow_period_after_drafting_was_measured_does_not_make_drafting_look_c
     # the drafter's own seconds (catch-up, proposal) keep their quiet means, which the slow
     # period makes look 1.4x cheaper against T(8): a 1-2% shift, below enable_margin
     assert policy.predicted_goodput(8, 1) < 1.02 * policy.predicted_goodput(8, 0)
+
+
+def test_a_batch_that_shrinks_by_one_borrows_its_neighbours_paired_ratio():
+    """Batch 8 measured side by side: one draft accepted 2 times in 8, T(16) = 1.31 T(8), so
+    drafting loses. A request finishes; at 7 the first forward at 14 tokens lands in a quick
+    moment and the forward at 7 after it in a slow one, and that one pair says T(14) =
+    0.95 T(7) (seen on this CPU: 0.94, where the pairs after it said 1.2). Alone it made one
+    draft look 18% ahead, and drafting turned on at a loss; filled up with the pairs at 8
+    (within 25% of 7), the ratio stays 1.31."""
+    def target(n):
+        return 0.070 + 0.004 * n
+
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(1))
+    after_prefill(policy, 8, 40, target)
+
+    def step(b, k, scale=1.0):
+        if k:
+            policy.observe_verifications([Verification(1, int(i < 2)) for i in range(b)])
+        policy.observe_step(StepCost(b * (1 + k), scale * target(b * (1 + k)), b, k,
+                                     0.001 + 0.004 * k, 0.003 * k))
+
+    for k in (0, 1, 0, 1, 0, 1, 0):
+        step(8, k)
+    assert policy.predicted_goodput(8, 1) < policy.predicted_goodput(8, 0)
+    step(7, 1, scale=0.85)
+    step(7, 0, scale=1.15)
+    assert policy.predicted_goodput(7, 1) < policy.predicted_goodput(7, 0)
+    chosen = []
+    for _ in range(12):
+        k = policy.decide(7)
+        chosen.append(k)
+        step(7, k)
+    assert chosen.count(1) == 0, chosen
