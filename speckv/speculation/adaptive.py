@@ -290,11 +290,10 @@ class _PairedRatios:
         self.window = window
         self._latest: dict[int, tuple[int, float]] = {}  # n -> (forward index, log seconds)
         self._num_forwards = 0
-        # (m, n) -> the latest observations, oldest first, and their median (read every
-        # decision, changed only by a forward)
+        # (m, n) -> the latest observations, oldest first
         self._observed: dict[tuple[int, int], list[float]] = {}
-        self._median: dict[tuple[int, int], float] = {}  # own observations only
-        self._ratio: dict[tuple[int, int], float | None] = {}  # ratio(), cleared by a change
+        # (m, n) -> ratio(m, n): read for every k at every decision, cleared by a forward
+        self._ratio: dict[tuple[int, int], float | None] = {}
         # (m, n) -> the latest forward at n while it waits for the next forward at m:
         # (its index, its log seconds, the log seconds of the forward at m before it or None)
         self._open: dict[tuple[int, int], tuple[int, float, float | None]] = {}
@@ -332,7 +331,6 @@ class _PairedRatios:
             kept.append(value)
             if len(kept) > self.num_kept:
                 del kept[0]
-        self._median[key] = statistics.median(kept)
         self._ratio.clear()
 
     def ratio(self, m: int, n: int) -> float | None:
@@ -345,17 +343,16 @@ class _PairedRatios:
 
     def _pooled_ratio(self, m: int, n: int) -> float | None:
         pooled = list(self._observed.get((m, n), ()))
-        if len(pooled) >= self.num_kept:
-            return math.exp(self._median[(m, n)])
-        k = n // m - 1
-        near = sorted((abs(math.log(m2 / m)), m2) for m2, n2 in self._observed
-                      if m2 != m and n2 == m2 * (1 + k)
-                      and max(m2 / m, m / m2) <= self.neighbour_span)
-        for _, m2 in near:
-            lent = self._observed[(m2, m2 * (1 + k))]
-            pooled.extend(reversed(lent[-(self.num_kept - len(pooled)):]))
-            if len(pooled) >= self.num_kept:
-                break
+        if len(pooled) < self.num_kept:
+            k = n // m - 1
+            near = sorted((abs(math.log(m2 / m)), m2) for m2, n2 in self._observed
+                          if m2 != m and n2 == m2 * (1 + k)
+                          and max(m2 / m, m / m2) <= self.neighbour_span)
+            for _, m2 in near:
+                lent = self._observed[(m2, m2 * (1 + k))]
+                pooled.extend(lent[-(self.num_kept - len(pooled)):])
+                if len(pooled) >= self.num_kept:
+                    break
         return math.exp(statistics.median(pooled)) if pooled else None
 
 
