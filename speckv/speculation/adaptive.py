@@ -53,15 +53,16 @@ finish) must not raise a T(B) measured many times and make drafting look cheap; 
 fast towards a faster measurement and rises slowly (other processes' load only ever slows a
 step down).
 Every `probe_interval` steps it tries the runner-up for one step (8x less often when the
-runner-up is predicted to lose by more than 5%), so a change in batch size or acceptance is
-noticed; while drafting it also measures no drafting again, every `probe_interval` / 4 steps
-until T at B has 3 measurements, then every `probe_interval` steps (8x less often when
-drafting is predicted more than 15% ahead): one slow measurement of the cost drafting must
-beat must not keep drafts that lose. The mirror case: while not drafting, a runner-up whose
-T was measured only once or twice, above the other segments' line by enough to hide a gain
-within 5%, is tried every `probe_interval` / 4 steps until T there has 3 measurements: one
-cold first step (the first forward over a new number of rows) must not stop drafting that
-pays.
+runner-up is predicted to lose by more than 5% even with its measured acceptance
+`probe_optimism` standard errors up: a few early rejections must not put off the next try),
+so a change in batch size or acceptance is noticed; while drafting it also measures no
+drafting again, every `probe_interval` / 4 steps until T at B has 3 measurements, then
+every `probe_interval` steps (8x less often when drafting is predicted more than 15% ahead):
+one slow measurement of the cost drafting must beat must not keep drafts that lose. The
+mirror case: while not drafting, a runner-up whose T was measured only once or twice,
+above the other segments' line by enough to hide a gain within 5%, is tried every
+`probe_interval` / 4 steps until T there has 3 measurements: one cold first step (the first
+forward over a new number of rows) must not stop drafting that pays.
 
 The costs are read from one injectable clock (`AdaptiveSpeculation.clock`, which the runner
 and the proposer use too): on CPU the process's CPU time by default, because the steps the
@@ -103,6 +104,9 @@ class AdaptiveSpecConfig:
     # drafting again after none must promise this much more than none: with noisy costs the
     # prediction errs both ways, and a wrong "on" costs more than a wrong "off" saves
     enable_margin: float = 0.06
+    # standard errors added to a measured a_j when judging whether a runner-up is worth a
+    # probe soon: a few early rejections must not leave drafting that pays untried for long
+    probe_optimism: float = 1.0
     adaptive: bool = True  # False: always max_spec_tokens (statistics are still kept)
 
     def __post_init__(self) -> None:
@@ -116,6 +120,8 @@ class AdaptiveSpecConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
         if self.prior_weight <= 0 or self.switch_margin < 0 or self.enable_margin < 0:
             raise ValueError("prior_weight must be > 0, switch_margin and enable_margin >= 0")
+        if not self.probe_optimism >= 0:
+            raise ValueError(f"probe_optimism must be >= 0, got {self.probe_optimism!r}")
 
 
 @dataclass(frozen=True)
@@ -496,27 +502,39 @@ class AdaptiveSpeculation:
                 self._fixed_no_draft.add(b, cost.catch_up_s)
 
     # ---- the decision -------------------------------------------------------------------------
-    def acceptance(self) -> list[float]:
-        """a_j for j = 1..max_spec_tokens (conditional on drafts before j accepted)."""
+    def acceptance(self, num_std_errors: float = 0.0) -> list[float]:
+        """a_j for j = 1..max_spec_tokens (conditional on drafts before j accepted).
+        `num_std_errors` > 0: each a_j measured on at least one (decayed) verified draft is
+        raised by that many binomial standard errors, sqrt(a_j (1 - a_j) / verified), and
+        kept below 1; an a_j that is still the prior alone stays the prior (no count to
+        be uncertain about, and a band around a guess would make every draft look worth a
+        try)."""
         cfg = self.config
         prior = cfg.prior_acceptance * cfg.prior_weight
-        return [(a + prior) / (t + cfg.prior_weight)
-                for a, t in zip(self._decayed.accepted, self._decayed.tested)]
+        estimates = []
+        for a, t in zip(self._decayed.accepted, self._decayed.tested):
+            p = (a + prior) / (t + cfg.prior_weight)
+            if num_std_errors > 0 and t >= 1.0:
+                p = min(1.0 - 1e-6, p + num_std_errors * math.sqrt(p * (1.0 - p) / t))
+            estimates.append(p)
+        return estimates
 
-    def expected_tokens(self, k: int) -> float:
-        """E[k]: expected tokens per request per step with k drafts."""
+    def expected_tokens(self, k: int, num_std_errors: float = 0.0) -> float:
+        """E[k]: expected tokens per request per step with k drafts (at `acceptance`'s
+        `num_std_errors`)."""
         total, run = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        for a in self.acceptance(num_std_errors)[:k]:
             run *= a
             total += run
         return total
 
-    def predicted_goodput(self, num_requests: int, k: int, unmeasured_drafts_free: bool = False
-                          ) -> float | None:
+    def predicted_goodput(self, num_requests: int, k: int, unmeasured_drafts_free: bool = False,
+                          num_std_errors: float = 0.0) -> float | None:
         """Tokens per second with k drafts for `num_requests` decoding requests (None: the
         costs are not measured yet). `unmeasured_drafts_free`: before drafting is measured,
         its cost is taken as zero (draft positions free, the catch-up no dearer than without
-        drafts): the most drafting could pay at the current acceptance."""
+        drafts): the most drafting could pay at the current acceptance. `num_std_errors`:
+        the acceptance that many standard errors up (`acceptance`)."""
         b = num_requests
         target = self._target.predict(b * (1 + k))
         if target is None:
@@ -541,7 +559,7 @@ class AdaptiveSpeculation:
             # k = 0 not measured yet: its catch-up costs at most the drafting one; k > 0 not
             # measured yet (only with unmeasured_drafts_free): at least the one without drafts
             fixed = (self._fixed.predict(b) if k == 0 else no_draft) or 0.0
-        return b * self.expected_tokens(k) / max(1e-9, target + draft + fixed)
+        return b * self.expected_tokens(k, num_std_errors) / max(1e-9, target + draft + fixed)
 
     def decide(self, num_requests: int) -> int:
         """The number of drafts per request for the next step of `num_requests` decoding
@@ -596,17 +614,30 @@ class AdaptiveSpeculation:
         ranked = sorted((k for k in known if k not in (self._current, 0)), key=lambda k: -known[k])
         if self._current > 0 or not ranked:
             ranked = sorted((k for k in known if k != self._current), key=lambda k: -known[k])
-        if ranked:
+        if ranked and self._steps_since_probe >= max(2, interval // 4):
             runner_up = ranked[0]
-            close = known[runner_up] >= 0.95 * known[self._current]
-            wait = interval * (1 if close else 8)
-            if self._current == 0 and self._cold_measurement_hides_a_gain(
-                    num_requests, runner_up, known[runner_up], known[0]):
-                wait = max(2, interval // 4)
-            if self._steps_since_probe >= wait:
+            if self._steps_since_probe >= self._probe_wait(num_requests, runner_up, known):
                 self._steps_since_probe = 0
                 return runner_up
         return self._current
+
+    def _probe_wait(self, num_requests: int, runner_up: int, known: dict[int, float]) -> int:
+        """Steps between tries of `runner_up` (module docstring): `probe_interval` where it is
+        predicted within 5% of the current choice with its acceptance `probe_optimism`
+        standard errors up, 8x that where even so it loses by more; `probe_interval` / 4
+        while a cold measurement may hide a gain. Optimism only hastens a try, never turns
+        drafting on: a few rejections among a handful of drafts (at batch 1 the first four
+        rejected, 45% after) said a_1 = 0.1 and the next try came after 128 steps; a
+        drafter whose drafts keep failing narrows its band with every try, and the tries
+        thin out to every 8 `probe_interval`."""
+        interval = self.config.probe_interval
+        if self._current == 0 and self._cold_measurement_hides_a_gain(
+                num_requests, runner_up, known[runner_up], known[0]):
+            return max(2, interval // 4)
+        optimistic = self.predicted_goodput(num_requests, runner_up, True,
+                                            self.config.probe_optimism)
+        close = optimistic is not None and optimistic >= 0.95 * known[self._current]
+        return interval * (1 if close else 8)
 
     def _cold_measurement_hides_a_gain(self, num_requests: int, k: int, goodput: float,
                                        no_draft: float) -> bool:

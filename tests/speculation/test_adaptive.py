@@ -3,6 +3,7 @@ measured costs and acceptance only (simulated here: no wall time involved)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -113,6 +114,7 @@ def test_per_position_counts():
 @pytest.mark.parametrize("kwargs", [
     {"max_spec_tokens": 0}, {"max_spec_tokens": 3, "probe_interval": 1},
     {"max_spec_tokens": 3, "cost_decay": 1.0}, {"max_spec_tokens": 3, "prior_weight": 0},
+    {"max_spec_tokens": 3, "probe_optimism": -1.0},
 ])
 def test_config_is_validated(kwargs):
     with pytest.raises(ValueError):
@@ -400,3 +402,48 @@ def test_a_batch_that_shrinks_by_one_borrows_its_neighbours_paired_ratio():
         chosen.append(k)
         step(7, k)
     assert chosen.count(1) == 0, chosen
+
+
+def batch_1_after_early_rejections(acceptance, steps, seed, num_rejected_first=4):
+    """Batch 1 after a prefill, T(2) = 1.15 T(1): the first `num_rejected_first` steps with
+    drafts have every draft rejected, the rest accept at `acceptance` (per position).
+    Returns the chosen draft lengths."""
+    def target(n):
+        return 0.080 + 0.012 * (n - 1)
+
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(3))
+    after_prefill(policy, 1, 64, target)
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        k = policy.decide(1)
+        chosen.append(k)
+        if k:
+            accepted = 0
+            if chosen.count(0) < len(chosen) - num_rejected_first:
+                while accepted < k and rng.random() < acceptance:
+                    accepted += 1
+            policy.observe_verifications([Verification(k, accepted)])
+        policy.observe_step(StepCost(1 + k, target(1 + k), 1, k, 0.003 if k else 0.002,
+                                     0.005 * k))
+    return chosen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_few_early_rejections_do_not_leave_drafting_that_pays_untried(seed):
+    """45% of drafts accepted (one draft pays ~19% here), but the first four tries are
+    rejected: a_1 reads 0.1 and one draft 10% behind. The tries must keep coming every
+    probe_interval until acceptance is measured (it used to wait 128 steps per try: 5 drafts
+    in 400 steps, seen on the engine at batch 1 as 184 steps without drafts in one round)."""
+    chosen = batch_1_after_early_rejections(0.45, steps=400, seed=seed)
+    assert sum(1 for k in chosen[-200:] if k) >= 100, "".join(map(str, chosen))
+
+
+def test_tries_of_drafts_that_keep_failing_thin_out():
+    """Random-token prompts: every draft rejected. The optimistic band narrows with every try,
+    so after a few tries at probe_interval they come every 8 probe_interval."""
+    chosen = batch_1_after_early_rejections(0.0, steps=1500, seed=0)
+    tries = [i for i, k in enumerate(chosen) if k]
+    assert len(tries) <= 20, tries
+    late = [i for i in tries if i >= 300]
+    assert all(b - a >= 8 * 16 for a, b in itertools.pairwise(late)), tries
