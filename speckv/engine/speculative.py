@@ -75,7 +75,16 @@ def load_drafter_model(speculative_model: str, model: TargetModel,
     """A drafter dir (layout detected), "builtin" (the built-in SmolLM2's shipped EAGLE3
     head; `method`, when given, must be the drafter's) or, on a GDN hybrid, "random-mtp" (a
     seeded random-init Qwen3-Next MTP head) or the checkpoint directory whose own `mtp.*` head
-    to load."""
+    to load. Its few-row CPU matmuls take the form this machine computes fastest, as the
+    target's (`speckv.models.common.small_rows`)."""
+    from speckv.models.common.small_rows import set_small_row_form, small_row_form_of
+
+    drafter = _load_drafter(speculative_model, model, method)
+    set_small_row_form(drafter, small_row_form_of(model))
+    return drafter
+
+
+def _load_drafter(speculative_model: str, model: TargetModel, method: str | None) -> Drafter:
     if has_state_group(model):  # a GDN hybrid: its MTP head
         from speckv.drafters.hybrid_mtp import load_hybrid_drafter
 

@@ -134,7 +134,16 @@ def family_of(path: Path) -> ModelFamily:
 def load_model(model: str | Path | None, dtype: str, device: Any, progress: bool = True
                ) -> Loaded:
     """(model, tokenizer) for a name in BUILTIN_MODELS (None: "builtin"), an HF model directory
-    or a .gguf file, in `dtype` on `device`."""
+    or a .gguf file, in `dtype` on `device`, its few-row CPU matmuls in the form this machine
+    computes fastest (`speckv.models.common.small_rows`)."""
+    from speckv.models.common.small_rows import use_fastest_small_row_form
+
+    loaded, tokenizer = _load(model, dtype, device, progress)
+    use_fastest_small_row_form(loaded)
+    return loaded, tokenizer
+
+
+def _load(model: str | Path | None, dtype: str, device: Any, progress: bool) -> Loaded:
     name = "builtin" if model is None else str(model)
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name].load(dtype, device, progress)

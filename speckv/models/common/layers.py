@@ -10,19 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# fp32 CPU GEMMs of 2 or 3 rows run slower than of 4 in torch's kernels here (a whole
-# SmolLM2-135M step, 1 thread: 1 row 62 ms, 2 rows 98, 3 rows 121, 4 rows 89), while
-# W @ x^T for 2..4 rows takes 76 / 88 / 85 ms. Speculative verification steps (1 + k rows)
-# and batch-2..4 decode steps are exactly these shapes.
-_SMALL_ROWS = range(2, 5)
-
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state-dict names) that computes 2..4-row fp32 CPU
-    inputs as (W @ x^T)^T, the faster kernel for those shapes."""
+    """`nn.Linear` (same parameters and state-dict names) that computes fp32 CPU inputs of
+    the row counts in `transposed_rows` as (W @ x^T)^T: on some CPUs the faster kernel for the
+    2..4-row steps of speculative verification and small-batch decode. Empty (the plain form)
+    until a loader measures this machine (`speckv.models.common.small_rows`)."""
+
+    transposed_rows: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] (any leading dims)
-        if (x.dim() == 2 and x.shape[0] in _SMALL_ROWS and x.device.type == "cpu"
+        if (x.dim() == 2 and x.shape[0] in self.transposed_rows and x.device.type == "cpu"
                 and x.dtype == torch.float32 and self.weight.dtype == torch.float32):
             y = torch.mm(self.weight, x.t()).t().contiguous()  # [n, out]
             return y if self.bias is None else y + self.bias

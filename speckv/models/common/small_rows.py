@@ -1,0 +1,148 @@
+"""Which kernel computes the few-row fp32 CPU matmuls of a decode or verification step.
+
+Owns that choice for a loaded model: measured once per process per set of weight shapes (and
+thread count) on the model's own `Linear` weights, then set on each of its `Linear` modules
+(`Linear.transposed_rows`); a drafter takes its target's. Batch-1 verification with k drafts
+and batch-2..4 decode run `x @ W^T` with 2..4 rows of `x`; torch's CPU kernel for those shapes
+is fast on some CPUs and slow on others, and `(W @ x^T)^T` the other way round:
+
+    SmolLM2-135M, its 210 projection matrices streamed once, 1 thread, ms per pass:
+                              1 row   2 rows   4 rows   8 rows
+    AMD EPYC (AVX2)  x @ W^T     31       49       48       57
+                     W @ x^T     31       39       42       74
+    Xeon (AVX-512)   x @ W^T     35    30-40    50-81    82-86
+                     W @ x^T              57    51-74
+
+So no fixed rule is right on every machine: a rule tuned on the first made the second's
+verification steps 1.5-1.8x a one-row step where 1.05-1.1x was possible, and speculation
+lost. The two forms round differently; no caller compares them bit for bit (a 1-row and a
+multi-row forward never matched anyway).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speckv.models.common.layers import Linear
+
+SMALL_ROWS = range(2, 5)  # the row counts measured (beyond 4 rows x @ W^T wins everywhere seen)
+# W @ x^T must be this much faster to be chosen: the plain form is the reference one, and a
+# near tie is noise
+MARGIN = 0.03
+_NUM_REPS = 5
+# the weights streamed per pass: the model's first ones up to this size, 4x the last-level
+# cache of the CPUs seen (so a pass times the memory-bound regime of a real step) at a
+# fraction of a whole model's time (SmolLM2-135M: 0.7 s to measure instead of 2.2)
+STREAMED_BYTES = 128 << 20
+
+# (weight shapes, threads, CPU capability) -> rows computed as W @ x^T: one measurement per
+# process for each model architecture (tests and benches load the same model many times)
+_CHOSEN: dict[tuple, frozenset[int]] = {}
+
+
+@dataclass(frozen=True)
+class FormTimings:
+    """One row count's best-of-reps seconds to stream every weight once in each form."""
+
+    num_rows: int
+    linear_s: float  # F.linear(x, W): x @ W^T
+    transposed_s: float  # (W @ x^T)^T, made contiguous
+
+    def __post_init__(self) -> None:
+        if self.linear_s < 0 or self.transposed_s < 0:
+            raise ValueError("timings must be >= 0 seconds")
+
+
+def choose_transposed_rows(timings: Sequence[FormTimings], margin: float = MARGIN
+                           ) -> frozenset[int]:
+    """The row counts whose W @ x^T form beat x @ W^T by more than `margin`."""
+    return frozenset(t.num_rows for t in timings if t.transposed_s < (1.0 - margin) * t.linear_s)
+
+
+def time_forms(weights: Sequence[torch.Tensor], rows: Sequence[int] = SMALL_ROWS,
+               num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
+               ) -> list[FormTimings]:
+    """Per row count, the best of `num_reps` passes of each form over all `weights` ([out, in]
+    fp32 CPU), the forms interleaved so that a slow moment hits both. Streaming every weight
+    once is what a step does: the weights do not fit in the cache, and a loop over one warm
+    matrix would time another kernel regime. The process's CPU time by default, as the
+    speculation policy's costs: it leaves out the time other processes held the core."""
+    def one_pass(n: int, transposed: bool) -> float:
+        # fresh inputs every pass: one allocation's placement can keep a form slow for a whole
+        # run of passes (seen: 2 rows in W @ x^T at 13 ms or 20 ms per pass by the run)
+        inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}  # [n, in]
+        start = clock()
+        with torch.no_grad():
+            for w in weights:
+                x = inputs[w.shape[1]]
+                if transposed:
+                    torch.mm(w, x.t()).t().contiguous()
+                else:
+                    F.linear(x, w)
+        return clock() - start
+
+    timings = []
+    for n in rows:
+        one_pass(n, False)  # warm-up: first-touch allocations
+        one_pass(n, True)
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(num_reps):
+            for transposed in (False, True):
+                best[transposed] = min(best[transposed], one_pass(n, transposed))
+        timings.append(FormTimings(n, best[False], best[True]))
+    return timings
+
+
+def _cpu_fp32_linears(model: nn.Module) -> list[Linear]:
+    if not isinstance(model, nn.Module):
+        return []
+    return [m for m in model.modules() if isinstance(m, Linear)
+            and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+
+
+def measure_small_row_form(model: nn.Module) -> frozenset[int]:
+    """The row counts to compute as W @ x^T for `model`'s fp32 CPU `Linear` modules, measured
+    once per process per architecture on its first weights (`STREAMED_BYTES`). Empty where
+    they are fewer than that: such a model stays in the cache, a regime not measured, and tiny
+    models (tests) keep the one plain form."""
+    weights = list({id(m.weight): m.weight.detach() for m in _cpu_fp32_linears(model)}.values())
+    if sum(w.numel() * w.element_size() for w in weights) < STREAMED_BYTES:
+        return frozenset()
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(),
+           torch.backends.cpu.get_cpu_capability())
+    if key not in _CHOSEN:
+        streamed, num_bytes = [], 0
+        for w in weights:
+            if num_bytes >= STREAMED_BYTES:
+                break
+            streamed.append(w)
+            num_bytes += w.numel() * w.element_size()
+        _CHOSEN[key] = choose_transposed_rows(time_forms(streamed))
+    return _CHOSEN[key]
+
+
+def set_small_row_form(model: nn.Module, transposed_rows: frozenset[int]) -> None:
+    """Compute `transposed_rows`-row inputs of `model`'s fp32 CPU `Linear` modules as
+    W @ x^T (the rest as x @ W^T)."""
+    for m in _cpu_fp32_linears(model):
+        m.transposed_rows = transposed_rows
+
+
+def small_row_form_of(model: nn.Module) -> frozenset[int]:
+    """What `set_small_row_form` set on `model` (empty: the plain form, or no such module).
+    A drafter takes its target's: it runs right after the target's forward has streamed the
+    cache clean, so its weights are read from memory as the target's are."""
+    return next((m.transposed_rows for m in _cpu_fp32_linears(model)), frozenset())
+
+
+def use_fastest_small_row_form(model: nn.Module) -> frozenset[int]:
+    """`set_small_row_form(model, measure_small_row_form(model))`; returns the rows."""
+    rows = measure_small_row_form(model)
+    set_small_row_form(model, rows)
+    return rows
