@@ -21,6 +21,7 @@ multi-row forward never matched anyway).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,13 +33,19 @@ from torch import nn
 from speckv.models.common.layers import Linear
 
 SMALL_ROWS = range(2, 5)  # the row counts measured (beyond 4 rows x @ W^T wins everywhere seen)
-# W @ x^T must be this much faster to be chosen: the plain form is the reference one, and a
-# near tie is noise
-MARGIN = 0.03
-_NUM_REPS = 5
+# W @ x^T is chosen where it measured below (1 - CLEAR_MARGIN) of x @ W^T, x @ W^T where above
+# (1 + CLEAR_MARGIN); in between the CPU's default. On a shared machine the two forms' medians
+# swap places from one measurement to the next by up to ~15% (seen on the AMD EPYC: 2 rows
+# 13 / 17 ms in a quiet hour, 20 / 20 in a busy one; 3 rows 27 / 23); the Xeon's 2 rows
+# differ by 1.4-1.9x
+CLEAR_MARGIN = 0.2
+# where a measurement is not clear, by torch's CPU capability: the form measured faster on
+# such a CPU (AVX2: the AMD EPYC above); others keep the plain, reference form
+DEFAULT_TRANSPOSED_ROWS: dict[str, frozenset[int]] = {"AVX2": frozenset(SMALL_ROWS)}
+_NUM_REPS = 7
 # the weights streamed per pass: the model's first ones up to this size, 4x the last-level
 # cache of the CPUs seen (so a pass times the memory-bound regime of a real step) at a
-# fraction of a whole model's time (SmolLM2-135M: 0.7 s to measure instead of 2.2)
+# fraction of a whole model's time (SmolLM2-135M: about 1 s to measure instead of 3)
 STREAMED_BYTES = 128 << 20
 
 # (weight shapes, threads, CPU capability) -> rows computed as W @ x^T: one measurement per
@@ -48,7 +55,8 @@ _CHOSEN: dict[tuple, frozenset[int]] = {}
 
 @dataclass(frozen=True)
 class FormTimings:
-    """One row count's best-of-reps seconds to stream every weight once in each form."""
+    """One row count's median seconds, over interleaved passes, to stream every weight once in
+    each form."""
 
     num_rows: int
     linear_s: float  # F.linear(x, W): x @ W^T
@@ -59,17 +67,24 @@ class FormTimings:
             raise ValueError("timings must be >= 0 seconds")
 
 
-def choose_transposed_rows(timings: Sequence[FormTimings], margin: float = MARGIN
-                           ) -> frozenset[int]:
-    """The row counts whose W @ x^T form beat x @ W^T by more than `margin`."""
-    return frozenset(t.num_rows for t in timings if t.transposed_s < (1.0 - margin) * t.linear_s)
+def choose_transposed_rows(timings: Sequence[FormTimings], default: frozenset[int],
+                           margin: float = CLEAR_MARGIN) -> frozenset[int]:
+    """The row counts to compute as W @ x^T: those where it won by more than `margin`, and
+    those of `default` where neither form did."""
+    chosen = set()
+    for t in timings:
+        clear_win = t.transposed_s < (1.0 - margin) * t.linear_s
+        clear_loss = t.transposed_s > (1.0 + margin) * t.linear_s
+        if clear_win or (t.num_rows in default and not clear_loss):
+            chosen.add(t.num_rows)
+    return frozenset(chosen)
 
 
 def time_forms(weights: Sequence[torch.Tensor], rows: Sequence[int] = SMALL_ROWS,
                num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
                ) -> list[FormTimings]:
-    """Per row count, the best of `num_reps` passes of each form over all `weights` ([out, in]
-    fp32 CPU), the forms interleaved so that a slow moment hits both. Streaming every weight
+    """Per row count, the median of `num_reps` passes of each form over all `weights` ([out,
+    in] fp32 CPU), the forms interleaved so that a slow moment hits both. Streaming every weight
     once is what a step does: the weights do not fit in the cache, and a loop over one warm
     matrix would time another kernel regime. The process's CPU time by default, as the
     speculation policy's costs: it leaves out the time other processes held the core."""
@@ -91,11 +106,12 @@ def time_forms(weights: Sequence[torch.Tensor], rows: Sequence[int] = SMALL_ROWS
     for n in rows:
         one_pass(n, False)  # warm-up: first-touch allocations
         one_pass(n, True)
-        best = {False: float("inf"), True: float("inf")}
+        passes: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(num_reps):
             for transposed in (False, True):
-                best[transposed] = min(best[transposed], one_pass(n, transposed))
-        timings.append(FormTimings(n, best[False], best[True]))
+                passes[transposed].append(one_pass(n, transposed))
+        timings.append(FormTimings(n, statistics.median(passes[False]),
+                                   statistics.median(passes[True])))
     return timings
 
 
@@ -108,7 +124,8 @@ def _cpu_fp32_linears(model: nn.Module) -> list[Linear]:
 
 def measure_small_row_form(model: nn.Module) -> frozenset[int]:
     """The row counts to compute as W @ x^T for `model`'s fp32 CPU `Linear` modules, measured
-    once per process per architecture on its first weights (`STREAMED_BYTES`). Empty where
+    once per process per architecture on its first weights (`STREAMED_BYTES`), the CPU's
+    default (`DEFAULT_TRANSPOSED_ROWS`) where the measurement is not clear. Empty where
     they are fewer than that: such a model stays in the cache, a regime not measured, and tiny
     models (tests) keep the one plain form."""
     weights = list({id(m.weight): m.weight.detach() for m in _cpu_fp32_linears(model)}.values())
@@ -123,7 +140,9 @@ def measure_small_row_form(model: nn.Module) -> frozenset[int]:
                 break
             streamed.append(w)
             num_bytes += w.numel() * w.element_size()
-        _CHOSEN[key] = choose_transposed_rows(time_forms(streamed))
+        default = DEFAULT_TRANSPOSED_ROWS.get(torch.backends.cpu.get_cpu_capability(),
+                                              frozenset())
+        _CHOSEN[key] = choose_transposed_rows(time_forms(streamed), default)
     return _CHOSEN[key]
 
 
