@@ -54,7 +54,9 @@ fast towards a faster measurement and rises slowly (other processes' load only e
 step down).
 Every `probe_interval` steps it tries the runner-up for one step (8x less often when the
 runner-up is predicted to lose by more than 5% even with its measured acceptance
-`probe_optimism` standard errors up: a few early rejections must not put off the next try),
+`probe_optimism` standard errors up: a few early rejections must not put off the next try;
+or, not drafting, where verifying drafts was never measured at or near this batch, predicted
+not to gain `enable_margin`: that cost is only a guess from other token counts' line),
 so a change in batch size or acceptance is noticed; while drafting it also measures no
 drafting again, every `probe_interval` / 4 steps until T at B has 3 measurements, then
 every `probe_interval` steps (8x less often when drafting is predicted more than 15% ahead):
@@ -624,8 +626,10 @@ class AdaptiveSpeculation:
     def _probe_wait(self, num_requests: int, runner_up: int, known: dict[int, float]) -> int:
         """Steps between tries of `runner_up` (module docstring): `probe_interval` where it is
         predicted within 5% of the current choice with its acceptance `probe_optimism`
-        standard errors up, 8x that where even so it loses by more; `probe_interval` / 4
-        while a cold measurement may hide a gain. Optimism only hastens a try, never turns
+        standard errors up (ahead by `enable_margin` where no drafting is current and
+        verifying was never measured near this batch), 8x that where even so it loses;
+        `probe_interval` / 4 while a cold measurement may hide a gain. Optimism only hastens
+        a try, never turns
         drafting on: a few rejections among a handful of drafts (at batch 1 the first four
         rejected, 45% after) said a_1 = 0.1 and the next try came after 128 steps; a
         drafter whose drafts keep failing narrows its band with every try, and the tries
@@ -636,7 +640,15 @@ class AdaptiveSpeculation:
             return max(2, interval // 4)
         optimistic = self.predicted_goodput(num_requests, runner_up, True,
                                             self.config.probe_optimism)
-        close = optimistic is not None and optimistic >= 0.95 * known[self._current]
+        # not drafting, and verifying runner_up drafts never measured at this batch or near
+        # it: its cost is the line through other token counts (the prefill's, whose rows cost
+        # less than decode rows: at batch 31 it said T(62) = 1.45 T(31), the try measured
+        # 1.5-2x), so a try soon needs a predicted gain, as turning drafting on does. (While
+        # drafting, one more draft adds a few rows to a verification measured already.)
+        unmeasured = self._current == 0 and runner_up > 0 and self._paired.ratio(
+            num_requests, num_requests * (1 + runner_up)) is None
+        floor = 1.0 + self.config.enable_margin if unmeasured else 0.95
+        close = optimistic is not None and optimistic >= floor * known[self._current]
         return interval * (1 if close else 8)
 
     def _cold_measurement_hides_a_gain(self, num_requests: int, k: int, goodput: float,
