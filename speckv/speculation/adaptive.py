@@ -629,11 +629,10 @@ class AdaptiveSpeculation:
         standard errors up (ahead by `enable_margin` where no drafting is current and
         verifying was never measured near this batch), 8x that where even so it loses;
         `probe_interval` / 4 while a cold measurement may hide a gain. Optimism only hastens
-        a try, never turns
-        drafting on: a few rejections among a handful of drafts (at batch 1 the first four
-        rejected, 45% after) said a_1 = 0.1 and the next try came after 128 steps; a
-        drafter whose drafts keep failing narrows its band with every try, and the tries
-        thin out to every 8 `probe_interval`."""
+        a try, never turns drafting on: a few rejections among a handful of drafts (at
+        batch 1 the first four rejected, 45% after) said a_1 = 0.1 and the next try came
+        after 128 steps; a drafter whose drafts keep failing narrows its band with every
+        try, and the tries thin out to every 8 `probe_interval`."""
         interval = self.config.probe_interval
         if self._current == 0 and self._cold_measurement_hides_a_gain(
                 num_requests, runner_up, known[runner_up], known[0]):
