@@ -64,13 +64,12 @@ def test_recorded_benchmark_is_readable():
 
 def test_the_drafter_takes_its_targets_few_row_matmul_form():
     from speckv.engine.speculative import load_drafter_model
+    from speckv.models.common.layers import Linear
     from speckv.models.common.small_rows import set_small_row_form, small_row_form_of
 
     model, _, _ = builtin.load_builtin_model(torch.float32, "cpu", progress=False)
     set_small_row_form(model, frozenset({2, 4}))
     drafter = load_drafter_model("builtin", model, "eagle3")
-    from speckv.models.common.layers import Linear
-
     assert small_row_form_of(drafter) == {2, 4}
     assert {m.transposed_rows for m in drafter.modules() if isinstance(m, Linear)} == {
         frozenset({2, 4})}

@@ -415,12 +415,14 @@ def batch_1_after_early_rejections(acceptance, steps, seed, num_rejected_first=4
     after_prefill(policy, 1, 64, target)
     rng = random.Random(seed)
     chosen = []
+    num_drafted = 0
     for _ in range(steps):
         k = policy.decide(1)
         chosen.append(k)
         if k:
+            num_drafted += 1
             accepted = 0
-            if chosen.count(0) < len(chosen) - num_rejected_first:
+            if num_drafted > num_rejected_first:
                 while accepted < k and rng.random() < acceptance:
                     accepted += 1
             policy.observe_verifications([Verification(k, accepted)])

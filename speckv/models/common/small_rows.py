@@ -34,18 +34,18 @@ from speckv.models.common.layers import Linear
 
 SMALL_ROWS = range(2, 5)  # the row counts measured (beyond 4 rows x @ W^T wins everywhere seen)
 # W @ x^T is chosen where it measured below (1 - CLEAR_MARGIN) of x @ W^T, x @ W^T where above
-# (1 + CLEAR_MARGIN); in between the CPU's default. On a shared machine the two forms' medians
-# swap places from one measurement to the next by up to ~15% (seen on the AMD EPYC: 2 rows
-# 13 / 17 ms in a quiet hour, 20 / 20 in a busy one; 3 rows 27 / 23); the Xeon's 2 rows
-# differ by 1.4-1.9x
+# (1 + CLEAR_MARGIN); in between the CPU's default. On a shared machine the two forms swap
+# places from one measurement to the next by up to ~20% (seen on the AMD EPYC: 2 rows 13 / 17
+# ms in a quiet hour, 20 / 20 in a busy one; 3 rows 27 / 23 there, 18 / 21 an hour before);
+# the Xeon's 2 rows differ by 1.4-1.9x
 CLEAR_MARGIN = 0.2
 # where a measurement is not clear, by torch's CPU capability: the form measured faster on
 # such a CPU (AVX2: the AMD EPYC above); others keep the plain, reference form
 DEFAULT_TRANSPOSED_ROWS: dict[str, frozenset[int]] = {"AVX2": frozenset(SMALL_ROWS)}
 _NUM_REPS = 7
-# the weights streamed per pass: the model's first ones up to this size, 4x the last-level
-# cache of the CPUs seen (so a pass times the memory-bound regime of a real step) at a
-# fraction of a whole model's time (SmolLM2-135M: about 1 s to measure instead of 3)
+# the weights streamed per pass: the model's first ones up to this size, 4x the AMD EPYC's
+# 32 MiB last-level cache (so a pass times the memory-bound regime of a real step) at a
+# fraction of a whole model's time (SmolLM2-135M: about 1 s to measure instead of about 3)
 STREAMED_BYTES = 128 << 20
 
 # (weight shapes, threads, CPU capability) -> rows computed as W @ x^T: one measurement per
@@ -128,11 +128,15 @@ def measure_small_row_form(model: nn.Module) -> frozenset[int]:
     default (`DEFAULT_TRANSPOSED_ROWS`) where the measurement is not clear. Empty where
     they are fewer than that: such a model stays in the cache, a regime not measured, and tiny
     models (tests) keep the one plain form."""
-    weights = list({id(m.weight): m.weight.detach() for m in _cpu_fp32_linears(model)}.values())
+    return _measure(_cpu_fp32_linears(model))
+
+
+def _measure(linears: list[Linear]) -> frozenset[int]:
+    weights = list({id(m.weight): m.weight.detach() for m in linears}.values())  # tied: once
     if sum(w.numel() * w.element_size() for w in weights) < STREAMED_BYTES:
         return frozenset()
-    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(),
-           torch.backends.cpu.get_cpu_capability())
+    capability = torch.backends.cpu.get_cpu_capability()
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(), capability)
     if key not in _CHOSEN:
         streamed, num_bytes = [], 0
         for w in weights:
@@ -140,8 +144,7 @@ def measure_small_row_form(model: nn.Module) -> frozenset[int]:
                 break
             streamed.append(w)
             num_bytes += w.numel() * w.element_size()
-        default = DEFAULT_TRANSPOSED_ROWS.get(torch.backends.cpu.get_cpu_capability(),
-                                              frozenset())
+        default = DEFAULT_TRANSPOSED_ROWS.get(capability, frozenset())
         _CHOSEN[key] = choose_transposed_rows(time_forms(streamed), default)
     return _CHOSEN[key]
 
@@ -149,7 +152,11 @@ def measure_small_row_form(model: nn.Module) -> frozenset[int]:
 def set_small_row_form(model: nn.Module, transposed_rows: frozenset[int]) -> None:
     """Compute `transposed_rows`-row inputs of `model`'s fp32 CPU `Linear` modules as
     W @ x^T (the rest as x @ W^T)."""
-    for m in _cpu_fp32_linears(model):
+    _set(_cpu_fp32_linears(model), transposed_rows)
+
+
+def _set(linears: list[Linear], transposed_rows: frozenset[int]) -> None:
+    for m in linears:
         m.transposed_rows = transposed_rows
 
 
@@ -161,7 +168,9 @@ def small_row_form_of(model: nn.Module) -> frozenset[int]:
 
 
 def use_fastest_small_row_form(model: nn.Module) -> frozenset[int]:
-    """`set_small_row_form(model, measure_small_row_form(model))`; returns the rows."""
-    rows = measure_small_row_form(model)
-    set_small_row_form(model, rows)
+    """`set_small_row_form(model, measure_small_row_form(model))` over one walk of its
+    modules; returns the rows."""
+    linears = _cpu_fp32_linears(model)
+    rows = _measure(linears)
+    _set(linears, rows)
     return rows
