@@ -5,7 +5,7 @@ Owns the whole recipe, each stage with its own wall-clock budget:
 1. data (`--data-minutes`): the target answers a broad generated prompt set (chat, code,
    lists, maths, rewriting, facts; `prompts.py`), mostly greedy, a fifth with light sampling,
    then answers follow-up turns to a share of its own greedy answers (multi-turn). The engine
-   generates with continuous batching in bfloat16 (speculation and prefix caching off) while
+   generates with continuous batching in `--dtype` (speculation and prefix caching off) while
    a recording runner keeps the features the head reads (`distill.py`). The held-out prompts'
    greedy answers are generated too: they are the evaluation set and never train.
 2. draft vocabulary (`--draft-vocab`): the K most frequent answer tokens of the training data
@@ -16,9 +16,10 @@ Owns the whole recipe, each stage with its own wall-clock budget:
    fused features; steps 2..`--ttt-steps` read the head's OWN previous output (as drafts 2..S
    do at inference) and attend to the real positions' draft KV plus their own earlier steps'
    keys. Loss: cross-entropy against the target's distribution over the draft vocabulary,
-   steps weighted 1, 0.8, 0.64, ...; AdamW in bfloat16 autocast. The head starts as the
-   target's last decoder layer over the high aux layer (so it first predicts what the target
-   predicts one position earlier), its LM head as the target's rows of the draft vocabulary.
+   steps weighted 1, 0.8, 0.64, ...; AdamW, in bfloat16 autocast where `--dtype` is
+   bfloat16. The head starts as the target's last decoder layer over the high aux layer (so
+   it first predicts what the target predicts one position earlier), its LM head as the
+   target's rows of the draft vocabulary.
    Every `--eval-every` steps: held-out loss and per-step top-1 accuracy, from which the
    expected acceptance length 1 + p1 + p1 p2 + ... (the curve PNG).
 4. evaluation: the real mean acceptance length with `--spec-tokens` drafts on the held-out
@@ -48,6 +49,7 @@ from speckv.drafters.eagle3 import Eagle3Drafter
 from speckv.drafters.loaders import build_drafter, load_drafter, save_drafter
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.base import TargetModel
+from speckv.training.compute_dtype import DTYPES, resolve_dtype
 from speckv.training.distill import (
     AUX_LAYERS,
     DistillSequence,
@@ -124,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue training this EAGLE3 head (its draft vocabulary is "
                         "kept) instead of starting from the target's last layer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                        help="data generation and training dtype: auto takes bfloat16 only "
+                        "where this CPU runs it clearly faster than float32 (timed at start)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a shared CPU)")
 
@@ -234,7 +239,7 @@ def choose_vocab(data, heldout, args, eos_ids: Sequence[int], log: Log) -> list[
 
 
 def train(drafter: Eagle3Drafter, model: TargetModel, data, heldout, vocab, args,
-          aux_scale: torch.Tensor, log: Log) -> dict:
+          aux_scale: torch.Tensor, log: Log, dtype: torch.dtype = torch.float32) -> dict:
     from tqdm.auto import tqdm
 
     rng = random.Random(args.seed)
@@ -252,7 +257,7 @@ def train(drafter: Eagle3Drafter, model: TargetModel, data, heldout, vocab, args
     def evaluate_now(step: int) -> None:
         drafter.eval()
         loss, acc = heldout_metrics(drafter, heldout_batches, target_head, args.ttt_steps,
-                                    aux_scale)
+                                    aux_scale, dtype)
         drafter.train()
         al = expected_acceptance_length(acc)
         history["eval_step"].append(step)
@@ -280,7 +285,7 @@ def train(drafter: Eagle3Drafter, model: TargetModel, data, heldout, vocab, args
             math.pi * min(1.0, frac))))
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss, _, _ = ttt_forward(drafter, batch, target_head, args.ttt_steps, weights,
                                      aux_scale, args.feature_weight)
         opt.zero_grad(set_to_none=True)
@@ -382,12 +387,15 @@ def run(args: argparse.Namespace) -> int:
         print(line, flush=True)
         log_lines.append(line)
 
-    # data in bfloat16 (about 2x faster batched decoding here); evaluation on the fp32 model
-    model16, tokenizer, _ = load_builtin_model(torch.bfloat16, "cpu", progress=False)
+    # data (and training) in bfloat16 only where this CPU runs it faster; evaluation on the
+    # fp32 model
+    dtype = resolve_dtype(args.dtype)
+    log(f"computing in {str(dtype).removeprefix('torch.')} (--dtype {args.dtype})")
+    data_model, tokenizer, _ = load_builtin_model(dtype, "cpu", progress=False)
     t_data = time.monotonic()
-    data, heldout = load_or_collect(model16, tokenizer, args, log)
+    data, heldout = load_or_collect(data_model, tokenizer, args, log)
     data_seconds = time.monotonic() - t_data
-    del model16
+    del data_model
     model, tokenizer, _ = load_builtin_model(torch.float32, "cpu", progress=False)
     aux_scale = aux_feature_scale(data)
     if args.init_from:
@@ -399,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
                                 aux_layers=AUX_LAYERS)
         assert isinstance(drafter, Eagle3Drafter)
         init_from_target(drafter, model, vocab, aux_scale)
-    history = train(drafter, model, data, heldout, vocab, args, aux_scale, log)
+    history = train(drafter, model, data, heldout, vocab, args, aux_scale, log, dtype)
     fold_aux_scale(drafter, aux_scale)
     save_drafter(drafter, out, dtype=args.save_dtype)
     save_curves(history, out / "loss_curve.png")
@@ -424,12 +432,13 @@ def run(args: argparse.Namespace) -> int:
         "data_seconds": round(data_seconds),
         "data_sequences": len(data),
         "data_tokens": sum(len(s.tokens) for s in data),
+        "dtype": str(dtype).removeprefix("torch."),
         "safetensors_bytes": size,
         "wall_seconds": round(time.monotonic() - t0),
         "command": "speckv train-draft " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
             if k in ("data_minutes", "train_minutes", "draft_vocab", "ttt_steps", "lr",
-                     "batch_tokens", "seed", "init_from") and v != "")
+                     "batch_tokens", "seed", "init_from", "dtype", "threads") and v != "")
             + (f" --prompts {args.prompts}" if args.prompts != "base" else "")
             + (f" --max-prompts {args.max_prompts}" if args.max_prompts else ""),
     }

@@ -187,11 +187,13 @@ def expected_acceptance_length(accuracies: Sequence[float]) -> float:
 
 @torch.no_grad()
 def heldout_metrics(drafter, batches: list[Batch], target_head, num_steps: int,
-                    aux_scale: torch.Tensor) -> tuple[float, list[float]]:
-    """(mean step-1..S loss, per-step top-1 accuracy on answer positions) on held-out data."""
+                    aux_scale: torch.Tensor, dtype: torch.dtype = torch.float32
+                    ) -> tuple[float, list[float]]:
+    """(mean step-1..S loss, per-step top-1 accuracy on answer positions) on held-out data,
+    in bfloat16 autocast where `dtype` is bfloat16."""
     hits = [[0, 0] for _ in range(num_steps)]
     losses = []
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         for batch in batches:
             _, h, step_losses = ttt_forward(drafter, batch, target_head, num_steps,
                                             [1.0] * num_steps, aux_scale)
