@@ -21,7 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from speckv.attention.kv_cache import resolve_dtype
+
+CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16")  # `--dtype`
 # bfloat16 is taken where its median GEMM time is below this share of float32's: a shared
 # machine moves one timing by 10-20%, and the emulated kernels lose by far more than that
 CLEAR_SHARE = 0.8
@@ -58,10 +60,8 @@ def choose_dtype(seconds: dict[torch.dtype, float]) -> torch.dtype:
     return torch.float32
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def training_dtype(name: str) -> torch.dtype:
     """`--dtype`: "auto" (timed on this CPU), "float32" or "bfloat16"."""
-    if name == "auto":
-        return choose_dtype(gemm_seconds())
-    if name not in DTYPES:
-        raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {name!r}")
-    return DTYPES[name]
+    if name not in CHOICES:
+        raise ValueError(f"--dtype must be one of {', '.join(CHOICES)}, got {name!r}")
+    return choose_dtype(gemm_seconds()) if name == "auto" else resolve_dtype(name)

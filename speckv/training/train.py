@@ -49,7 +49,7 @@ from speckv.drafters.eagle3 import Eagle3Drafter
 from speckv.drafters.loaders import build_drafter, load_drafter, save_drafter
 from speckv.engine.sampling_params import SamplingParams
 from speckv.models.base import TargetModel
-from speckv.training.compute_dtype import DTYPES, resolve_dtype
+from speckv.training.compute_dtype import CHOICES, training_dtype
 from speckv.training.distill import (
     AUX_LAYERS,
     DistillSequence,
@@ -126,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue training this EAGLE3 head (its draft vocabulary is "
                         "kept) instead of starting from the target's last layer")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+    parser.add_argument("--dtype", default="auto", choices=CHOICES,
                         help="data generation and training dtype: auto takes bfloat16 only "
                         "where this CPU runs it clearly faster than float32 (timed at start)")
     parser.add_argument("--threads", type=int, default=1,
@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
 
     # data (and training) in bfloat16 only where this CPU runs it faster; evaluation on the
     # fp32 model
-    dtype = resolve_dtype(args.dtype)
+    dtype = training_dtype(args.dtype)
     log(f"computing in {str(dtype).removeprefix('torch.')} (--dtype {args.dtype})")
     data_model, tokenizer, _ = load_builtin_model(dtype, "cpu", progress=False)
     t_data = time.monotonic()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speckv.training.compute_dtype import CLEAR_SHARE, choose_dtype, gemm_seconds, resolve_dtype
+from speckv.training.compute_dtype import CLEAR_SHARE, choose_dtype, gemm_seconds, training_dtype
 
 
 def test_bfloat16_is_chosen_only_where_it_is_clearly_faster():
@@ -25,8 +25,8 @@ def test_gemm_seconds_times_each_dtype_on_a_small_shape():
 
 
 def test_dtype_names_resolve_and_a_wrong_one_names_the_flag():
-    assert resolve_dtype("float32") == torch.float32
-    assert resolve_dtype("bfloat16") == torch.bfloat16
-    assert resolve_dtype("auto") in (torch.float32, torch.bfloat16)
+    assert training_dtype("float32") == torch.float32
+    assert training_dtype("bfloat16") == torch.bfloat16
+    assert training_dtype("auto") in (torch.float32, torch.bfloat16)
     with pytest.raises(ValueError, match="--dtype"):
-        resolve_dtype("float8")
+        training_dtype("float8")
