@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     context.update(versions=versions, machine_after=machine(),
                    commands={m: {"speckv": " ".join(speckv_command(args, m, 0)[2:]),
                                  "vllm": (" ".join(vllm_command(args, m, 0, model_dir)[0])
-                                          if args.vllm_venv else args.vllm_url)}
+                                          if not args.vllm_url else args.vllm_url)}
                              for m in methods})
     return report(args, points, context)
 
