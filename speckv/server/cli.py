@@ -61,6 +61,7 @@ def build_server(args: argparse.Namespace, progress: bool = True):
 
 
 def run(args: argparse.Namespace) -> int:
+    from speckv.engine.cli_args import speculation_choice
     from speckv.engine.llm import random_init_note
     from speckv.server.launch import bind_socket, serve_forever
 
@@ -84,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
           + ")", flush=True)
     print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
+    choice, _ = speculation_choice(args.model, args.speculative_method, args.speculative_model,
+                                   args.num_spec_tokens, args.speculative_config)
+    print(f"speckv serve: {choice.summary}", flush=True)
     transfer = _transfer_connector(engine.connector)
     if transfer is not None:
         print(f"speckv serve: KV transfer over NIXL, {transfer.config.role}, engine "
