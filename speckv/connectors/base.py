@@ -339,6 +339,10 @@ class KVConnector(ABC):
         everything settled within `timeout_s`."""
         return True
 
+    def startup_lines(self) -> tuple[str, ...]:
+        """What `speckv serve` prints about this connector when it starts (nothing here)."""
+        return ()
+
     def shutdown(self) -> None:
         """Stop background threads; pending stores are dropped."""
         return None

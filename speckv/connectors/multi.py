@@ -156,6 +156,9 @@ class MultiConnector(KVConnector):
         for child in self.children:
             child.transfer_abandoned(params)
 
+    def startup_lines(self) -> tuple[str, ...]:
+        return tuple(line for child in self.children for line in child.startup_lines())
+
     def _children_meta(self, meta: StepMetadata) -> tuple[StepMetadata, ...]:
         if not isinstance(meta, MultiConnectorMetadata) or len(meta.children) != len(
             self.children

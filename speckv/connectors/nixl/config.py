@@ -7,7 +7,7 @@ Owns `NixlConfig` (frozen, validated; errors name the JSON key) and its parsing:
      "kv_port": 0,                        side channel port (0: any free port)
      "kv_lease_s": 30.0,                  how long a prefill engine keeps unpulled blocks
      "kv_transfer_timeout_s": 10.0,       a decode engine's wait for the handshake and a READ
-     "kv_load_failure_policy": "recompute" | "fail",
+     "kv_load_failure_policy": "recompute" | "fail",   read by `transfer_config.py`
      "engine_id": "prefill-0",            default: a random id per start
      "kv_connector_extra_config": {
          "kv_peers": ["10.0.0.5", "10.0.0.6:5600"],   side channels a decode engine may contact
@@ -28,10 +28,9 @@ from speckv.connectors.nixl.lease import DEFAULT_LEASE_S
 from speckv.connectors.nixl.trust import PeerPolicy
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-POLICIES = ("recompute", "fail")
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 _KEYS = ("kv_connector", "kv_role", "kv_port", "kv_lease_s", "kv_transfer_timeout_s",
-         "kv_load_failure_policy", "engine_id", "kv_connector_extra_config")
+         "engine_id", "kv_connector_extra_config")
 _EXTRA_KEYS = ("kv_peers", "kv_secret")
 
 
@@ -42,7 +41,6 @@ class NixlConfig:
     port: int = 0
     lease_s: float = DEFAULT_LEASE_S
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
-    load_failure_policy: str | None = None  # None: the engine's --kv-load-failure-policy
     engine_id: str = field(default_factory=lambda: f"speckv-{uuid.uuid4().hex[:12]}")
     policy: PeerPolicy = field(default_factory=PeerPolicy)
 
@@ -50,9 +48,6 @@ class NixlConfig:
         if self.role not in ROLES:
             raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(ROLES)}, "
                              f"got {self.role!r}")
-        if self.load_failure_policy is not None and self.load_failure_policy not in POLICIES:
-            raise ValueError("--kv-transfer-config kv_load_failure_policy must be recompute or "
-                             f"fail, got {self.load_failure_policy!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) \
                 or not 0 <= self.port < 65536:
             raise ValueError(f"--kv-transfer-config kv_port must be a TCP port, got "
@@ -99,7 +94,6 @@ class NixlConfig:
                                    "policy": _policy(obj.get("kv_connector_extra_config"))}
         for key, name in (("kv_port", "port"), ("kv_lease_s", "lease_s"),
                           ("kv_transfer_timeout_s", "transfer_timeout_s"),
-                          ("kv_load_failure_policy", "load_failure_policy"),
                           ("engine_id", "engine_id")):
             if key in obj:
                 options[name] = obj[key]

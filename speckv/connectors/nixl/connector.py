@@ -89,8 +89,10 @@ _DONE_PREFIX = b"done:"
 class NixlConnector(KVConnector):
     name = "nixl"
 
-    def __init__(self, config: NixlConfig, hash_algo: str, hash_seed: str | None) -> None:
+    def __init__(self, config: NixlConfig, hash_algo: str, hash_seed: str | None,
+                 load_failure_policy: str = "recompute") -> None:
         self.config = config
+        self.load_failure_policy = load_failure_policy  # the engine's one policy
         self.hash_algo = hash_algo
         self.hash_seed = hash_seed
         self.epoch = ""
@@ -153,14 +155,15 @@ class NixlConnector(KVConnector):
         self._caller = Caller(self.config.engine_id, self.epoch, self._layout,
                               self.config.transfer_timeout_s)
 
+    def startup_lines(self) -> tuple[str, ...]:
+        config, port = self.config, self.side_channel_port
+        return (f"KV transfer over NIXL, {config.role}, engine {config.engine_id}"
+                + (f", side channel {config.host}:{port}" if port is not None else "")
+                + (f"; {config.policy.describe()}" if config.is_consumer else ""),)
+
     @property
     def side_channel_port(self) -> int | None:
         return self._server.port if self._server is not None else None
-
-    @property
-    def hash_contract(self) -> HashContract:
-        assert self._layout is not None
-        return self._layout.hash_contract
 
     # ---- decode side: scheduler --------------------------------------------------------------
     def _pull_of(self, request: ConnectorRequest) -> Pull | None:
@@ -176,14 +179,9 @@ class NixlConnector(KVConnector):
             logger.warning("request %s: %s; prefilling locally", request.request_id, error)
             return None
         assert self._groups is not None
-        rules = self._groups.rules
-        if len(params.block_ids) != len(rules) or any(
-                params.block_size_of(g) != rule.block_size for g, rule in enumerate(rules)):
-            logger.warning("request %s: kv_transfer_params.block_ids: %d KV cache groups of %s "
-                           "tokens, this engine has %s; prefilling locally", request.request_id,
-                           len(params.block_ids), [params.block_size_of(g) for g in
-                                                   range(len(params.block_ids))],
-                           [rule.block_size for rule in rules])
+        mismatch = self._groups.mismatch(params)
+        if mismatch is not None:
+            logger.warning("request %s: %s; prefilling locally", request.request_id, mismatch)
             return None
         pull = self._pulls[request.request_id] = Pull(params)  # its peer: add_request checked
         return pull
@@ -210,7 +208,7 @@ class NixlConnector(KVConnector):
 
     @property
     def _fails(self) -> bool:
-        return self.config.load_failure_policy == "fail"
+        return self.load_failure_policy == "fail"
 
     def _servable(self, request: ConnectorRequest, pull: Pull, num_local_hit_tokens: int
                   ) -> int:
@@ -329,7 +327,7 @@ class NixlConnector(KVConnector):
             engine_id=self.config.engine_id, epoch=self.epoch, host=self.config.host,
             port=self._server.port, lease_id=lease_id or "none", block_ids=block_ids,
             num_tokens=num_tokens, first_token_id=first_token,
-            hash_contract=self.hash_contract, manifest=manifest,
+            hash_contract=self._layout.hash_contract, manifest=manifest,
             group_block_sizes=[rule.block_size for rule in self._groups.rules])
         return FinishDecision(delay_free=bool(num_tokens),
                               kv_transfer_params=self.config.policy.signed(params.to_json_obj()))
