@@ -110,6 +110,10 @@ def resolve_targets() -> Targets:
     for name in ("_has_partial_local_hit", "_apply_cow", "take_pending_cow_copies"):
         if not hasattr(targets.single_type_manager, name):
             raise PatchTargetMissing(f"SingleTypeKVCacheManager.{name}")
+    # what the wrappers call
+    for name in ("cache_blocks", "prefix_cache_lookup_enabled", "create_kv_cache_blocks"):
+        if not hasattr(targets.kv_cache_manager, name):
+            raise PatchTargetMissing(f"KVCacheManager.{name}")
     for (owner, method), expected in _EXPECTED_PARAMS.items():
         cls = getattr(targets, owner)
         function = getattr(cls, method, None)
