@@ -48,6 +48,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "cost of lookup + allocation + free for long prompts"),
     (("bench", "serve"), "speckv.bench.serve",
      "load-test an OpenAI-compatible server (like vllm bench serve), vs the engine in process"),
+    (("bench", "vs-vllm"), "speckv.bench.vs_vllm",
+     "speckv serve vs vLLM's CPU engine: same model, client and prompts, turn about"),
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
     (("bench", "kv-store"), "speckv.bench.kv_store",
      "the store tier's load speed beside raw redis-py GETs of the same bytes"),

@@ -21,10 +21,10 @@ from speckv.server.cli import parse_size
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", action="append", default=[], metavar="NAME=URL",
                         help="an engine, e.g. a=http://10.0.0.1:8000 (repeat per engine)")
-    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+    parser.add_argument("--prefill", action="append", default=[], metavar="[NAME=]URL",
                         help="prefill/decode mode: a prefill engine (speckv serve "
                         "--kv-transfer-config with kv_role kv_producer or kv_both); repeat")
-    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+    parser.add_argument("--decode", action="append", default=[], metavar="[NAME=]URL",
                         help="prefill/decode mode: a decode engine (kv_role kv_consumer or "
                         "kv_both); repeat")
     parser.add_argument("--engine-api-key", action="append", default=[],
@@ -101,19 +101,24 @@ def build_pd_router(args: argparse.Namespace):
 
     if args.engine:
         raise ValueError("--engine and --prefill / --decode are two modes: use one")
-    urls = []
+    urls, names = [], []
     for flag, values in (("--prefill", args.prefill), ("--decode", args.decode)):
-        checked = []
-        for url in values:
+        checked, named = [], []
+        for index, entry in enumerate(values):
+            name, sep, url = entry.partition("=")
+            if not sep:  # a bare URL: prefill0, decode1, ...
+                name, url = f"{flag[2:]}{index}", entry
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname \
+            if not name or parts.scheme not in ("http", "https") or not parts.hostname \
                     or parts.port is None:
-                raise ValueError(f"{flag} {url!r}: the URL must be http://HOST:PORT")
+                raise ValueError(f"{flag} {entry!r}: expected [NAME=]http://HOST:PORT")
             checked.append(url.rstrip("/"))
+            named.append(name)
         urls.append(tuple(checked))
+        names.append(tuple(named))
     key = next((k for k in args.engine_api_key if "=" not in k), None)
-    config = PDConfig(urls[0], urls[1], api_key=args.api_key, engine_api_key=key,
-                      max_request_body_bytes=args.max_request_body_bytes)
+    config = PDConfig(urls[0], urls[1], names[0], names[1], api_key=args.api_key,
+                      engine_api_key=key, max_request_body_bytes=args.max_request_body_bytes)
     return build_pd_app(PDRouter(config))
 
 
@@ -160,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
         router = build_router(args)
         for name, link in router.fleet.links.items():
             c = link.contract
+            if c is None:
+                print(f"speckv router: engine {name} {link.spec.url}: does not answer yet; "
+                      "it joins when its health passes", flush=True)
+                continue
             print(f"speckv router: engine {name} {link.spec.url}: {c.served_model_name}, "
                   f"{c.hash_mode_label} block hashes, blocks of {c.hashing.block_size}, "
                   f"events {c.events_endpoint}", flush=True)

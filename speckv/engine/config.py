@@ -34,9 +34,12 @@ from speckv.connectors.config import (
 from speckv.connectors.namespace import persistent_hash_seed
 from speckv.connectors.nixl.config import NixlConfig
 from speckv.hashing.functions import HASH_ALGOS
+from speckv.speculation.methods import METHODS
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "eagle", "eagle3", "mtp")
-DRAFTER_METHODS: tuple[str, ...] = ("eagle", "eagle3", "mtp")  # need a speculative model
+SPECULATIVE_METHODS: tuple[str, ...] = tuple(METHODS)  # `--speculative-method`, registered
+# the methods that run a drafter model (need a speculative model)
+DRAFTER_METHODS: tuple[str, ...] = tuple(name for name, method in METHODS.items()
+                                         if method.needs_drafter)
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
 # Draft j is accepted only after drafts 1..j-1 were, so acceptance falls geometrically with j:

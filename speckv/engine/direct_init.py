@@ -32,6 +32,8 @@ def direct_init(cls: type[T]) -> type[T]:
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.default_factory is not MISSING or not f.init:
             raise TypeError(f"{cls.__name__}.{f.name}: direct_init takes plain fields only")
+        if f.kw_only and "*" not in arguments:
+            arguments.append("*")  # keyword-only from here on, as the dataclass says
         if f.default is MISSING:
             arguments.append(f.name)
         else:

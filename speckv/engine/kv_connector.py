@@ -158,7 +158,7 @@ def group_modes(manager: KVCacheManager) -> tuple[GroupMode, ...]:
         modes.append(GroupMode(
             info.group_id, spec.kind, spec.block_size, info.lookahead_tokens,
             spec.block_size // manager.hash_block_size, needed,
-            getattr(manager_g, "num_tail_blocks", 0) if partial else 0,
+            manager_g.num_tail_blocks if partial else 0,
             manager.retention if partial else None))
     return tuple(modes)
 

@@ -74,9 +74,9 @@ class NewRequestData:
 
 
 @direct_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduledRequest:
-    """One request computed in this step, in batch order."""
+    """One request computed in this step, in batch order (built by keyword only)."""
 
     request_id: str
     start: int  # first position computed this step (after any prefix-cache hit)
@@ -147,9 +147,10 @@ EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
 
 
 @direct_init
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineCoreOutput:
-    """One request's progress in one step, as the scheduler saw it (no text)."""
+    """One request's progress in one step, as the scheduler saw it (no text; built by
+    keyword only)."""
 
     request_id: str
     new_token_ids: list[int]

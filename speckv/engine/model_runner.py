@@ -14,6 +14,8 @@ drafter's KV follows the block table of the layout's `draft_group` (full attenti
                 rows that sample (from the last real token: 1 bonus row + 1 row per draft)
     copy        the step's block copies (divergent block reuse), before anything reads them
     sample      verify drafts (greedy or rejection sampling), cut at the first stop token
+                (`runner_sampling.py`; the per-request state and the forward's rows it reads:
+                `runner_batch.py`)
     propose     the proposer writes draft KV for every position made final this step, then
                 proposes the next drafts; before the scheduler frees anything
 
@@ -25,17 +27,13 @@ connector's report goes back in the ModelRunnerOutput.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
 
 from speckv.attention import AttentionMetadata, GroupedAttentionMetadata, PagedKVCache
-from speckv.attention.state_cache import StatePlan
 from speckv.cache.results import BlockCopy
 from speckv.engine.block_table import BatchBlockTable
 from speckv.engine.hybrid_state import RunnerStates, state_group
@@ -44,114 +42,21 @@ from speckv.engine.messages import (
     EMPTY_RUNNER_OUTPUT,
     FinishReason,
     ModelRunnerOutput,
-    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
 from speckv.engine.request_rows import RequestRows
-from speckv.engine.sampler import accepted_greedy, greedy_tokens, verify_greedy, verify_random
-from speckv.engine.stopping import first_stop, may_stop
+from speckv.engine.runner_batch import RunnerRequest, StepForward
+from speckv.engine.runner_sampling import RunnerSampler, Sampled
 from speckv.models.base import TargetModel
-from speckv.models.common.decoder import ModelOutput
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
 from speckv.speculation.proposer import Proposer, ProposerBatch, TargetRows
 
-# up to this many scheduled requests, sampling goes request by request (array ops' fixed cost
-# would dominate; see `_sample`)
-_SMALL_BATCH = 32
-
-
-@dataclass
-class _RunnerRequest:
-    """The runner's copy of one request (kept until the scheduler says it finished)."""
-
-    data: NewRequestData
-    token_ids: list[int]  # real tokens: prompt + sampled
-    block_ids: list[list[int]]  # one block table per KV cache group
-    row: int = 0  # its row in the runner's persistent arrays (`BatchBlockTable`, `RequestRows`)
-
-
-@dataclass(frozen=True)
-class _Forward:
-    """One forward's rows, by batch index of `SchedulerOutput.scheduled` ([num_reqs] each):
-    host lists, and the same as arrays built on first read (a small batch's sampling reads
-    the lists only; array ops' fixed cost would dominate there)."""
-
-    output: ModelOutput  # hidden states, each [num_tokens, hidden]
-    scheduled: list[ScheduledRequest]
-    token_offsets: list[int]  # batch index -> first row of that request on the token axis
-    logits: torch.Tensor  # [num_sample_rows, vocab] fp32
-    # [num_tokens] int64 physical slot of every computed token in the drafter's group
-    slot_mapping: torch.Tensor
-    request_ids: list[str]
-    states: list[_RunnerRequest]  # the runner's copy of each scheduled request
-    token_ids: list[list[int]]  # their real token lists (`_RunnerRequest.token_ids`)
-    rows: np.ndarray  # int64, their rows in the runner's persistent arrays
-    samples_host: list[bool]  # the request's logits sample this step
-    # of a sampling request: its first row in `logits` and its rows (1 + drafts verified);
-    # 0 for the others
-    first_logit_rows_host: list[int]
-    num_logit_rows_host: list[int]
-    num_drafts_host: list[int]  # drafts verified (0 unless it samples)
-    # the drafter's group's block tables of the batch: [num_reqs, width] int32 0-padded, and
-    # blocks per request [num_reqs] (what the proposer's forwards address its KV with)
-    draft_table: np.ndarray
-    draft_table_lens: np.ndarray
-    # per request: positions computed this step, and one past the last of them
-    query_lens_host: list[int]
-    seq_lens_host: list[int]
-    # linear-attention layers' plan (hybrid models only): recorded verification windows
-    state_plan: StatePlan | None = None
-
-    @cached_property
-    def samples(self) -> np.ndarray:  # bool
-        return np.asarray(self.samples_host, dtype=bool)
-
-    @cached_property
-    def first_logit_rows(self) -> np.ndarray:  # int64
-        return np.asarray(self.first_logit_rows_host, dtype=np.int64)
-
-    @cached_property
-    def num_drafts(self) -> np.ndarray:  # int64
-        return np.asarray(self.num_drafts_host, dtype=np.int64)
-
-    @cached_property
-    def query_lens(self) -> np.ndarray:  # int64
-        return np.asarray(self.query_lens_host, dtype=np.int64)
-
-    @cached_property
-    def seq_lens(self) -> np.ndarray:  # int64
-        return np.asarray(self.seq_lens_host, dtype=np.int64)
-
-    @cached_property
-    def token_offsets_array(self) -> np.ndarray:  # int64
-        return np.asarray(self.token_offsets, dtype=np.int64)
-
-    @cached_property
-    def draft_ids(self) -> np.ndarray:
-        """[sum(num_drafts)] int64: the drafts verified, requests in batch order."""
-        return np.fromiter(
-            itertools.chain.from_iterable(
-                item.draft_token_ids for item, sampling in zip(self.scheduled, self.samples_host)
-                if sampling),
-            np.int64, sum(self.num_drafts_host))
-
-
-@dataclass(frozen=True)
-class _Sampled:
-    """One step's verified tokens (what `ModelRunnerOutput` carries), and the same as arrays
-    by batch index ([num_reqs]) for the proposer's batch."""
-
-    by_id: dict[str, list[int]]  # per sampling request: accepted drafts + bonus, cut at a stop
-    reasons: dict[str, FinishReason]  # the requests those tokens end
-    accepted: dict[str, int]  # drafts accepted per request that verified drafts
-    # (arrays, or lists from a small batch's sampling)
-    num_kept: np.ndarray | list[int]  # len(by_id[request]) (0 where it did not sample)
-    stopped: np.ndarray | list[bool]  # named in `reasons`
-
 
 class ModelRunner:
+    """One step's forward, sampling and drafting over the runner's own per-request state."""
+
     def __init__(
         self,
         model: TargetModel,
@@ -189,12 +94,21 @@ class ModelRunner:
             proposer.bind_target_kv(self.kv_cache, self.layout)
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         self.aux_layers: tuple[int, ...] = tuple(proposer.aux_layers) if proposer else ()
-        self.requests: dict[str, _RunnerRequest] = {}
+        self.requests: dict[str, RunnerRequest] = {}
         # the same block tables as one persistent array per group (rows kept in lockstep)
         self._tables = [BatchBlockTable() for _ in self.group_block_sizes]
         self._rows = RequestRows()  # per-row scalars, the same row numbers
         # the draft length per step (speckv/speculation/adaptive.py); None: always num_spec_tokens
-        self.spec_policy = spec_policy
+        self.sampler = RunnerSampler(self._rows, spec_policy)
+
+    @property
+    def spec_policy(self) -> AdaptiveSpeculation | None:
+        """The adaptive draft length (the sampler's, which it tells each step's acceptance)."""
+        return self.sampler.spec_policy
+
+    @spec_policy.setter
+    def spec_policy(self, policy: AdaptiveSpeculation | None) -> None:
+        self.sampler.spec_policy = policy
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         """The runner's block table of a request it holds, for one KV cache group."""
@@ -228,7 +142,7 @@ class ModelRunner:
             clock = self.spec_policy.clock if self.spec_policy is not None else time.perf_counter
             start = clock()
             forward = self._forward(scheduled)
-            verified = self._sample(scheduled, forward)
+            verified = self.sampler.sample(scheduled, forward)
             sampled, reasons, accepted = verified.by_id, verified.reasons, verified.accepted
             if self.states is not None and forward.state_plan is not None:
                 # rejected drafts must not advance the recurrent state
@@ -258,7 +172,7 @@ class ModelRunner:
             num_prompt = len(data.prompt_token_ids)
             self._rows.add(row, num_prompt, num_prompt, data.stop_limits,
                            data.sampling_seed is not None)
-            self.requests[data.request_id] = _RunnerRequest(
+            self.requests[data.request_id] = RunnerRequest(
                 data, list(data.prompt_token_ids), [[] for _ in self.group_block_sizes], row)
         num_groups = len(self.group_block_sizes)
         requests = self.requests
@@ -291,7 +205,7 @@ class ModelRunner:
         if draft_cache is not None:
             draft_cache.copy_blocks(src, dst)
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> _Forward:
+    def _forward(self, scheduled: list[ScheduledRequest]) -> StepForward:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -362,7 +276,7 @@ class ModelRunner:
                                                          device=self.device))
         logits = self.model.compute_logits(hidden)
         draft_table, draft_lens = gathered[self.draft_group]
-        return _Forward(
+        return StepForward(
             output, scheduled, token_offsets, logits, groups[self.draft_group].slot_mapping,
             request_ids, states, token_lists, rows_array, samples, first_logit_rows,
             num_logit_rows, num_drafts, draft_table, draft_lens, query_lens, seq_lens,
@@ -374,145 +288,8 @@ class ModelRunner:
         return [self.requests[item.request_id].block_ids[self.states.group]
                 for item in scheduled]
 
-    def _sample(self, scheduled: list[ScheduledRequest], forward: _Forward) -> _Sampled:
-        """Verified tokens per sampling request, cut at the first stop and appended to the
-        runner's token ids; why the stopped ones stop; drafts accepted per request that
-        verified drafts (before the cut: what verification accepted). In a large batch the
-        greedy requests are verified at once (`accepted_greedy`) and only seeded ones and
-        those a stop may end (`may_stop`) go one by one; a small batch goes one by one
-        (`verify_greedy`): there array ops' fixed cost would dominate."""
-        if len(scheduled) <= _SMALL_BATCH:
-            return self._sample_each(scheduled, forward)
-        logits = forward.logits  # [num_sample_rows, vocab]
-        states, rows, samples = forward.states, forward.rows, forward.samples
-        request_ids = forward.request_ids
-        n = len(scheduled)
-        stopped = np.zeros(n, dtype=bool)
-        reasons: dict[str, FinishReason] = {}
-        request_rows = self._rows
-        seeded = request_rows.seeded[rows] & samples
-        first_rows, num_drafts = forward.first_logit_rows, forward.num_drafts
-        num_tokens = request_rows.num_tokens[rows]  # real tokens before the step
-        sampling = np.flatnonzero(samples)
-        argmax: list[int] = []
-        if bool((samples & ~seeded).any()):
-            argmax_rows = greedy_tokens(logits)  # [num_sample_rows] int64
-            num_accepted = accepted_greedy(argmax_rows, first_rows, num_drafts,
-                                           forward.draft_ids)
-            careful = seeded | may_stop(argmax_rows, first_rows, num_accepted + 1,
-                                        num_tokens, request_rows.stop_len[rows],
-                                        request_rows.stop_token_ids)
-            argmax = argmax_rows.tolist()
-        else:
-            num_accepted = np.zeros(n, dtype=np.int64)
-            careful = samples
-        # every sampling request's greedy tokens, in batch order (C-level slicing)
-        num_kept = np.where(samples, num_accepted + 1, 0)
-        firsts = first_rows[sampling]
-        ends = firsts + num_kept[sampling]
-        sampled_lists = list(map(argmax.__getitem__, map(slice, firsts.tolist(), ends.tolist())))
-        # then one by one: seeded requests' rejection sampling, and the stop rules
-        careful_rows = np.flatnonzero(careful & samples)
-        if careful_rows.shape[0]:
-            positions = np.searchsorted(sampling, careful_rows).tolist()
-            for index, position in zip(careful_rows.tolist(), positions):
-                sampled, num_accepted[index], reason = self._verify_one(
-                    scheduled[index], states[index], logits, int(first_rows[index]),
-                    forward.num_logit_rows_host[index], sampled_lists[position])
-                if reason is not None:
-                    reasons[request_ids[index]] = reason
-                    stopped[index] = True
-                num_kept[index] = len(sampled)
-                sampled_lists[position] = sampled
-        token_lists, sampling_ids = forward.token_ids, request_ids
-        if sampling.shape[0] != n:
-            sampling_list = sampling.tolist()
-            token_lists = [token_lists[i] for i in sampling_list]
-            sampling_ids = [request_ids[i] for i in sampling_list]
-        for token_ids, sampled in zip(token_lists, sampled_lists):
-            token_ids.extend(sampled)
-        request_rows.num_tokens[rows] = num_tokens + num_kept
-        verifying = np.flatnonzero(num_drafts)  # sampling requests that verified drafts
-        accepted: dict[str, int] = {}
-        if verifying.shape[0]:
-            verified_accepted = num_accepted[verifying].tolist()
-            accepted = dict(zip([request_ids[i] for i in verifying.tolist()], verified_accepted))
-            if self.spec_policy is not None:
-                self.spec_policy.observe_acceptance_counts(num_drafts[verifying],
-                                                           num_accepted[verifying])
-        return _Sampled(dict(zip(sampling_ids, sampled_lists)), reasons, accepted, num_kept,
-                        stopped)
-
-    def _sample_each(self, scheduled: list[ScheduledRequest], forward: _Forward) -> _Sampled:
-        """`_sample` request by request (a small batch), on the forward's host lists."""
-        logits = forward.logits  # [num_sample_rows, vocab]
-        states = forward.states
-        argmax: list[int] = []
-        if any(sampling and state.data.sampling_seed is None
-               for sampling, state in zip(forward.samples_host, states)):
-            argmax = logits.argmax(-1).tolist()  # (torch's: cheaper than numpy's for a few rows)
-        n = len(scheduled)
-        num_kept = [0] * n
-        stopped = [False] * n
-        sampled_by_id: dict[str, list[int]] = {}
-        reasons: dict[str, FinishReason] = {}
-        accepted: dict[str, int] = {}
-        verified: list[int] = []  # drafts verified, per request that had drafts
-        verified_accepted: list[int] = []  # of them accepted
-        for index, (item, state, sampling, lo, num_rows) in enumerate(zip(
-                scheduled, states, forward.samples_host, forward.first_logit_rows_host,
-                forward.num_logit_rows_host)):
-            if not sampling:
-                continue
-            drafts = item.draft_token_ids
-            greedy = (verify_greedy(argmax[lo : lo + num_rows], drafts) if drafts
-                      else [argmax[lo]]) if state.data.sampling_seed is None else []
-            sampled, num_accepted, reason = self._verify_one(item, state, logits, lo,
-                                                             num_rows, greedy)
-            request_id = item.request_id
-            if drafts:
-                accepted[request_id] = num_accepted
-                verified.append(len(drafts))
-                verified_accepted.append(num_accepted)
-            if reason is not None:
-                reasons[request_id] = reason
-                stopped[index] = True
-            state.token_ids.extend(sampled)
-            sampled_by_id[request_id] = sampled
-            num_kept[index] = len(sampled)
-        row_num_tokens = self._rows.num_tokens  # (element by element: a few requests)
-        for state, sampling, token_ids in zip(states, forward.samples_host, forward.token_ids):
-            if sampling:
-                row_num_tokens[state.row] = len(token_ids)
-        if self.spec_policy is not None and verified:
-            self.spec_policy.observe_acceptance(verified, verified_accepted)
-        return _Sampled(sampled_by_id, reasons, accepted, num_kept, stopped)
-
-    @staticmethod
-    def _verify_one(item: ScheduledRequest, state: _RunnerRequest, logits: torch.Tensor,
-                    first_row: int, num_rows: int, greedy: list[int]
-                    ) -> tuple[list[int], int, FinishReason | None]:
-        """One request's verification, before its tokens are appended: `greedy` (its greedy
-        tokens, accepted drafts + bonus) or, with a seed, rejection sampling of its logit
-        rows (`num_rows` of the step's `logits` from `first_row`: 1 + drafts); then cut at
-        its first stop. (tokens kept, drafts
-        accepted before the cut, the reason the tokens end it or None)"""
-        data = state.data
-        num_real = len(state.token_ids)
-        sampled = greedy
-        if data.sampling_seed is not None:
-            sampled = verify_random(logits[first_row : first_row + num_rows],
-                                    item.draft_token_ids, data.sampling_params,
-                                    data.sampling_seed, num_real)
-        num_accepted = len(sampled) - 1
-        num_stop, reason = first_stop(sampled, num_real, len(data.prompt_token_ids),
-                                      data.stop_limits)
-        if reason is not None:
-            sampled = sampled[:num_stop]
-        return sampled, num_accepted, reason
-
-    def _propose(self, scheduled: list[ScheduledRequest], forward: _Forward,
-                 verified: _Sampled, target_s: float) -> dict[str, list[int]]:
+    def _propose(self, scheduled: list[ScheduledRequest], forward: StepForward,
+                 verified: Sampled, target_s: float) -> dict[str, list[int]]:
         if self.proposer is None:
             return {}
         output = forward.output

@@ -4,33 +4,22 @@ Owns the requests (waiting queue, running list) and both halves of every step:
 
 `schedule()` decides what runs under a token budget (`max_num_batched_tokens`) and a batch
 limit (`max_num_seqs`) and hands the runner a `SchedulerOutput` (block-id deltas, drafts):
+running requests first (decodes, prefill chunks; preemption by recompute of the most recently
+added when blocks run out), then, unless a preemption happened this step, waiting ones through
+the one admission path `_admit`: a prefix-cache hit (free of budget; a preempted request
+re-hits what it had cached), what a KV connector's tier holds right after it (loaded before
+the forward, also free), then as much of the prompt as the budget allows (chunked prefill).
+A hit that reuses a block at a divergence point adds its `BlockCopy`; a request whose
+divergent block another request computes in this very step waits a step for it.
 
-1. Running requests first, in arrival order: a decode takes `1 + len(drafts)` tokens, an
-   unfinished prefill its next chunk. When `allocate_slots` finds no free blocks, the most
-   recently added running request is preempted by recompute (its computed blocks cached, then
-   freed; it goes back to the front of the queue) until the allocation fits.
-2. Then waiting requests, unless a preemption happened this step: a prefix-cache hit (hit
-   tokens skip their prefill and cost no budget; a preempted request re-hits what it had
-   cached), then what a KV connector's tier holds right after it (loaded before the forward,
-   also free of budget), then as much of the prompt as the budget allows (chunked prefill).
-   A hit that reuses a block at a divergence point adds its `BlockCopy` to the output; a
-   request whose divergent block another request computes in this very step waits a step
-   for it (a copy reads KV an earlier step wrote), and the queue behind it too.
+With a KV connector, the step's connector metadata rides in the SchedulerOutput; preempted
+and exiting requests are shown to it before their blocks are freed; load failures roll back
+(or end) their requests; an asynchronous hit parks its request in WAITING_FOR_REMOTE_KVS, and
+blocks a transfer still touches after a finish stay held (the life cycle: `kv_connector.py`).
 
-With a KV connector (`kv_connector.py`), the step's connector metadata rides in the
-SchedulerOutput; preempted and exiting requests are shown to it before their blocks are freed;
-a load failure the runner reports rolls its request back to the first failed token (or ends
-it, under `kv_load_failure_policy` "fail"). An asynchronous hit parks its request, blocks
-allocated, in WAITING_FOR_REMOTE_KVS until the connector reports the load done; the loaded
-blocks are cached then and the request is scheduled from the front of the queue. Blocks a
-transfer still touches after their request finished (an abort while loading, `delay_free`)
-stay held until the connector reports it done (`finished_recving`, `finished_sending`).
-
-`update_from_output()` applies what the runner sampled: rejected drafts' positions are rolled
-back, real tokens appended (new block hashes follow), the next drafts kept, and finished
-requests leave (their last completed block cached, then freed). The runner has already written
-the draft KV of every position made final in the step, so a block is cached only after its
-target and draft KV exist.
+`update_from_output()` applies what the runner sampled: rejected drafts rolled back, real
+tokens appended (new block hashes follow, after the runner wrote their draft KV), the next
+drafts kept, finished requests out (their last completed block cached, then freed).
 
     hit → allocate → (runner computes, verifies, drafts) → append real tokens → finish / preempt
 """
@@ -39,11 +28,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from speckv.cache.kv_cache_manager import KVCacheManager
-from speckv.cache.results import BlockCopy
+from speckv.cache.results import BlockCopy, CacheHit
 from speckv.connectors import ConnectorOutput, LoadFailure
 from speckv.engine.kv_connector import (
     HeldBlocks,
@@ -65,6 +55,28 @@ from speckv.engine.request import Request, RequestStatus
 from speckv.engine.stats import SchedulerStats, StatsCollector
 
 EMPTY_CUTS: Mapping[str, int] = MappingProxyType({})
+
+
+@dataclass
+class _StepBatch:
+    """What one `schedule()` call has gathered so far (lives for that call only)."""
+
+    budget: int  # tokens still free under max_num_batched_tokens
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)  # divergent block reuse of the hits
+
+
+def _error_output(request: Request, error: str,
+                  kv_transfer_params: dict[str, Any] | None = None) -> EngineCoreOutput:
+    """A request that ends with FinishReason.ERROR (no tokens; `error` says why)."""
+    return EngineCoreOutput(
+        request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+        num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+        error=error, num_external_cached_tokens=request.num_external_cached_tokens,
+        kv_transfer_params=kv_transfer_params,
+    )
 
 
 class Scheduler:
@@ -139,14 +151,35 @@ class Scheduler:
     # ---- one step: what runs -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """One step's batch: running requests first (decodes, prefill chunks, preemption by
-        recompute), then waiting ones (local hit, connector hit, allocation). Long on purpose: it
-        is the per-request hot loop of every step, with its attributes bound to locals once."""
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        new_requests: list[NewRequestData] = []
-        preempted: list[Request] = []
-        copies: list[BlockCopy] = []  # divergent block reuse of the hits taken this step
+        recompute), then waiting ones (local hit, connector hit, allocation: `_admit`)."""
+        batch = _StepBatch(self.max_num_batched_tokens)
+        self._schedule_running(batch)
+        if not batch.preempted:
+            self._schedule_waiting(batch)
+        if not batch.scheduled:
+            self._fail_unschedulable()
+        finished_ids = frozenset(self._finished_ids)
+        self._finished_ids.clear()
+        meta = (self.connector.build_metadata(batch.scheduled, self.requests)
+                if self.connector is not None else None)
+        return SchedulerOutput(
+            new_requests=batch.new_requests,
+            scheduled=batch.scheduled,
+            finished_request_ids=finished_ids,
+            preempted_request_ids=frozenset(request.request_id for request in batch.preempted),
+            num_scheduled_tokens=self.max_num_batched_tokens - batch.budget,
+            kv_connector_metadata=meta,
+            block_copies=tuple(batch.copies),
+        )
 
+    def _schedule_running(self, batch: _StepBatch) -> None:
+        """Running requests in arrival order: a decode takes `1 + len(drafts)` tokens, an
+        unfinished prefill its next chunk; where no blocks are free, the most recently added
+        running request is preempted until the allocation fits. The per-request hot loop of
+        every step, with its attributes bound to locals once."""
+        budget = batch.budget
+        scheduled = batch.scheduled
+        preempted = batch.preempted
         index = 0
         running = self.running
         allocate_slots = self.manager.allocate_slots
@@ -177,131 +210,99 @@ class Scheduler:
                 break  # preempted itself: everything after it is preempted too
             request.num_computed_tokens = start + num_new
             scheduled.append(ScheduledRequest(
-                request.request_id, start, num_new, tuple(drafts),
-                allocation.new_block_ids, False, 0,
+                request_id=request.request_id, start=start, num_new_tokens=num_new,
+                draft_token_ids=tuple(drafts), new_block_ids=allocation.new_block_ids,
+                replaces_block_table=False, num_hit_tokens=0,
                 # does this step compute the last real token? (see `_samples`)
-                start + num_new - num_drafts >= num_tokens,
+                samples=start + num_new - num_drafts >= num_tokens,
             ))
             budget -= num_new
             index += 1
+        batch.budget = budget
 
+    def _schedule_waiting(self, batch: _StepBatch) -> None:
+        """Waiting requests in queue order while budget and batch room last: each one's local
+        hit, then what a KV connector holds right after it, then `_admit`. A request whose
+        asynchronous load finished holds its blocks already and is admitted as it stands."""
         deferred: list[Request] = []  # waiting a step for a divergent block (see below)
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                if request.request_id in self._loaded:
-                    item = self._schedule_loaded(request, budget)
-                    if item is None:
-                        break  # no room: it waits (and everything behind it) for a finish
-                    if request.request_id not in self._seen_ids:
-                        self._seen_ids.add(request.request_id)
-                        new_requests.append(request.new_request_data())
-                    scheduled.append(item)
-                    budget -= item.num_new_tokens
-                    continue
-                # a waiting request has nothing computed (new, or preempted: reset to 0)
-                assert request.num_computed_tokens == 0
-                hit = self.manager.get_computed_blocks(request)
-                if hit.copy_next_step and scheduled:
-                    # its divergent block is computed in this step: it keeps its place and
-                    # copies the block next step (cheaper than recomputing it, measured on a
-                    # first wave); the requests behind it go on (a whole queue a step late
-                    # costs more than the copy saves)
-                    deferred.append(self.waiting.popleft())
-                    continue
-                num_hit = hit.num_computed_tokens
-                external = (self.connector.external_hit(request, num_hit)
-                            if self.connector is not None else None)
-                num_external = external.num_tokens if external is not None else 0
-                if external is not None and external.load_async and num_external:
-                    if not self._admit_remote(request, hit, num_external):
-                        break  # no room: it waits (and everything behind it) for a finish
-                    continue
-                num_pending = request.num_tokens - num_hit - num_external
-                num_new = min(num_pending, budget)
-                num_draft_slots = self.num_spec_tokens if num_new == num_pending else 0
-                allocation = self.manager.allocate_slots(request, num_new, hit, num_draft_slots,
-                                                         num_external)
-                if allocation is None:
+        while self.waiting and batch.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.request_id in self._loaded:
+                if not self._admit(batch, request):
                     break  # no room: it waits (and everything behind it) for a finish
-                self.waiting.popleft()
-                copies.extend(allocation.copies)
-                self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
-                                            request.num_preemptions > 0)
-                if self.connector is not None:
-                    self.connector.after_alloc(request, allocation.new_block_ids, num_hit,
-                                               num_external)
-                if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
-                    request.num_cached_tokens = num_hit + num_external
-                    request.num_external_cached_tokens = num_external
-                if request.request_id not in self._seen_ids:
-                    self._seen_ids.add(request.request_id)
-                    new_requests.append(request.new_request_data())
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit + num_external + num_new
-                self.running.append(request)
-                scheduled.append(ScheduledRequest(
-                    request.request_id, num_hit + num_external, num_new, (),
-                    allocation.new_block_ids, True, num_hit, self._samples(request),
-                    num_external,
-                ))
-                budget -= num_new
-
+                continue
+            # a waiting request has nothing computed (new, or preempted: reset to 0)
+            assert request.num_computed_tokens == 0
+            hit = self.manager.get_computed_blocks(request)
+            if hit.copy_next_step and batch.scheduled:
+                # its divergent block is computed in this step: it keeps its place and
+                # copies the block next step (cheaper than recomputing it, measured on a
+                # first wave); the requests behind it go on (a whole queue a step late
+                # costs more than the copy saves)
+                deferred.append(self.waiting.popleft())
+                continue
+            external = (self.connector.external_hit(request, hit.num_computed_tokens)
+                        if self.connector is not None else None)
+            num_external = external.num_tokens if external is not None else 0
+            load_async = external is not None and external.load_async and num_external > 0
+            if not self._admit(batch, request, hit, num_external, load_async=load_async):
+                break  # no room: it waits (and everything behind it) for a finish
         if deferred:
             self.waiting.extendleft(reversed(deferred))
-        if not scheduled:
-            self._fail_unschedulable()
-        finished_ids = frozenset(self._finished_ids)
-        self._finished_ids.clear()
-        meta = (self.connector.build_metadata(scheduled, self.requests)
-                if self.connector is not None else None)
-        return SchedulerOutput(
-            new_requests, scheduled, finished_ids,
-            frozenset(request.request_id for request in preempted),
-            self.max_num_batched_tokens - budget, meta, tuple(copies),
-        )
 
-    def _admit_remote(self, request: Request, hit, num_external: int) -> bool:
-        """Allocate the blocks of the local hit and of an asynchronous load, hand them to the
-        connector and park the request in WAITING_FOR_REMOTE_KVS (no budget: nothing computes
-        now). Nothing past the hit is cached until the load succeeded. False: no room."""
-        assert self.connector is not None
-        num_hit = hit.num_computed_tokens
-        allocation = self.manager.allocate_slots(request, 0, hit, 0, num_external)
+    def _admit(self, batch: _StepBatch, request: Request, hit: CacheHit | None = None,
+               num_external: int = 0, *, load_async: bool = False) -> bool:
+        """The one way from the waiting queue's head into the batch (or into
+        WAITING_FOR_REMOTE_KVS). `hit` None: a request whose asynchronous load finished (it
+        holds its blocks and has computed what loaded; the runner gets its whole block table).
+        Otherwise its local hit, then `num_external` tokens a KV connector loads: in this
+        step's worker phase, or with `load_async` later (blocks allocated now, no budget,
+        nothing past the hit cached until the load succeeded). False: no room. Mutates."""
+        request_id = request.request_id
+        loaded = hit is None
+        num_hit = request.num_computed_tokens if hit is None else hit.num_computed_tokens
+        start = num_hit + num_external
+        num_new = num_draft_slots = 0
+        if not load_async:
+            num_pending = request.num_tokens - start
+            num_new = min(num_pending, batch.budget)
+            num_draft_slots = self.num_spec_tokens if num_new == num_pending else 0
+        allocation = self.manager.allocate_slots(request, num_new, hit, num_draft_slots,
+                                                 num_external)
         if allocation is None:
             return False
         self.waiting.popleft()
-        self.stats.record_admission(request.request_id, request.num_tokens, num_hit,
-                                    request.num_preemptions > 0)
-        self.connector.after_alloc(request, allocation.new_block_ids, num_hit, num_external)
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = num_hit + num_external
-            request.num_external_cached_tokens = num_external
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._remote[request.request_id] = RemoteLoad(num_hit, num_external)
-        return True
-
-    def _schedule_loaded(self, request: Request, budget: int) -> ScheduledRequest | None:
-        """A request whose asynchronous load finished: it holds its blocks and has computed
-        what was loaded; it runs now like a new request after a hit (the runner gets its whole
-        block table). None: no room for its next chunk."""
-        start = request.num_computed_tokens
-        num_pending = request.num_tokens - start
-        num_new = min(num_pending, budget)
-        num_draft_slots = self.num_spec_tokens if num_new == num_pending else 0
-        allocation = self.manager.allocate_slots(request, num_new, None, num_draft_slots)
-        if allocation is None:
-            return None
-        self.waiting.popleft()
-        self._loaded.discard(request.request_id)
+        if loaded:
+            self._loaded.discard(request_id)
+        else:
+            batch.copies.extend(allocation.copies)
+            self.stats.record_admission(request_id, request.num_tokens, num_hit,
+                                        request.num_preemptions > 0)
+            if self.connector is not None:
+                self.connector.after_alloc(request, allocation.new_block_ids, num_hit,
+                                           num_external)
+            if request.num_preemptions == 0:  # first schedule (only preemption re-queues)
+                request.num_cached_tokens = start
+                request.num_external_cached_tokens = num_external
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self._remote[request_id] = RemoteLoad(num_hit, num_external)
+            return True
+        if request_id not in self._seen_ids:
+            self._seen_ids.add(request_id)
+            batch.new_requests.append(request.new_request_data())
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = start + num_new
         self.running.append(request)
-        return ScheduledRequest(
-            request.request_id, start, num_new, (),
-            self.manager.get_block_ids(request.request_id), True, start,
-            self._samples(request),
-        )
+        batch.scheduled.append(ScheduledRequest(
+            request_id=request_id, start=start, num_new_tokens=num_new, draft_token_ids=(),
+            new_block_ids=(self.manager.get_block_ids(request_id) if loaded
+                           else allocation.new_block_ids),
+            replaces_block_table=True, num_hit_tokens=num_hit, samples=self._samples(request),
+            num_external_tokens=num_external,
+        ))
+        batch.budget -= num_new
+        return True
 
     @staticmethod
     def _samples(request: Request) -> bool:
@@ -330,11 +331,7 @@ class Scheduler:
             "tokens in all); raise the KV cache size or lower max_tokens"
         )
         self._finish(request, FinishReason.ERROR)
-        self._outputs.append(EngineCoreOutput(
-            request.request_id, [], FinishReason.ERROR, request.num_cached_tokens,
-            num_preemptions=request.num_preemptions, error=error,
-            num_external_cached_tokens=request.num_external_cached_tokens,
-        ))
+        self._outputs.append(_error_output(request, error))
 
     # ---- one step: what it produced ----------------------------------------------------------
     def update_from_output(
@@ -385,10 +382,12 @@ class Scheduler:
             else:
                 self._finish(request, reason)
             outputs.append(EngineCoreOutput(
-                request_id, sampled, reason, request.num_cached_tokens, num_drafts,
-                num_accepted, request.num_preemptions, None,
-                request.num_external_cached_tokens,
-                request.finished_kv_transfer_params if reason is not None else None,
+                request_id=request_id, new_token_ids=sampled, finish_reason=reason,
+                num_cached_tokens=request.num_cached_tokens, num_draft_tokens=num_drafts,
+                num_accepted_tokens=num_accepted, num_preemptions=request.num_preemptions,
+                num_external_cached_tokens=request.num_external_cached_tokens,
+                kv_transfer_params=(request.finished_kv_transfer_params
+                                    if reason is not None else None),
             ))
         if verified:
             self.stats.record_verifications(verified, verified_accepted)
@@ -427,12 +426,8 @@ class Scheduler:
         """`--kv-load-failure-policy fail`: the request ends with an error (what loaded before
         the failure may be cached; nothing after it). Mutates."""
         self._finish(request, FinishReason.ERROR)
-        outputs.append(EngineCoreOutput(
-            request.request_id, [], FinishReason.ERROR, request.num_cached_tokens,
-            num_preemptions=request.num_preemptions, error=load_failure_error(failure),
-            num_external_cached_tokens=request.num_external_cached_tokens,
-            kv_transfer_params=request.finished_kv_transfer_params,
-        ))
+        outputs.append(_error_output(request, load_failure_error(failure),
+                                     request.finished_kv_transfer_params))
 
     def _remote_load_done(self, request_id: str, failure: LoadFailure | None,
                           outputs: list[EngineCoreOutput]) -> None:

@@ -122,6 +122,12 @@ async def poll_engine(client: httpx.AsyncClient, fleet: Fleet, link: EngineLink,
         fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
 
 
+def _no_engine(retry_after_s: int) -> APIError:
+    return APIError(503, "No engine is in rotation (all failed their health checks or were "
+                    "refused).", "server_error", None, "no_engine",
+                    {"Retry-After": str(retry_after_s)})
+
+
 def _upstream_failed(engine: str, detail: str) -> APIError:
     return APIError(502, f"engine {engine!r} failed: {detail}", "server_error", None,
                     "upstream_error")
@@ -170,6 +176,8 @@ class Router:
         out: dict[str, GenerationRequest] = {}
         for name, link in self.fleet.links.items():
             c = link.contract
+            if c is None:  # not reached yet: not in rotation
+                continue
             key = (c.tokenizer, c.max_model_len, c.vocab_size)
             if key not in parsed:
                 tokenizer = self.fleet.tokenizers.get(name, c.model, c.tokenizer)
@@ -285,7 +293,10 @@ def build_app(router: Router) -> Starlette:
         body = parse_json_object(raw)
         if router.inflight >= config.max_inflight_requests:
             raise errors.queue_full(router.inflight, config.retry_after_s)
-        plans = router.plan(router.parse(kind, body))
+        requests = router.parse(kind, body)
+        if not requests:
+            raise _no_engine(config.retry_after_s)
+        plans = router.plan(requests)
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         last_error: APIError | None = None
@@ -343,9 +354,7 @@ def build_app(router: Router) -> Starlette:
                     done()
         if last_error is not None:
             raise last_error
-        raise APIError(503, "No engine is in rotation (all failed their health checks or "
-                       "were refused).", "server_error", None, "no_engine",
-                       {"Retry-After": str(config.retry_after_s)})
+        raise _no_engine(config.retry_after_s)
 
     async def completions(request: Request) -> Any:
         return await forward(request, "completion", "/v1/completions")
@@ -355,7 +364,9 @@ def build_app(router: Router) -> Starlette:
 
     async def models(request: Request) -> JSONResponse:
         _check_api_key(router, request)
-        first = next(iter(fleet.links.values())).contract
+        first = fleet.first_contract()
+        if first is None:  # no engine has answered yet: no model to name
+            return JSONResponse({"object": "list", "data": []})
         return JSONResponse({"object": "list", "data": [{
             "id": fleet.served_model_name, "object": "model", "created": router.created,
             "owned_by": "speckv", "root": first.model, "parent": None,
@@ -432,8 +443,10 @@ def build_app(router: Router) -> Starlette:
 
 
 def fetch_contracts(specs: list[Any], timeout_s: float = 10.0) -> list[EngineLink]:
-    """Each engine's contract, read by URL at start; a ValueError naming the engine (and the
-    contract field) for one that cannot be reached or reproduced."""
+    """Each engine's contract, read by URL at start. An engine that does not answer (no
+    connection, a 5xx while it loads) starts out of rotation, without a contract: its first
+    passing health poll adds it. A ValueError naming the engine (and the contract field) for
+    one that answers with a contract the router cannot reproduce, or wants a key."""
     from speckv.router.contract import parse_contract
 
     links = []
@@ -443,11 +456,20 @@ def fetch_contracts(specs: list[Any], timeout_s: float = 10.0) -> list[EngineLin
             response = httpx.get(f"{spec.url}{CONTRACT_PATH}", headers=headers,
                                  timeout=timeout_s)
         except httpx.HTTPError as error:
-            raise ValueError(f"engine {spec.name!r} at {spec.url}: cannot read its cache "
-                             f"contract ({type(error).__name__}: {error})") from None
+            logger.warning("engine %s at %s does not answer (%s: %s): starting without it; "
+                           "it joins when its health passes", spec.name, spec.url,
+                           type(error).__name__, error)
+            links.append(EngineLink(spec, None))
+            continue
         if response.status_code == 401:
             raise ValueError(f"engine {spec.name!r} at {spec.url} wants an API key: pass "
                              f"--engine-api-key {spec.name}=KEY")
+        if response.status_code >= 500:
+            logger.warning("engine %s at %s: %s answered %d: starting without it; it joins "
+                           "when its health passes", spec.name, spec.url, CONTRACT_PATH,
+                           response.status_code)
+            links.append(EngineLink(spec, None))
+            continue
         if response.status_code != 200:
             raise ValueError(f"engine {spec.name!r} at {spec.url}: {CONTRACT_PATH} answered "
                              f"{response.status_code} (not a speckv serve of this version?)")

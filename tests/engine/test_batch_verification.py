@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speckv.engine import model_runner
+from speckv.engine import runner_sampling
 from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.messages import StopLimits
@@ -138,7 +138,7 @@ def test_batched_verification_keeps_the_outputs_of_no_speculation(tiny_model, se
     tokens, max_tokens and max_model_len cuts, seeded sampling mixed with greedy: the outputs
     equal a run without speculation, token for token, reason for reason, whether the runner
     verifies the batch at once or (a small batch) request by request."""
-    monkeypatch.setattr(model_runner, "_SMALL_BATCH", small_batch)
+    monkeypatch.setattr(runner_sampling, "_SMALL_BATCH", small_batch)
     rng = random.Random(seed)
     requests = {}
     assert tiny_model.config.vocab_size >= VOCAB_SIZE

@@ -38,9 +38,12 @@ def test_the_direct_init_builds_what_the_generated_one_builds():
 
 
 def test_the_step_messages_stay_frozen_and_round_trip():
-    item = ScheduledRequest("r", 4, 2, (7,), ([1, 2],), False, 0, True)
+    item = ScheduledRequest(request_id="r", start=4, num_new_tokens=2, draft_token_ids=(7,),
+                            new_block_ids=([1, 2],), replaces_block_table=False,
+                            num_hit_tokens=0, samples=True)
     assert item.end == 6 and item.num_external_tokens == 0
-    output = EngineCoreOutput("r", [5], FinishReason.STOP, 3)
+    output = EngineCoreOutput(request_id="r", new_token_ids=[5],
+                              finish_reason=FinishReason.STOP, num_cached_tokens=3)
     assert output.num_draft_tokens == 0 and output.error is None
     request_output = RequestOutput("r", [1], [5], "a", [5], "a", 0, None, "stop")
     for message in (item, output, request_output):
@@ -68,3 +71,11 @@ def test_classes_it_would_get_wrong_are_refused():
     for cls in (WithPostInit, WithFactory, NotFrozen):
         with pytest.raises(TypeError):
             direct_init(cls)
+
+
+def test_the_step_messages_refuse_positional_fields():
+    # a bare `False, 0` in a message is unreadable at the call site: keywords only
+    with pytest.raises(TypeError):
+        ScheduledRequest("r", 4, 2, (7,), ([1, 2],), False, 0, True)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        EngineCoreOutput("r", [5], FinishReason.STOP, 3)  # type: ignore[misc]

@@ -74,8 +74,9 @@ def test_one_output_at_the_end_with_the_whole_text(data):
         new = tokens[position : position + size]
         position += len(new)
         last = position >= len(tokens)
-        outputs = processor.process([EngineCoreOutput("r", new, FinishReason.LENGTH if last
-                                                      else None, 0)])
+        outputs = processor.process([EngineCoreOutput(
+            request_id="r", new_token_ids=new, num_cached_tokens=0,
+            finish_reason=FinishReason.LENGTH if last else None)])
         if not last:
             assert outputs == []
             continue
@@ -89,7 +90,9 @@ def test_an_aborted_final_only_request_gets_its_text():
     processor = OutputProcessor(TOKENIZER)
     processor.add_request("r", [1], SamplingParams(max_tokens=100, output_kind=FINAL), 0.0)
     tokens = TOKENIZER.encode("hello there", add_special_tokens=False)
-    assert processor.process([EngineCoreOutput("r", tokens, None, 0)]) == []
+    core = EngineCoreOutput(request_id="r", new_token_ids=tokens, finish_reason=None,
+                            num_cached_tokens=0)
+    assert processor.process([core]) == []
     output = processor.abort("r")
     assert output is not None and output.finish_reason == "abort"
     assert output.text == "hello there" and output.token_ids == tokens

@@ -38,7 +38,8 @@ def _run(tokenizer: Tokenizer, tokens: list[int], chunks: list[int]) -> None:
         new = tokens[position : position + size]
         position += len(new)
         last = index == len(chunks) - 1 or position >= len(tokens)
-        core = EngineCoreOutput("r", new, FinishReason.LENGTH if last else None, 0)
+        core = EngineCoreOutput(request_id="r", new_token_ids=new, num_cached_tokens=0,
+                                finish_reason=FinishReason.LENGTH if last else None)
         (output,) = processor.process([core])
         whole = tokenizer.decode(tokens[:position], skip_special_tokens=True)
         assert output.text == whole
