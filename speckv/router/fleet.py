@@ -30,6 +30,7 @@ from speckv.router.contract import ContractError, EngineContract, parse_contract
 from speckv.router.index import EngineState, RouterIndex
 from speckv.router.policy import EngineView
 from speckv.router.tokenizer import TokenizerCache
+from speckv.router.vllm_engine import VLLMFlags
 
 logger = logging.getLogger("speckv.router")
 SUBSCRIBER_COUNTERS = ("received_batches", "replayed_batches", "replay_requests",
@@ -41,6 +42,9 @@ class EngineSpec:
     name: str
     url: str  # http://host:port
     api_key: str | None = None  # sent on as Authorization: Bearer
+    vllm: VLLMFlags | None = None  # a vLLM engine, as the --vllm-* flags naming it describe it
+    # what the --vllm-* flags without a name say, for an engine found to be vLLM's
+    vllm_default: VLLMFlags | None = None
 
 
 @dataclass
@@ -236,21 +240,27 @@ class Fleet:
         link.index_resets += 1
         link.generation += 1
 
+    def refuse(self, link: EngineLink, error: Exception) -> None:
+        """Out of rotation: the engine answers with a contract the router cannot use."""
+        with self.lock:
+            if link.refused != str(error):
+                logger.error("engine %s out of rotation: %s", link.name, error)
+            link.refused = str(error)
+
     def engine_healthy(self, link: EngineLink, contract_body: Any,
                        load: Mapping[str, float]) -> None:
-        """A successful poll: the contract as served now and the load from /metrics."""
+        """A successful poll: the contract as served now (its JSON, or an `EngineContract`
+        built from a vLLM engine's /metrics) and the load from /metrics."""
         try:
-            contract = parse_contract(link.name, link.spec.url, contract_body)
+            contract = contract_body if isinstance(contract_body, EngineContract) \
+                else parse_contract(link.name, link.spec.url, contract_body)
             if link.contract is None \
                     or contract.reproduction_key != link.contract.reproduction_key:
                 self.tokenizers.get(link.name, contract.model, contract.tokenizer)
                 with self.lock:
                     self._check_model(link, contract)
         except ValueError as error:
-            with self.lock:
-                if link.refused != str(error):
-                    logger.error("engine %s out of rotation: %s", link.name, error)
-                link.refused = str(error)
+            self.refuse(link, error)
             return
         with self.lock:
             link.refused = None
