@@ -49,11 +49,11 @@ from speckv.bench.serve_client import (
     arrival_offsets,
     histogram_mean_ms,
     http_get,
-    metric_totals,
     metrics_rates,
     run_http,
     summarize,
 )
+from speckv.measure.prometheus import metric_totals
 from speckv.workloads import (
     PrefixRepetitionConfig,
     WorkloadRequest,
