@@ -402,6 +402,12 @@ def build_app(router: Router) -> Starlette:
         for link, answer in zip(links, answers):
             if answer.status_code != 200:
                 return _passthrough(answer, answer.content, link.name)
+            with contextlib.suppress(ValueError, AttributeError):
+                if answer.json().get("success") is False:  # vLLM: blocks still held
+                    return _passthrough(answer, answer.content, link.name)
+            # a vLLM engine publishes its AllBlocksCleared with its next step's events: the
+            # index forgets the engine's blocks now (the event, when it comes, again)
+            fleet.cleared(link)
         return JSONResponse({"success": True, "engines": [link.name for link in links]})
 
     async def on_unexpected(request: Request, error: Exception) -> Response:

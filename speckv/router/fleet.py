@@ -30,7 +30,7 @@ from speckv.router.contract import ContractError, EngineContract, parse_contract
 from speckv.router.index import EngineState, RouterIndex
 from speckv.router.policy import EngineView
 from speckv.router.tokenizer import TokenizerCache
-from speckv.router.vllm_engine import VLLMFlags
+from speckv.router.vllm_engine import VLLMFlags, check_groups
 
 logger = logging.getLogger("speckv.router")
 SUBSCRIBER_COUNTERS = ("received_batches", "replayed_batches", "replay_requests",
@@ -55,6 +55,9 @@ class EngineLink:
     contract: EngineContract | None
     healthy: bool = True
     refused: str | None = None  # a later contract the router cannot reproduce
+    # what its KV events showed the router cannot predict (a hybrid vLLM engine), until the
+    # engine restarts
+    events_refused: str | None = None
     unhealthy_since: float | None = None
     expired: bool = False  # entries dropped after stale_after_s without health
     generation: int = 0  # bumped to make the subscriber thread start over
@@ -77,7 +80,8 @@ class EngineLink:
 
     @property
     def in_rotation(self) -> bool:
-        return self.healthy and self.refused is None and self.contract is not None
+        return (self.healthy and self.refused is None and self.events_refused is None
+                and self.contract is not None)
 
     @property
     def load_requests(self) -> int:
@@ -201,6 +205,14 @@ class Fleet:
                 subscriber.close()
 
     def apply(self, link: EngineLink, generation: int, seq: int, batch: KVEventBatch) -> None:
+        if link.contract is not None and link.contract.vllm:
+            try:
+                check_groups(link.name, batch)
+            except ContractError as error:  # a hybrid vLLM engine: out of rotation
+                with self.lock:
+                    if link.events_refused is None:
+                        logger.error("engine %s out of rotation: %s", link.name, error)
+                    link.events_refused = str(error)
         with self.lock:
             if link.generation != generation:
                 return  # read before the engine's entries were dropped
@@ -236,6 +248,7 @@ class Fleet:
         """Drop the engine's entries and make its thread subscribe again (lock held)."""
         if contract is not None:
             link.contract = contract
+            link.events_refused = None  # a new epoch: its events are judged again
         self.index.reset_engine(link.name, link.contract.hashing)
         link.index_resets += 1
         link.generation += 1
@@ -288,6 +301,12 @@ class Fleet:
             link.waiting = int(load.get("waiting", 0))
             link.external_load = max(0, link.running + link.waiting - link.inflight)
             link.kv_usage = float(load.get("kv_usage", 0.0))
+
+    def cleared(self, link: EngineLink) -> None:
+        """The engine's prefix cache was reset: forget its blocks (as AllBlocksCleared)."""
+        with self.lock:
+            if link.name in self.index.state:
+                self.index.clear_engine(link.name)
 
     # ---- requests ----------------------------------------------------------------------------
     def plan(self, token_ids: Sequence[int], engines: Sequence[str]
@@ -390,7 +409,8 @@ class Fleet:
         with self.lock:
             index = self.index.stats()
             return {name: {
-                "url": link.spec.url, "healthy": link.healthy, "refused": link.refused,
+                "url": link.spec.url, "healthy": link.healthy,
+                "refused": link.refused or link.events_refused,
                 "expired": link.expired, "reached": link.contract is not None,
                 "epoch": link.contract.epoch if link.contract else None,
                 "epochs_seen": link.epochs_seen, "index_resets": link.index_resets,

@@ -143,6 +143,11 @@ def vllm_contract(engine: str, url: str, metrics_text: str, models_body: Any,
         raise ContractError(engine, "vllm:cache_config_info.hash_block_size",
                             f"{hash_unit} != block_size {block_size}: the router predicts "
                             "engines that hash whole blocks")
+    for name in ("sliding_window", "mamba_block_size"):
+        if labels.get(name, "None") != "None":
+            raise ContractError(engine, f"vllm:cache_config_info.{name}", f"{labels[name]}: "
+                                "a hybrid vLLM engine; the router predicts vLLM engines of one "
+                                "full-attention KV cache group")
     algo = labels.get("prefix_caching_hash_algo", "sha256")
     if algo not in HASH_ALGOS:
         raise ContractError(engine, "vllm:cache_config_info.prefix_caching_hash_algo",
@@ -181,7 +186,22 @@ def vllm_contract(engine: str, url: str, metrics_text: str, models_body: Any,
         hash_mode_label=label,
         events_endpoint=connect_endpoint(str(events["endpoint"]), url),
         replay_endpoint=connect_endpoint(str(replay), url) if replay else None,
-        num_blocks=_int_label(engine, labels, "num_gpu_blocks") or 0)
+        num_blocks=_int_label(engine, labels, "num_gpu_blocks") or 0, vllm=True)
+
+
+def check_groups(engine: str, batch: KVEventBatch) -> None:
+    """Refuse an engine whose events show a KV cache group the router cannot predict: a
+    group other than 0 or of another kind than full attention (a hybrid model)."""
+    for event in batch.events:
+        if not isinstance(event, BlockStored):
+            continue
+        kind = event.kv_cache_spec_kind or "full_attention"
+        if (event.group_idx or 0) != 0 or kind != "full_attention":
+            window = event.kv_cache_spec_sliding_window
+            raise ContractError(engine, "kv_groups", f"its KV events store group "
+                                f"{event.group_idx} of kind {kind!r}"
+                                f"{f' (sliding window {window})' if window else ''}: the "
+                                "router predicts vLLM engines of one full-attention group")
 
 
 def _first_root_block(batches: list[KVEventBatch]) -> BlockStored | None:
@@ -199,6 +219,8 @@ def check_events(contract: EngineContract, flags: VLLMFlags,
     (the first block stored from the root, recomputed with the contract's hashing). Nothing
     to check without such an event."""
     engine = contract.engine
+    for batch in batches:
+        check_groups(engine, batch)
     event = _first_root_block(batches)
     if event is None:
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from msgspec.structs import replace
 
 from speckv.commands.router import add_arguments, parse_engines, with_vllm_flags
 from speckv.events.schema import BlockStored, KVEventBatch
@@ -16,6 +17,8 @@ from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
 from speckv.router.contract import ContractError
+from speckv.router.fleet import EngineLink, EngineSpec, Fleet
+from speckv.router.tokenizer import TokenizerCache
 from speckv.router.vllm_engine import VLLM_DEFAULT_SEED, VLLMFlags, check_events, vllm_contract
 
 URL = "http://10.0.0.9:8000"
@@ -143,3 +146,29 @@ def test_the_vllm_cli_flags():
         args = parser.parse_args(["--engine", "v=http://127.0.0.1:2", *bad])
         with pytest.raises(ValueError, match=message):
             with_vllm_flags(parse_engines(args.engine, []), args)
+
+
+def test_a_hybrid_vllm_engine_is_refused_from_its_metrics_or_its_events():
+    text = metrics().replace('sliding_window="None"', 'sliding_window="4096"')
+    with pytest.raises(ContractError, match=r"cache_config_info\.sliding_window.*hybrid"):
+        vllm_contract("v", URL, text, MODELS, VLLMFlags(EVENTS, "0"))
+    contract = vllm_contract("v", URL, metrics(), MODELS, VLLMFlags(EVENTS, "0"))
+    batch = root_event(list(range(1000, 1100)), "0")
+    swa = replace(batch.events[0], group_idx=1, kv_cache_spec_kind="sliding_window",
+                  kv_cache_spec_sliding_window=128)
+    with pytest.raises(ContractError, match=r"group 1 of kind 'sliding_window' \(sliding "
+                       r"window 128\)"):
+        check_events(contract, VLLMFlags(EVENTS, "0"), [batch, KVEventBatch(0.0, [swa])])
+    # at run time: out of rotation until the engine restarts, whatever its polls say
+    link = EngineLink(EngineSpec("v", URL), contract)
+    fleet = Fleet([link], TokenizerCache("builtin"))  # --tokenizer: the model is elsewhere
+    fleet.apply(link, 0, 0, batch)
+    assert link.in_rotation
+    fleet.apply(link, 0, 1, KVEventBatch(0.0, [swa]))
+    assert not link.in_rotation and "kv_groups" in fleet.state()["v"]["refused"]
+    fleet.engine_healthy(link, contract, {})
+    assert not link.in_rotation
+    restarted = vllm_contract("v", URL, metrics().replace("1.79658756309e+09", "1.8e+09"),
+                              MODELS, VLLMFlags(EVENTS, "0"))
+    fleet.engine_healthy(link, restarted, {})
+    assert link.in_rotation and link.epochs_seen == 2
