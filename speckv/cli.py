@@ -154,6 +154,18 @@ _DASH_LIST = re.compile(r"^-\d+\s*,")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.startswith("speckv"):
+            raise
+        # `pip install speckv` alone is the core a vLLM environment needs (the plugin)
+        print(f"speckv: error: the speckv commands need its serving dependencies (no module "
+              f"{error.name!r}): pip install 'speckv[serve]'", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = _attach_dash_lists(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(argv)
     args = parser.parse_args(argv)

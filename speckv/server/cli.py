@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from speckv.engine.cli_args import add_engine_arguments, engine_args_from_cli, parse_size
 
@@ -84,21 +83,6 @@ def run(args: argparse.Namespace) -> int:
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
           + ")", flush=True)
     print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
-    transfer = _transfer_connector(engine.connector)
-    if transfer is not None:
-        print(f"speckv serve: KV transfer over NIXL, {transfer.config.role}, engine "
-              f"{transfer.config.engine_id}"
-              + (f", side channel {transfer.config.host}:{transfer.side_channel_port}"
-                 if transfer.side_channel_port is not None else ""), flush=True)
+    for line in engine.connector.startup_lines() if engine.connector is not None else ():
+        print(f"speckv serve: {line}", flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)
-
-
-def _transfer_connector(connector: Any) -> Any:
-    """The engine's NixlConnector (alone or inside a MultiConnector), or None."""
-    from speckv.connectors.nixl.connector import NixlConnector
-
-    for child in getattr(connector, "children", (connector,)):
-        if isinstance(child, NixlConnector):
-            return child
-    return None
-    return 0

@@ -73,8 +73,7 @@ class Engine:
                 "--port", str(self.port), "--served-model-name", MODEL_NAME,
                 "--block-size", str(BLOCK), "--threads", "1", "--max-num-seqs", "8",
                 "--kv-events-endpoint", self.pub, "--kv-events-replay-endpoint", self.replay,
-                # the router does not model divergent block reuse yet: exact predictions
-                "--disable-divergent-block-reuse", *self.flags]
+                *self.flags]
 
     def start(self) -> Engine:
         self.process = subprocess.Popen(self.command(), env=ENV, stdout=subprocess.DEVNULL,

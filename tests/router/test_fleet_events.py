@@ -152,3 +152,26 @@ def test_divergent_block_reuse_is_predicted():
         fleet.apply(link, 0, 0, KVEventBatch(ts=0.0, events=[stored(cached)]))
         assert fleet.plan(prompt, ["a"])["a"].predicted_cached_tokens == expected
         assert fleet.plan(cached, ["a"])["a"].predicted_cached_tokens == 20  # a plain hit
+
+
+def test_an_engine_down_at_start_joins_when_its_health_passes():
+    """A router started while engine b does not answer: b is out of rotation, without a
+    contract or index entries; its first passing poll reads the contract and adds it."""
+    up = EngineLink(EngineSpec("a", "http://127.0.0.1:1"),
+                    parse_contract("a", "http://127.0.0.1:1", contract_body()))
+    down = EngineLink(EngineSpec("b", "http://127.0.0.1:2"), None)
+    fleet = Fleet([up, down], TokenizerCache())
+    assert up.in_rotation and not down.in_rotation
+    state = fleet.state()["b"]
+    assert (state["reached"], state["epoch"], state["index"]["cached_blocks"]) == (False, None, 0)
+    fleet.expire_stale(now=1e12)  # an engine never reached has nothing to expire
+    fleet.engine_healthy(down, contract_body(engine_epoch="e7"), {"running": 1})
+    assert down.in_rotation and down.contract is not None and down.epochs_seen == 1
+    prompt = list(range(1, 22))
+    fleet.apply(down, down.generation, 0, KVEventBatch(ts=0.0, events=[stored(prompt)]))
+    plans = fleet.plan(prompt, ["a", "b"])
+    assert (plans["a"].predicted_cached_tokens, plans["b"].predicted_cached_tokens) == (0, 20)
+    late = EngineLink(EngineSpec("c", "http://127.0.0.1:3"), None)
+    fleet = Fleet([up, late], TokenizerCache())
+    fleet.engine_healthy(late, contract_body(served_model_name="other"), {})
+    assert not late.in_rotation and "served_model_name" in late.refused

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from speckv.engine.engine_args import engine_config
-from speckv.router.app import fetch_contracts
 from speckv.router.contract import ContractError
+from speckv.router.engine_probe import fetch_contracts
 from speckv.router.fleet import EngineSpec
 from tests.router.fleet_utils import (
     BLOCK,
@@ -74,13 +74,15 @@ def start_all(*processes):
 
 @pytest.fixture(scope="module")
 def fleet(models):
-    """Every engine of the module, loaded side by side: two EAGLE engines (L = 1), a 2-module
-    MTP engine (L = 2) and an EAGLE engine on legacy hashes (the drop); the last two want an
-    API key."""
+    """Every engine of the module, loaded side by side: two EAGLE engines (L = 1, divergent
+    block reuse on), a 2-module MTP engine (L = 2) and an EAGLE engine on legacy hashes (the
+    drop); the last two want an API key."""
     eagle = ["--speculative-method", "eagle", "--speculative-model", str(models["eagle"]),
              "--num-spec-tokens", "2", *SMALL_CACHE]
+    # MTP without divergent block reuse: its hits stay whole blocks (the mode test checks it)
     mtp = ["--speculative-method", "mtp", "--speculative-model", str(models["mtp2"]),
-           "--num-spec-tokens", "2", *SMALL_CACHE, "--api-key", "ek"]
+           "--num-spec-tokens", "2", *SMALL_CACHE, "--api-key", "ek",
+           "--disable-divergent-block-reuse"]
     legacy = [*eagle, "--disable-lookahead-block-hashes", "--api-key", "ek"]
     engines = {"a": Engine(models["model"], eagle), "b": Engine(models["model"], eagle),
                "mtp": Engine(models["model"], mtp), "legacy": Engine(models["model"], legacy)}
@@ -217,6 +219,29 @@ def test_predictions_equal_reports_for_every_hash_mode(modes):
     # the legacy engine drops a block on every hit; MTP with L = 2 loses one only when the
     # prompt ends right after a block boundary: the hits differ by mode
     assert all(c % BLOCK == 0 for cs in reported.values() for c in cs)
+
+
+def test_an_engine_down_at_the_routers_start_joins_when_its_health_passes(pair, models):
+    engines, routers = pair
+    late = Engine(models["model"], engines["a"].flags)  # its port is known, nothing listens
+    router = RouterProcess({"a": engines["a"], "late": late}).start()
+    routers.append(router)
+    try:
+        state = router.state()["late"]
+        assert (state["healthy"], state["reached"], state["epoch"]) == (False, False, None)
+        assert complete(router, tokens(11, 20)).headers["x-speckv-engine"] == "a"
+        late.start().wait()
+        router.wait_state(lambda s: s["late"]["healthy"] and s["late"]["epochs_seen"] == 1)
+        prompt = tokens(12, 41)  # served by `late` alone first: only it holds the prefix
+        assert httpx.post(f"{late.url}/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}).status_code == 200
+        router.wait_state(lambda s: s["late"]["index"]["cached_blocks"] >= 10)
+        response = complete(router, prompt)
+        assert response.headers["x-speckv-engine"] == "late"
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+        assert total(router_metrics(router), "speckv_router:prediction_mismatches_total") == 0
+    finally:
+        late.kill()
 
 
 def test_an_engine_killed_and_restarted(pair):

@@ -33,7 +33,13 @@ from speckv.events.endpoints import LOOPBACK, free_port
 from speckv.router.pd import PDConfig, PDRouter, build_pd_app
 from speckv.server.launch import ServerThread
 from tests.router.fleet_utils import ENV, MODEL_NAME, Engine, save_fleet_models, wait_http
-from tests.server.server_test_utils import engine_call, make_server, wait_idle_and_check
+from tests.server.server_test_utils import (
+    engine_call,
+    make_server,
+    scrape,
+    value,
+    wait_idle_and_check,
+)
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs nixl-cu12")
 
@@ -91,7 +97,16 @@ def test_concurrent_pd_requests_equal_a_single_engine_and_free_every_block(pd):
         assert wait_idle_and_check(thread) == engine.num_blocks - 1  # every block free
     # what `speckv bench serve --base-url ROUTER` calls
     assert httpx.post(f"{pd.router.url}/reset_prefix_cache", timeout=30).json()["success"]
-    assert "vllm:kv_cache_usage_perc" in httpx.get(f"{pd.router.url}/metrics", timeout=30).text
+    # the router's own metrics, its engines by name (not the decode engine's, passed through)
+    samples = scrape(pd.router.url)
+    assert value(samples, "speckv_router:requests_total", engine="decode0",
+                 reason="transferred") == 50
+    assert value(samples, "speckv_router:prefill_requests_total", engine="prefill0") == 50
+    assert not any(name.startswith("vllm:") for name, _ in samples)
+    answer = httpx.post(f"{pd.router.url}/v1/completions", timeout=30, json={
+        "model": MODEL_NAME, "prompt": texts[0], "max_tokens": 2})
+    assert answer.headers["x-speckv-engine"] == "decode0"
+    assert answer.headers["x-speckv-pd"] == "prefill=prefill0;decode=decode0"
 
 
 def test_a_bad_transfer_field_is_named_and_a_rejected_request_releases_its_lease(pd):
