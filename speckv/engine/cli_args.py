@@ -72,7 +72,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, seed_flag: bool = T
     engine.add_argument("--kv-events-replay-endpoint", default=None,
                         help="answer replay requests on this ZeroMQ ROUTER endpoint")
     engine.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
+                        help="torch CPU threads (default: torch's choice; speckv serve: one "
+                        "fewer, leaving a core to the HTTP server as vLLM does)")
     engine.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help="a KV transfer connector, vLLM's KVTransferConfig JSON: "
                              '{"kv_connector": NAME, "kv_role": "kv_producer" | "kv_consumer" '
