@@ -23,11 +23,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speckv.api.errors import APIError, bad_request, model_not_found, not_supported
 from speckv.api.json_body import parse_json_object as parse_json_object  # re-exported
-from speckv.connectors.nixl.params import (
-    ParamsError,
-    parse_transfer_params,
-    wants_remote_prefill,
-)
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
 
@@ -97,7 +92,8 @@ class _SamplingBody(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     # prefill/decode disaggregation: {"do_remote_decode": true} to a prefill engine, the
-    # prefill engine's returned params to a decode engine (speckv.connectors.nixl.params)
+    # prefill engine's returned params to a decode engine: passed on untouched, only the
+    # engine's KV connector reads them (its refusal is a 400 naming the field)
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -223,19 +219,7 @@ def _sampling_params(body: _SamplingBody, max_tokens: int | None, num_prompt_tok
                           top_p=float(top_p), seed=body.seed, stop=_stop_strings(body.stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
                           skip_special_tokens=body.skip_special_tokens,
-                          kv_transfer_params=_transfer_params(body.kv_transfer_params))
-
-
-def _transfer_params(obj: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`kv_transfer_params` checked: a decode engine's params must parse (a 400 naming the
-    field otherwise); a prefill engine's `{"do_remote_decode": true}` passes as is."""
-    if wants_remote_prefill(obj):
-        try:
-            parse_transfer_params(obj)
-        except ParamsError as error:
-            raise bad_request(str(error), f"kv_transfer_params.{error.field}".rstrip("."),
-                              "invalid_value") from None
-    return obj
+                          kv_transfer_params=body.kv_transfer_params)
 
 
 def _stream_flags(body: _SamplingBody) -> tuple[bool, bool]:

@@ -63,7 +63,6 @@ from speckv.api.protocol import (
     parse_json_object,
 )
 from speckv.api.tokenize import detokenize, tokenize
-from speckv.connectors.nixl.side_channel import release_lease_soon
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.server.async_client import AsyncEngineClient, RequestStream
@@ -198,7 +197,8 @@ def build_app(server: OpenAIServer) -> Starlette:
                 request_id, generation.prompt_token_ids, generation.params, arrival))
         except APIError:
             # rejected: a prefill engine keeping this request's KV need not wait for its lease
-            release_lease_soon(body.get("kv_transfer_params"))
+            server.client.loop.call(
+                lambda engine: engine.transfer_abandoned(body.get("kv_transfer_params")))
             raise
         header = ResponseHeader.new(request_id, config.served_model_name)
         if generation.stream:

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from speckv.engine.engine_args import engine_config
-from speckv.router.app import fetch_contracts
 from speckv.router.contract import ContractError
+from speckv.router.engine_probe import fetch_contracts
 from speckv.router.fleet import EngineSpec
 from tests.patience import WATCHDOG_S
 from tests.router.fleet_utils import (

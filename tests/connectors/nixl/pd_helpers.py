@@ -80,6 +80,25 @@ def decode(engine: LLMEngine, prompt, params: dict, max_tokens: int = 8) -> Requ
                                               kv_transfer_params=params))
 
 
+def step_until(engine: LLMEngine, done, cpu_budget_s: float = 60.0) -> int:
+    """Step (checking the pools) until `done()`; the steps it took. The transfer's handshake
+    and admission run on threads: steps yield a millisecond so they run on a busy machine.
+    The CPU budget (`tests.patience`) only guards against a hang."""
+    steps = 0
+
+    def stepped() -> bool:
+        nonlocal steps
+        if done():
+            return True
+        engine.step()
+        engine.manager.check_integrity()
+        steps += 1
+        return False
+
+    wait_until(stepped, "the condition holds", cpu_budget_s, poll_s=0.001)
+    return steps
+
+
 def settle(engine: LLMEngine, cpu_budget_s: float = 60.0) -> None:
     """Step until the engine holds nothing (its leases released or expired)."""
     def idle() -> bool:
