@@ -75,7 +75,7 @@ def run_python(python: Path, env: dict[str, str], args: list[str], timeout_s: in
                           timeout=timeout_s, cwd=str(CHECKOUT))
 
 
-def run_driver(python: Path, tmp: Path, plugin: bool, specs: list[dict], timeout_s: int = 900
+def run_driver(python: Path, tmp: Path, plugin: bool, specs: list[dict], timeout_s: int = 1800
                ) -> tuple[dict, str]:
     """The driver's results per engine name, and its log (stdout + stderr)."""
     tmp.mkdir(parents=True, exist_ok=True)
