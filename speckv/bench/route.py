@@ -35,8 +35,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from speckv.bench.serve_client import HttpTarget, metric_totals, run_http, summarize
+from speckv.bench.serve_client import HttpTarget, run_http, summarize
 from speckv.events.endpoints import LOOPBACK, free_port, loopback_endpoint
+from speckv.measure.prometheus import metric_totals
 from speckv.router.policy import POLICIES
 from speckv.workloads import (
     PrefixRepetitionConfig,

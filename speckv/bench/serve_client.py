@@ -122,17 +122,6 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
 
 
 # ---- the HTTP client -------------------------------------------------------------------------
-def metric_totals(text: str) -> dict[str, float]:
-    """Sample name -> value summed over label sets, from Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 

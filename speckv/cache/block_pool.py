@@ -23,6 +23,9 @@ The blocks noted in this step have an index of their own, folded the same way, c
 the commit (a request finding its block there waits a step and copies it then). Runs beyond
 twice the pool's blocks are forgotten oldest first, entries whose block was evicted since are
 skipped at lookup and dropped when the map outgrows the pool.
+
+The KV events of cached blocks are built in `pool_events.py`; `make_pools` gives a KV cache
+manager one pool every group shares, or one per group.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ from speckv.cache.block import (
     make_cache_key,
     split_cache_key,
 )
-from speckv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
+from speckv.cache.events import AllBlocksCleared, BlockRemoved, KVEventSink
 from speckv.cache.hit_check import CachingRequest, HitCheck, TrustHashes, content_of
+from speckv.cache.pool_events import record_stored
 from speckv.cache.successor_runs import FIRST_PARENT, ContentKey, SuccessorRun
-from speckv.hashing.extra_keys import untag
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,8 @@ class BlockPool:
                     stored_indices.append(index)
             index += 1
         if stored_hashes:
-            self._record_stored(request, block_hashes, stored_indices, stored_hashes, group)
+            record_stored(self.event_sink, request, block_hashes, stored_indices, stored_hashes,
+                          group)
 
     def note_successors(
         self,
@@ -426,53 +430,6 @@ class BlockPool:
         for group_id, hashes in removed.items():
             self.event_sink.record(BlockRemoved(block_hashes=hashes, group_idx=group_id))
 
-    def _record_stored(
-        self,
-        request: CachingRequest,
-        block_hashes: Sequence[bytes],
-        indices: list[int],
-        stored_hashes: list[bytes],
-        group: GroupInfo,
-    ) -> None:
-        assert self.event_sink is not None
-        block_size, lookahead = group.block_size, group.lookahead_tokens
-        tokens = request.all_token_ids
-        inputs = request.hash_inputs
-        # One event per contiguous run, so a consumer can chain parents.
-        runs: list[list[int]] = []
-        for index in indices:
-            if runs and runs[-1][-1] == index - 1:
-                runs[-1].append(index)
-            else:
-                runs.append([index])
-        position = 0
-        for run in runs:
-            token_ids: list[int] = []
-            lookahead_ids: list[list[int]] = []
-            extra: list = []
-            for index in run:
-                start = index * block_size
-                end = start + block_size
-                token_ids.extend(tokens[start:end])
-                lookahead_ids.append(list(tokens[end : end + lookahead]))
-                extra.append(untag(inputs.extra_keys(start, end + lookahead)))
-            first = run[0]
-            self.event_sink.record(
-                BlockStored(
-                    block_hashes=stored_hashes[position : position + len(run)],
-                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
-                    token_ids=token_ids,
-                    block_size=block_size,
-                    lora_name=request.lora_name,
-                    extra_keys=extra if any(e is not None for e in extra) else None,
-                    group_idx=group.group_id,
-                    lookahead_token_ids=lookahead_ids if lookahead > 0 else None,
-                    kv_cache_spec_kind=group.kind,
-                    kv_cache_spec_sliding_window=group.sliding_window,
-                )
-            )
-            position += len(run)
-
     def check_integrity(self, expected_ref_cnts: dict[int, int] | None = None) -> None:
         """Raise AssertionError if the pool's invariants do not hold (for tests). Pure.
 
@@ -509,3 +466,14 @@ class BlockPool:
                     f"map entry for {block} has a stale key"
                 )
                 assert not block.is_null
+
+
+def make_pools(num_groups: int, num_blocks: int | Sequence[int], enable_caching: bool,
+                hit_check: HitCheck | None, event_sink: KVEventSink | None
+                ) -> tuple[BlockPool, ...]:
+    """One pool every group shares (`num_blocks` an int), or one pool per group."""
+    if isinstance(num_blocks, int):
+        return (BlockPool(num_blocks, enable_caching, hit_check, event_sink),) * num_groups
+    if len(num_blocks) != num_groups:
+        raise ValueError(f"{len(num_blocks)} block counts for {num_groups} KV cache groups")
+    return tuple(BlockPool(n, enable_caching, hit_check, event_sink) for n in num_blocks)

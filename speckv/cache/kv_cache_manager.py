@@ -48,10 +48,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from speckv.cache.block import KVCacheBlock
-from speckv.cache.block_pool import BlockPool, GroupInfo
+from speckv.cache.block_pool import BlockPool, GroupInfo, make_pools
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.group_rules import hybrid_fixed_point
 from speckv.cache.hash_mode import HashMode
+from speckv.cache.hash_units import StridedHashes, alignment
 from speckv.cache.hit_check import CachingRequest, HitCheck
 from speckv.cache.results import Allocation, BlockCopy, CacheHit
 from speckv.cache.retention import RetentionPolicy, TailWidening
@@ -81,60 +82,6 @@ class ManagedRequest(CachingRequest, Protocol):
                              successors: Sequence[int]) -> bytes: ...
 
 
-class StridedHashes(Sequence[bytes]):
-    """The hashes of a group whose block is `stride` hash units: every stride-th chain hash.
-    A view: it grows with the request's chain."""
-
-    __slots__ = ("_chain", "_stride")
-
-    def __init__(self, chain: Sequence[bytes], stride: int) -> None:
-        self._chain = chain
-        self._stride = stride
-
-    def __len__(self) -> int:
-        return len(self._chain) // self._stride
-
-    def __getitem__(self, index):  # type: ignore[override]
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            if step < 0:
-                return [self[i] for i in range(start, stop, step)]
-            stride = self._stride
-            # item i is chain[(i + 1) * stride - 1]: one C-level slice of the chain
-            return self._chain[(start + 1) * stride - 1 : (stop + 1) * stride - 1 : step * stride]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        return self._chain[(index + 1) * self._stride - 1]
-
-    def __iter__(self):
-        return iter(self[:])
-
-
-def _alignment(block_sizes: Sequence[int], alignment_tokens: int | None) -> int:
-    """The hit alignment unit U: the given one, checked, or the groups' block sizes' lcm."""
-    if alignment_tokens is None:
-        return math.lcm(*block_sizes)
-    if alignment_tokens <= 0 or any(alignment_tokens % size for size in block_sizes):
-        raise ValueError(
-            f"alignment_tokens {alignment_tokens} must be a positive multiple of every "
-            f"group's block size {sorted(set(block_sizes))}"
-        )
-    return alignment_tokens
-
-
-def _make_pools(num_groups: int, num_blocks: int | Sequence[int], enable_caching: bool,
-                hit_check: HitCheck | None, event_sink: KVEventSink | None
-                ) -> tuple[BlockPool, ...]:
-    """One pool every group shares (`num_blocks` an int), or one pool per group."""
-    if isinstance(num_blocks, int):
-        return (BlockPool(num_blocks, enable_caching, hit_check, event_sink),) * num_groups
-    if len(num_blocks) != num_groups:
-        raise ValueError(f"{len(num_blocks)} block counts for {num_groups} KV cache groups")
-    return tuple(BlockPool(n, enable_caching, hit_check, event_sink) for n in num_blocks)
-
-
 class KVCacheManager:
     def __init__(
         self,
@@ -152,7 +99,7 @@ class KVCacheManager:
             raise ValueError("a model needs at least one KV cache group")
         block_sizes = [spec.block_size for spec in specs]
         self.hash_block_size = math.gcd(*block_sizes)
-        alignment_tokens = _alignment(block_sizes, alignment_tokens)
+        alignment_tokens = alignment(block_sizes, alignment_tokens)
         self.alignment_tokens = alignment_tokens
         has_partial_groups = any(isinstance(spec, SlidingWindowSpec | MambaSpec) for spec in specs)
         if retention_interval is not None and not has_partial_groups:
@@ -164,7 +111,7 @@ class KVCacheManager:
         self.hash_mode = hash_mode
         self.enable_caching = enable_caching
         self.event_sink = event_sink
-        self.pools: tuple[BlockPool, ...] = _make_pools(len(specs), num_blocks, enable_caching,
+        self.pools: tuple[BlockPool, ...] = make_pools(len(specs), num_blocks, enable_caching,
                                                         hit_check, event_sink)
         self.pool = self.pools[0]  # group 0's pool (the only one when shared)
         # each distinct pool once, in group order
@@ -363,6 +310,14 @@ class KVCacheManager:
             raise ValueError(f"num_external_tokens must be >= 0, got {num_external_tokens}")
         if hit is None and not num_external_tokens:
             return self._allocate_running(request, num_new_tokens, num_draft_slots)
+        return self._allocate_first(request, num_new_tokens, hit, num_draft_slots,
+                                    num_external_tokens)
+
+    def _allocate_first(self, request: ManagedRequest, num_new_tokens: int,
+                        hit: CacheHit | None, num_draft_slots: int, num_external_tokens: int
+                        ) -> Allocation | None:
+        """`allocate_slots` on first scheduling: the hit's blocks (and a divergent block's
+        copy source) taken, the external tokens' and new tokens' blocks allocated."""
         managers = self.managers
         hit_blocks = hit.blocks if hit is not None else self._no_hit_blocks
         num_hit_tokens = hit.num_computed_tokens if hit is not None else 0

@@ -35,6 +35,9 @@ def cdiv(numerator: int, denominator: int) -> int:
 class SingleTypeManager:
     """Shared bookkeeping of one group; subclasses define what a hit needs."""
 
+    # blocks kept before each reachable boundary (a partial-prefix group's; 0: every block)
+    num_tail_blocks: int = 0
+
     def __init__(self, spec: KVCacheSpec, pool: BlockPool, group: GroupInfo) -> None:
         self.spec = spec
         self.block_size = spec.block_size

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from speckv.connectors.config import add_connector_arguments, connector_config_from_args
+from speckv.connectors.transfer_config import transfer_connectors_help
 from speckv.engine.config import MAX_NUM_SPEC_TOKENS, SPECULATIVE_METHODS
 from speckv.engine.engine_args import EngineArgs
 from speckv.engine.speculation_choice import NO_SPECULATION, choose_speculation
@@ -71,12 +72,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, seed_flag: bool = T
     engine.add_argument("--kv-events-replay-endpoint", default=None,
                         help="answer replay requests on this ZeroMQ ROUTER endpoint")
     engine.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
+                        help="torch CPU threads (default: torch's choice; speckv serve: one "
+                        "fewer, leaving a core to the HTTP server as vLLM does)")
     engine.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                        help='prefill/decode disaggregation over NIXL: {"kv_connector": "nixl", '
-                             '"kv_role": "kv_producer" | "kv_consumer" | "kv_both"} (also '
-                             'kv_port, kv_lease_s, kv_transfer_timeout_s, '
-                             'kv_load_failure_policy, engine_id); the side channel binds --host')
+                        help="a KV transfer connector, vLLM's KVTransferConfig JSON: "
+                             '{"kv_connector": NAME, "kv_role": "kv_producer" | "kv_consumer" '
+                             '| "kv_both", "kv_load_failure_policy": ..., '
+                             '"kv_connector_extra_config": {...}}; NAME: '
+                             + transfer_connectors_help())
     add_connector_arguments(parser)
 
 

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from speckv.attention.state_cache import PagedStateCache, StatePlan
 from speckv.cache.specs import MambaSpec
 from speckv.engine.messages import ScheduledRequest
+from speckv.models.base import TargetModel
 from speckv.models.common.kv_layout import KVCacheLayout
-from speckv.models.hybrid.model import plan_for
 
 
 def state_group(layout: KVCacheLayout) -> int | None:
@@ -42,12 +42,13 @@ def state_group(layout: KVCacheLayout) -> int | None:
 class RunnerStates:
     """The state cache of a hybrid model and its per-step plans (one per runner)."""
 
-    def __init__(self, model, num_blocks: int, layout: KVCacheLayout) -> None:
+    def __init__(self, model: TargetModel, num_blocks: int, layout: KVCacheLayout) -> None:
         group = state_group(layout)
         if group is None:
             raise ValueError("the model's KV cache layout has no Mamba / GDN state group")
         self.group = group
         self.unit = layout.groups[group].spec.block_size
+        self.model = model
         self.cache: PagedStateCache = model.make_state_cache(num_blocks)
         self.layers = list(range(self.cache.num_layers))
         self.conv_kernel = self.cache.conv.shape[-1] + 1
@@ -56,9 +57,9 @@ class RunnerStates:
              tables: Sequence[Sequence[int]]) -> StatePlan:
         """The linear layers' plan of one forward (requests in batch order; `tables` are the
         Mamba group's block tables)."""
-        return plan_for(self.cache, [item.num_new_tokens for item in scheduled],
-                        [item.end for item in scheduled], tables, self.unit,
-                        [item.num_drafts > 0 for item in scheduled])
+        return self.model.plan_state(self.cache, [item.num_new_tokens for item in scheduled],
+                                     [item.end for item in scheduled], tables, self.unit,
+                                     [item.num_drafts > 0 for item in scheduled])
 
     def commit(self, plan: StatePlan, scheduled: Sequence[ScheduledRequest],
                tables: Sequence[Sequence[int]],

@@ -7,6 +7,9 @@ target model, whatever its family (Llama, Gemma 3 / 4, GDN hybrid).
                 has a state group: `KVCacheLayout.has_state_group`),
                 `kv_cache_bytes_per_block(block_size)` (the KV budget's unit),
                 `make_layout_kv_cache(layout, num_blocks)` (the paged tensors)
+    state       a model with a state group: `make_state_cache(num_blocks)` (its paged
+                linear-attention state) and `plan_state(...)` (one forward's `StatePlan`);
+                the others refuse both
     compute     `forward(...)` -> `ModelOutput`, `compute_logits(hidden)` -> fp32 logits
     weights     `embed_tokens`, `lm_head` (drafters share them), `named_parameters`
 
@@ -22,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from speckv.attention.state_cache import PagedStateCache, StatePlan
 from speckv.models.common.decoder import ModelOutput
 from speckv.models.common.kv_layout import KVCacheLayout
 
@@ -29,13 +33,31 @@ from speckv.models.common.kv_layout import KVCacheLayout
 PROBE_BLOCK_SIZE = 16
 
 
+class TargetConfig(Protocol):
+    """The shape every family's config answers (ModelConfig: Llama, Gemma's base;
+    HybridConfig: GDN hybrids)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int | None: ...  # (ModelConfig fills a None in at construction)
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+
 class TargetModel(Protocol):
     """A target the engine serves (see the module docstring)."""
 
-    # ModelConfig (Llama, Gemma's base) or HybridConfig: vocab_size, hidden_size,
-    # num_hidden_layers, num_key_value_heads, head_dim, max_position_embeddings, eos_token_ids
     @property
-    def config(self) -> Any: ...
+    def config(self) -> TargetConfig: ...
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
 
@@ -61,6 +83,19 @@ class TargetModel(Protocol):
                              ) -> Any:
         """The paged KV for `layout`: `num_blocks` rows in every group (one shared pool), or
         one count per group (per-group pools)."""
+        ...
+
+    def make_state_cache(self, num_blocks: int) -> PagedStateCache:
+        """The paged linear-attention state, `num_blocks` block ids of the state group (a
+        model without a state group raises ValueError)."""
+        ...
+
+    def plan_state(self, cache: PagedStateCache, query_lens: Sequence[int],
+                   seq_lens: Sequence[int], state_tables: Sequence[Sequence[int]], unit: int,
+                   record: Sequence[bool] | None = None) -> StatePlan:
+        """One forward's plan over `cache`: request r computes [seq_lens[r] - query_lens[r],
+        seq_lens[r]) with its state group's block table, `unit` tokens per state block;
+        `record[r]`: keep every position's state (a speculative window to verify)."""
         ...
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any,

@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -45,6 +45,7 @@ from speckv.api import errors
 from speckv.api.errors import APIError
 from speckv.api.http_guard import (
     check_bearer_key,
+    client_gone_handler,
     on_api_error,
     on_http_error,
     race_disconnect,
@@ -443,6 +444,7 @@ def build_app(router: Router) -> Starlette:
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         ],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            ClientDisconnect: client_gone_handler(logger),
                             Exception: on_unexpected},
         lifespan=lifespan,
     )

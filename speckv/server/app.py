@@ -31,7 +31,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -41,6 +41,7 @@ from speckv.api.contract import CONTRACT_PATH, engine_contract, new_epoch, token
 from speckv.api.errors import APIError
 from speckv.api.http_guard import (
     check_bearer_key,
+    client_gone_handler,
     error_response,
     on_api_error,
     on_http_error,
@@ -60,7 +61,6 @@ from speckv.api.protocol import (
     parse_completion,
     parse_json_object,
 )
-from speckv.connectors.nixl.side_channel import release_lease_soon
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.server.async_client import AsyncEngineClient, RequestStream
@@ -195,7 +195,8 @@ def build_app(server: OpenAIServer) -> Starlette:
                 request_id, generation.prompt_token_ids, generation.params, arrival))
         except APIError:
             # rejected: a prefill engine keeping this request's KV need not wait for its lease
-            release_lease_soon(body.get("kv_transfer_params"))
+            server.client.loop.call(
+                lambda engine: engine.transfer_abandoned(body.get("kv_transfer_params")))
             raise
         header = ResponseHeader.new(request_id, config.served_model_name)
         if generation.stream:
@@ -277,6 +278,7 @@ def build_app(server: OpenAIServer) -> Starlette:
             Route(CONTRACT_PATH, kv_cache_contract, methods=["GET"]),
         ],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            ClientDisconnect: client_gone_handler(logger),
                             Exception: on_unexpected},
         lifespan=lifespan,
     )

@@ -1,6 +1,7 @@
 """The part of a causal LM every family shares: the output type, the layer walk that keeps the
 requested aux layers, the final norm + LM head (+ an optional logit soft-cap), and the paged KV
-cache of an attention model (its size per block id and its tensors for a `KVCacheLayout`).
+cache of an attention model (its size per block id and its tensors for a `KVCacheLayout`), and
+the refusal of a model without linear-attention state to make or plan one.
 
 A family's model subclasses `CausalLMBase` and keeps only what differs: its embedding, its
 layers and what each layer is fed (rotary table, per-layer inputs, linear-attention state).
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from speckv.attention import GroupedKVCache, PagedKVCache, bytes_per_block
+from speckv.attention.state_cache import PagedStateCache, StatePlan
 from speckv.cache.specs import MambaSpec
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.models.common.random_init import EmbeddingPlacement
@@ -71,6 +73,17 @@ class CausalLMBase(EmbeddingPlacement):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def make_state_cache(self, num_blocks: int) -> PagedStateCache:
+        """The paged linear-attention state of a model with a state group; this model has
+        none (a family with Mamba / GDN layers overrides this and `plan_state`)."""
+        raise ValueError(f"{type(self).__name__} keeps no linear-attention state")
+
+    def plan_state(self, cache: PagedStateCache, query_lens: Sequence[int],
+                   seq_lens: Sequence[int], state_tables: Sequence[Sequence[int]], unit: int,
+                   record: Sequence[bool] | None = None) -> StatePlan:
+        """One forward's `StatePlan` over `cache` (a model with a state group only)."""
+        raise ValueError(f"{type(self).__name__} keeps no linear-attention state")
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block id costs (the engine's KV budget): K and V of every layer."""

@@ -241,6 +241,12 @@ class HybridForCausalLM(CausalLMBase, nn.Module):
                                c.linear_key_head_dim, c.linear_value_head_dim, self.dtype,
                                self.device)
 
+    def plan_state(self, cache: PagedStateCache, query_lens: Sequence[int],
+                   seq_lens: Sequence[int], state_tables: Sequence[Sequence[int]], unit: int,
+                   record: Sequence[bool] | None = None) -> StatePlan:
+        """The linear layers' plan of one forward (`plan_for`)."""
+        return plan_for(cache, query_lens, seq_lens, state_tables, unit, record)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64

@@ -80,6 +80,21 @@ def decode(engine: LLMEngine, prompt, params: dict, max_tokens: int = 8) -> Requ
                                               kv_transfer_params=params))
 
 
+def step_until(engine: LLMEngine, done, timeout_s: float = 60.0) -> int:
+    """Step (checking the pools) until `done()`; the steps it took. The transfer's handshake
+    and admission run on threads: steps yield a millisecond so they run on a busy machine.
+    `timeout_s` only guards against a hang."""
+    deadline = time.monotonic() + timeout_s
+    steps = 0
+    while not done():
+        assert time.monotonic() < deadline, "the condition never held"
+        engine.step()
+        engine.manager.check_integrity()
+        steps += 1
+        time.sleep(0.001)
+    return steps
+
+
 def settle(engine: LLMEngine, timeout_s: float = 20.0) -> None:
     """Step until the engine holds nothing (its leases released or expired)."""
     deadline = time.monotonic() + timeout_s

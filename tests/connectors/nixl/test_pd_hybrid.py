@@ -34,6 +34,7 @@ from tests.connectors.nixl.pd_helpers import (
     pulled_hit,
     run,
     settle,
+    step_until,
 )
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs nixl-cu12")
@@ -183,11 +184,8 @@ def test_a_failed_transfer_recomputes_or_fails_and_leaves_the_pools_clean(hybrid
         assert all_free(p)
         request_id = d.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True,
                                                           kv_transfer_params=params))
-        for _ in range(100):  # the handshake succeeds, the READ is refused
-            d.step()
-            d.manager.check_integrity()
-            if d.kv_connector_stats()["nixl"].load_failed_blocks:
-                break
+        # the handshake succeeds, the READ is refused
+        step_until(d, lambda: d.kv_connector_stats()["nixl"].load_failed_blocks)
         probe = d.add_request(prompt, SamplingParams(max_tokens=1))
         local = d.manager.get_computed_blocks(d.get_request(probe)).num_computed_tokens
         assert 0 < local < params["num_tokens"]  # nothing of the failed load is cached
