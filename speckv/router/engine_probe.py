@@ -85,9 +85,9 @@ async def read_contract(client: httpx.AsyncClient, spec: Any, timeout_s: float) 
     return Probe(contract, metrics.text, flags)
 
 
-def replayed_batches(contract: EngineContract, wait_s: float = 1.0) -> list[KVEventBatch]:
-    """The engine's KV events from seq 0, as its replay buffer holds them now (at most
-    `wait_s` of listening)."""
+def replayed_batches(contract: EngineContract, wait_s: float = 5.0) -> list[KVEventBatch]:
+    """The engine's KV events from seq 0, as its replay buffer holds them now (an idle engine
+    answers at once; a busy one's publisher thread gets `wait_s`)."""
     subscriber = EventSubscriber(SubscriberConfig(
         endpoint=contract.events_endpoint, replay_endpoint=contract.replay_endpoint,
         start_seq=0, replay_timeout_s=wait_s))

@@ -207,8 +207,9 @@ def check_groups(engine: str, batch: KVEventBatch) -> None:
 def _first_root_block(batches: list[KVEventBatch]) -> BlockStored | None:
     for batch in batches:
         for event in batch.events:
+            # vLLM sends one extra-keys entry per block, None where a block has none
             if isinstance(event, BlockStored) and event.parent_block_hash is None \
-                    and event.block_hashes and not event.extra_keys:
+                    and event.block_hashes and not any(event.extra_keys or ()):
                 return event
     return None
 

@@ -77,7 +77,7 @@ def run_python(python: Path, env: dict[str, str], args: list[str], cpu_budget_s:
     return patience.run([str(python), *args], cpu_budget_s, env=env, cwd=str(CHECKOUT))
 
 
-def run_driver(python: Path, tmp: Path, plugin: bool, specs: list[dict], cpu_budget_s: float = 900
+def run_driver(python: Path, tmp: Path, plugin: bool, specs: list[dict], cpu_budget_s: float = 1800
                ) -> tuple[dict, str]:
     """The driver's results per engine name, and its log (stdout + stderr)."""
     tmp.mkdir(parents=True, exist_ok=True)

@@ -112,6 +112,10 @@ def test_a_seed_or_lookahead_the_events_contradict_is_refused_naming_both():
     tokens = list(range(1000, 1100))
     contract = vllm_contract("v", URL, metrics(), MODELS, VLLMFlags(EVENTS, "7"))
     check_events(contract, VLLMFlags(EVENTS, "7"), [root_event(tokens, "7")])  # agrees
+    as_vllm = root_event(tokens, "0")  # vLLM sends an extra-keys entry per block
+    as_vllm = KVEventBatch(0.0, [replace(as_vllm.events[0], extra_keys=[None, None, None])])
+    with pytest.raises(ContractError, match="'hash_seed'"):
+        check_events(contract, VLLMFlags(EVENTS, "7"), [as_vllm])
     check_events(contract, VLLMFlags(EVENTS, "7"), [])  # nothing to check yet
     with pytest.raises(ContractError, match=r"--vllm-hash-seed '7' does not reproduce.*"
                        "its first block 0x.*with seed '7' 0x.*seed '0' reproduces them"):

@@ -189,6 +189,9 @@ def test_a_mixed_fleet_of_speckv_and_vllm(engines):
 def test_flags_the_engine_contradicts_are_refused(engines):
     plain, eagle = engines["plain"], engines["eagle"]
     events = plain.kv_events_config()
+    # a block stored from the root, for the events to say which seed and lookahead it hashes with
+    assert httpx.post(f"{plain.url}/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": prompts(5, 1, 1)[0], "max_tokens": 1}).status_code == 200
     with pytest.raises(ContractError, match=r"'hash_seed'.*--vllm-hash-seed '7'.*seed '0' "
                        "reproduces them"):
         fetch_contracts([EngineSpec("plain", plain.url, vllm=VLLMFlags(events, "7"))])
