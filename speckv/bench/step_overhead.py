@@ -183,7 +183,7 @@ class SpeckvSide:
         timer.wrap(runner, "execute_model", "runner")
         timer.wrap(runner.model, "forward", "forward")
         timer.wrap(runner.model, "compute_logits", "forward")
-        timer.wrap(runner, "_sample", "sample")
+        timer.wrap(runner.sampler, "sample", "sample")
         timer.wrap(runner, "_propose", "propose")
         timer.wrap(scheduler, "update_from_output", "update")
         timer.wrap(engine.output_processor, "process", "output")
