@@ -13,6 +13,7 @@ import importlib
 import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
@@ -48,6 +49,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "cost of lookup + allocation + free for long prompts"),
     (("bench", "serve"), "speckv.bench.serve",
      "load-test an OpenAI-compatible server (like vllm bench serve), vs the engine in process"),
+    (("bench", "vs-vllm"), "speckv.bench.vs_vllm",
+     "speckv serve vs vLLM's CPU engine: same model, client and prompts, turn about"),
     (("bench", "events"), "speckv.bench.events", "KV-event publisher and router throughput"),
     (("bench", "kv-store"), "speckv.bench.kv_store",
      "the store tier's load speed beside raw redis-py GETs of the same bytes"),
@@ -91,8 +94,16 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag value is one line naming the flag (argparse's own message), not the
+    command's whole usage; `--help` still shows it all."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="speckv",
         description="Prefix caching and speculative decoding that keep their cache hits "
         "(lookahead block hashes).",
@@ -152,6 +163,18 @@ _DASH_LIST = re.compile(r"^-\d+\s*,")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.startswith("speckv"):
+            raise
+        # `pip install speckv` alone is the core a vLLM environment needs (the plugin)
+        print(f"speckv: error: the speckv commands need its serving dependencies (no module "
+              f"{error.name!r}): pip install 'speckv[serve]'", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = _attach_dash_lists(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(argv)
     args = parser.parse_args(argv)

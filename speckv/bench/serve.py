@@ -434,9 +434,10 @@ class InProcess:
 
         from speckv.engine.cli_args import engine_args_from_cli
         from speckv.engine.llm import LLM
+        from speckv.server.cli import serve_threads
 
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
+        # the server's thread count, so the two runs compare the same engine
+        torch.set_num_threads(serve_threads(args.threads, torch.get_num_threads()))
         engine_args = replace(engine_args_from_cli(args),
                               max_num_seqs=min(args.max_num_seqs, args.max_concurrency),
                               kv_events_endpoint=None, kv_events_replay_endpoint=None)

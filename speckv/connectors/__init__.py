@@ -37,6 +37,7 @@ from speckv.connectors.base import (
     KVConnector,
     ReleasedBlocks,
     RequestBlocks,
+    TransferParamsError,
 )
 from speckv.connectors.capability import (
     KVGroupSupport,
@@ -100,6 +101,7 @@ __all__ = [
     "StepMetadata",
     "StoreConnector",
     "TierIdentity",
+    "TransferParamsError",
     "add_connector_arguments",
     "connector_config_from_args",
     "fingerprint_tensors",

@@ -14,7 +14,7 @@ Owns the composition rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from speckv.cache.events import KVCacheEvent
@@ -148,6 +148,17 @@ class MultiConnector(KVConnector):
         return all(results)
 
     # ---- worker side -------------------------------------------------------------------------
+    def check_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        for child in self.children:
+            child.check_transfer_params(params)
+
+    def transfer_abandoned(self, params: Mapping[str, Any] | None) -> None:
+        for child in self.children:
+            child.transfer_abandoned(params)
+
+    def startup_lines(self) -> tuple[str, ...]:
+        return tuple(line for child in self.children for line in child.startup_lines())
+
     def _children_meta(self, meta: StepMetadata) -> tuple[StepMetadata, ...]:
         if not isinstance(meta, MultiConnectorMetadata) or len(meta.children) != len(
             self.children

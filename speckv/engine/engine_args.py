@@ -26,10 +26,10 @@ from typing import Any
 
 from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, ConnectorConfig
 from speckv.connectors.disk import DEFAULT_DISK_GIB
-from speckv.connectors.nixl.config import NixlConfig
 from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB
 from speckv.connectors.redis_store import DEFAULT_TIMEOUT_S
 from speckv.connectors.shared_store import DEFAULT_STORE_GIB, EMBEDDED
+from speckv.connectors.transfer_config import KVTransferConfig
 from speckv.engine.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     CacheConfig,
@@ -78,8 +78,9 @@ class EngineArgs:
     kv_load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY  # a failed load: recompute | fail
     # the connector settings whole (what the CLI parses); instead of kv_connector + kv_*
     kv_connector_config: ConnectorConfig | None = None
-    # prefill/decode transfer over NIXL: the `--kv-transfer-config` JSON (text or dict;
-    # speckv.connectors.nixl.config); its side channel binds `kv_transfer_host`. None: off
+    # a KV transfer connector (prefill/decode over NIXL): the `--kv-transfer-config` JSON
+    # (text or dict; speckv.connectors.transfer_config); a side channel binds
+    # `kv_transfer_host`. None: off
     kv_transfer_config: str | dict[str, Any] | None = None
     kv_transfer_host: str = "127.0.0.1"
     mamba_block_size: int | None = None
@@ -87,7 +88,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The nested `EngineConfig` (ValueError naming the field that is wrong)."""
         transfer = (None if self.kv_transfer_config is None else
-                    NixlConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host))
+                    KVTransferConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host))
         return EngineConfig(
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_blocks,
@@ -103,8 +104,8 @@ class EngineArgs:
             kv_transfer=transfer,
             events=self._events(),
             kv_load_failure_policy=(
-                transfer.load_failure_policy  # the JSON's key, as vLLM's
-                if transfer is not None and transfer.load_failure_policy is not None
+                transfer.kv_load_failure_policy  # the JSON's key, as vLLM's
+                if transfer is not None and transfer.kv_load_failure_policy is not None
                 else self.kv_load_failure_policy),
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             seed=self.seed,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from speckv.attention.grouped import GroupedKVCache
@@ -118,11 +118,8 @@ def build_transfer_connector(config: EngineConfig) -> KVConnector | None:
     transfer = config.kv_transfer
     if transfer is None:
         return None
-    from speckv.connectors.nixl.connector import NixlConnector
-
     seed = persistent_hash_seed(config.cache.hash_seed, "--kv-transfer-config")
-    return NixlConnector(replace(transfer, load_failure_policy=config.kv_load_failure_policy),
-                         config.cache.hash_algo, seed)
+    return transfer.build(config.kv_load_failure_policy, config.cache.hash_algo, seed)
 
 
 def initialize_connector(connector: KVConnector, target_cache: Any,

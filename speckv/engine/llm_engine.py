@@ -262,6 +262,8 @@ class LLMEngine:
             token_ids: Sequence[int] = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
+        if self.connector is not None:  # refused here: nothing is queued, no peer contacted
+            self.connector.check_transfer_params(params.kv_transfer_params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
@@ -307,6 +309,12 @@ class LLMEngine:
         if request is None:
             raise KeyError(request_id)
         return request
+
+    def transfer_abandoned(self, kv_transfer_params: Any) -> None:
+        """A request with these `kv_transfer_params` was refused before `add_request`: the KV
+        connector lets a peer that keeps KV for it know (never blocks)."""
+        if self.connector is not None and isinstance(kv_transfer_params, dict):
+            self.connector.transfer_abandoned(kv_transfer_params)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -25,7 +25,15 @@ from enum import Enum
 from typing import Any
 
 import cbor2
-import xxhash as _xxhash
+
+try:  # optional where speckv runs as a vLLM plugin: vLLM leaves xxhash uninstalled by default
+    from xxhash import xxh3_128_digest as _xxh3_128_digest
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _xxh3_128_digest(data: bytes) -> bytes:
+        raise ModuleNotFoundError(
+            "the xxhash and xxhash_cbor algorithms need the xxhash package: pip install xxhash"
+        )
 
 BlockHash = bytes
 Digest = Callable[[bytes], bytes]
@@ -67,9 +75,9 @@ class HashAlgo:
 HASH_ALGOS: dict[str, HashAlgo] = {
     "sha256": HashAlgo("sha256", Encoding.PICKLE, _sha256_digest, cryptographic=True),
     "sha256_cbor": HashAlgo("sha256_cbor", Encoding.CBOR, _sha256_digest, cryptographic=True),
-    "xxhash": HashAlgo("xxhash", Encoding.PICKLE, _xxhash.xxh3_128_digest, cryptographic=False),
+    "xxhash": HashAlgo("xxhash", Encoding.PICKLE, _xxh3_128_digest, cryptographic=False),
     "xxhash_cbor": HashAlgo(
-        "xxhash_cbor", Encoding.CBOR, _xxhash.xxh3_128_digest, cryptographic=False
+        "xxhash_cbor", Encoding.CBOR, _xxh3_128_digest, cryptographic=False
     ),
 }
 DEFAULT_HASH_ALGO = "sha256"

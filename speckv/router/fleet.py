@@ -27,9 +27,10 @@ from speckv.events.schema import KVEventBatch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig, SubscriberStats
 from speckv.hashing.extra_keys import NO_HASH_INPUTS
 from speckv.router.contract import ContractError, EngineContract, parse_contract
-from speckv.router.index import RouterIndex
+from speckv.router.index import EngineState, RouterIndex
 from speckv.router.policy import EngineView
 from speckv.router.tokenizer import TokenizerCache
+from speckv.router.vllm_engine import VLLMFlags, check_groups
 
 logger = logging.getLogger("speckv.router")
 SUBSCRIBER_COUNTERS = ("received_batches", "replayed_batches", "replay_requests",
@@ -41,14 +42,22 @@ class EngineSpec:
     name: str
     url: str  # http://host:port
     api_key: str | None = None  # sent on as Authorization: Bearer
+    vllm: VLLMFlags | None = None  # a vLLM engine, as the --vllm-* flags naming it describe it
+    # what the --vllm-* flags without a name say, for an engine found to be vLLM's
+    vllm_default: VLLMFlags | None = None
 
 
 @dataclass
 class EngineLink:
     spec: EngineSpec
-    contract: EngineContract
+    # None: the engine did not answer at the router's start; its first passing health poll
+    # reads the contract and adds it
+    contract: EngineContract | None
     healthy: bool = True
     refused: str | None = None  # a later contract the router cannot reproduce
+    # what its KV events showed the router cannot predict (a hybrid vLLM engine), until the
+    # engine restarts
+    events_refused: str | None = None
     unhealthy_since: float | None = None
     expired: bool = False  # entries dropped after stale_after_s without health
     generation: int = 0  # bumped to make the subscriber thread start over
@@ -71,7 +80,8 @@ class EngineLink:
 
     @property
     def in_rotation(self) -> bool:
-        return self.healthy and self.refused is None
+        return (self.healthy and self.refused is None and self.events_refused is None
+                and self.contract is not None)
 
     @property
     def load_requests(self) -> int:
@@ -99,6 +109,9 @@ class EnginePlan:
     # policy scores and the metrics check against the engine's report
     predicted_cached_tokens: int
     num_prompt_tokens: int
+    # the prompt, kept where the engine reuses divergent blocks: routing it enters its
+    # blocks' contents into the pending divergent-block index
+    token_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,23 +134,40 @@ class FleetConfig:
 class Fleet:
     def __init__(self, links: Sequence[EngineLink], tokenizers: TokenizerCache,
                  config: FleetConfig | None = None) -> None:
+        if not links:
+            raise ValueError("the router needs at least one --engine")
         self.links: dict[str, EngineLink] = {link.name: link for link in links}
         self.config = config or FleetConfig()
         self.tokenizers = tokenizers
-        self.index = RouterIndex({link.name: link.contract.hashing for link in links})
+        self.index = RouterIndex({link.name: link.contract.hashing for link in links
+                                  if link.contract is not None})
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        first = links[0].contract
-        self.served_model_name = first.served_model_name
+        # the model every engine serves: the first contract's (None while no engine answered)
+        self.served_model_name: str | None = None
         for link in links:
-            contract = link.contract
-            if contract.served_model_name != first.served_model_name:
-                raise ContractError(
-                    link.name, "served_model_name",
-                    f"{contract.served_model_name!r}, but engine {links[0].name!r} serves "
-                    f"{first.served_model_name!r}: one router, one model name")
-            tokenizers.get(link.name, contract.model, contract.tokenizer)
+            if link.contract is None:
+                link.healthy = False  # out of rotation until its health passes
+                link.epochs_seen = 0
+                continue
+            self._check_model(link, link.contract)
+            tokenizers.get(link.name, link.contract.model, link.contract.tokenizer)
+
+    def _check_model(self, link: EngineLink, contract: EngineContract) -> None:
+        """One router, one served model name: the first contract read sets it."""
+        if self.served_model_name is None:
+            self.served_model_name = contract.served_model_name
+        elif contract.served_model_name != self.served_model_name:
+            raise ContractError(
+                link.name, "served_model_name",
+                f"{contract.served_model_name!r}, but the router serves "
+                f"{self.served_model_name!r}: one router, one model name")
+
+    def first_contract(self) -> EngineContract | None:
+        """The contract of the first engine that has answered (the model the router names)."""
+        return next((link.contract for link in self.links.values()
+                     if link.contract is not None), None)
 
     # ---- threads -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,6 +187,9 @@ class Fleet:
             with self.lock:
                 generation = link.generation
                 contract = link.contract
+            if contract is None:  # not reached yet: its first passing poll adds it
+                self._stop.wait(self.config.poll_timeout_s)
+                continue
             subscriber = EventSubscriber(SubscriberConfig(
                 endpoint=contract.events_endpoint, replay_endpoint=contract.replay_endpoint,
                 start_seq=0, replay_timeout_s=self.config.replay_timeout_s))
@@ -172,6 +205,14 @@ class Fleet:
                 subscriber.close()
 
     def apply(self, link: EngineLink, generation: int, seq: int, batch: KVEventBatch) -> None:
+        if link.contract is not None and link.contract.vllm:
+            try:
+                check_groups(link.name, batch)
+            except ContractError as error:  # a hybrid vLLM engine: out of rotation
+                with self.lock:
+                    if link.events_refused is None:
+                        logger.error("engine %s out of rotation: %s", link.name, error)
+                    link.events_refused = str(error)
         with self.lock:
             if link.generation != generation:
                 return  # read before the engine's entries were dropped
@@ -195,7 +236,8 @@ class Fleet:
         now = time.monotonic() if now is None else now
         with self.lock:
             for link in self.links.values():
-                if (not link.healthy and not link.expired and link.unhealthy_since is not None
+                if (not link.healthy and not link.expired and link.contract is not None
+                        and link.unhealthy_since is not None
                         and now - link.unhealthy_since >= self.config.stale_after_s):
                     logger.warning("engine %s silent for %.0f s: its index entries expire",
                                    link.name, now - link.unhealthy_since)
@@ -206,30 +248,42 @@ class Fleet:
         """Drop the engine's entries and make its thread subscribe again (lock held)."""
         if contract is not None:
             link.contract = contract
+            link.events_refused = None  # a new epoch: its events are judged again
         self.index.reset_engine(link.name, link.contract.hashing)
         link.index_resets += 1
         link.generation += 1
 
+    def refuse(self, link: EngineLink, error: Exception) -> None:
+        """Out of rotation: the engine answers with a contract the router cannot use."""
+        with self.lock:
+            if link.refused != str(error):
+                logger.error("engine %s out of rotation: %s", link.name, error)
+            link.refused = str(error)
+
     def engine_healthy(self, link: EngineLink, contract_body: Any,
                        load: Mapping[str, float]) -> None:
-        """A successful poll: the contract as served now and the load from /metrics."""
+        """A successful poll: the contract as served now (its JSON, or an `EngineContract`
+        built from a vLLM engine's /metrics) and the load from /metrics."""
         try:
-            contract = parse_contract(link.name, link.spec.url, contract_body)
-            if contract.reproduction_key != link.contract.reproduction_key:
+            contract = contract_body if isinstance(contract_body, EngineContract) \
+                else parse_contract(link.name, link.spec.url, contract_body)
+            if link.contract is None \
+                    or contract.reproduction_key != link.contract.reproduction_key:
                 self.tokenizers.get(link.name, contract.model, contract.tokenizer)
-                if contract.served_model_name != self.served_model_name:
-                    raise ContractError(link.name, "served_model_name",
-                                        f"{contract.served_model_name!r} after a restart; the "
-                                        f"router serves {self.served_model_name!r}")
+                with self.lock:
+                    self._check_model(link, contract)
         except ValueError as error:
-            with self.lock:
-                if link.refused != str(error):
-                    logger.error("engine %s out of rotation: %s", link.name, error)
-                link.refused = str(error)
+            self.refuse(link, error)
             return
         with self.lock:
             link.refused = None
-            if contract.epoch != link.contract.epoch:
+            if link.contract is None:
+                logger.warning("engine %s answers: added (%s block hashes, blocks of %d)",
+                               link.name, contract.hash_mode_label,
+                               contract.hashing.block_size)
+                link.epochs_seen = 1
+                self._reset(link, contract)
+            elif contract.epoch != link.contract.epoch:
                 logger.warning("engine %s restarted (epoch %s -> %s): dropping its index "
                                "entries, replaying its events", link.name,
                                link.contract.epoch[:8], contract.epoch[:8])
@@ -247,6 +301,12 @@ class Fleet:
             link.waiting = int(load.get("waiting", 0))
             link.external_load = max(0, link.running + link.waiting - link.inflight)
             link.kv_usage = float(load.get("kv_usage", 0.0))
+
+    def cleared(self, link: EngineLink) -> None:
+        """The engine's prefix cache was reset: forget its blocks (as AllBlocksCleared)."""
+        with self.lock:
+            if link.name in self.index.state:
+                self.index.clear_engine(link.name)
 
     # ---- requests ----------------------------------------------------------------------------
     def plan(self, token_ids: Sequence[int], engines: Sequence[str]
@@ -273,11 +333,14 @@ class Fleet:
                                                num_tokens)
                 with_pending = rule.cached_tokens(
                     self.index.matched_blocks(name, hashes, pending_at_s=now), num_tokens)
+                routed_tokens = None
                 if rule.reuses_divergent_blocks:
-                    confirmed, with_pending = (
-                        self._with_reuse(name, rule, hashes, token_ids, hit)
-                        for hit in (confirmed, with_pending))
-                plans[name] = EnginePlan(hashes, confirmed, with_pending, num_tokens)
+                    confirmed = self._with_reuse(name, rule, hashes, token_ids, confirmed)
+                    with_pending = self._with_reuse(name, rule, hashes, token_ids,
+                                                    with_pending, now)
+                    routed_tokens = token_ids
+                plans[name] = EnginePlan(hashes, confirmed, with_pending, num_tokens,
+                                         routed_tokens)
         return plans
 
     def _hybrid_plan(self, name: str, rule: Any, token_ids: Sequence[int],
@@ -307,13 +370,16 @@ class Fleet:
                           num_tokens)
 
     def _with_reuse(self, name: str, rule: Any, hashes: Sequence[bytes],
-                    token_ids: Sequence[int], hit: int) -> int:
+                    token_ids: Sequence[int], hit: int, pending_at_s: float | None = None
+                    ) -> int:
         """The hit plus the U - L reused tokens of a divergent block, where the engine holds
-        one right after it (and it ends by N - 1), as the engine's cache manager counts it."""
+        one right after it (and it ends by N - 1), as the engine's cache manager counts it;
+        with `pending_at_s`, blocks routed there and still pending count too."""
         unit = rule.block_size
         if hit + unit > len(token_ids) - 1:
             return hit
-        if self.index.divergent_block_cached(name, hashes, token_ids, hit // unit):
+        if self.index.divergent_block_cached(name, hashes, token_ids, hit // unit,
+                                             pending_at_s):
             return hit + unit - rule.lookahead_tokens
         return hit
 
@@ -328,7 +394,7 @@ class Fleet:
         """A request goes to `name`: its blocks are pending there; one more in flight."""
         with self.lock:
             self.links[name].inflight += 1
-            self.index.add_pending(name, plan.hashes)
+            self.index.add_pending(name, plan.hashes, token_ids=plan.token_ids)
 
     def finished(self, name: str, plan: EnginePlan) -> None:
         """The request routed to `name` is answered (or failed): its blocks stay pending for
@@ -343,14 +409,18 @@ class Fleet:
         with self.lock:
             index = self.index.stats()
             return {name: {
-                "url": link.spec.url, "healthy": link.healthy, "refused": link.refused,
-                "expired": link.expired, "epoch": link.contract.epoch,
+                "url": link.spec.url, "healthy": link.healthy,
+                "refused": link.refused or link.events_refused,
+                "expired": link.expired, "reached": link.contract is not None,
+                "epoch": link.contract.epoch if link.contract else None,
                 "epochs_seen": link.epochs_seen, "index_resets": link.index_resets,
-                "hash_mode": link.contract.hash_mode_label,
-                "divergent_block_reuse": link.contract.hit_rule.reuses_divergent_blocks,
-                "block_size": link.contract.hashing.block_size,
+                "hash_mode": link.contract.hash_mode_label if link.contract else None,
+                "divergent_block_reuse": bool(
+                    link.contract and link.contract.hit_rule.reuses_divergent_blocks),
+                "block_size": link.contract.hashing.block_size if link.contract else None,
                 "running": link.running, "waiting": link.waiting, "kv_usage": link.kv_usage,
                 "inflight": link.inflight, "events_applied": link.events_applied,
                 "apply_errors": link.apply_errors, "generation": link.generation,
-                "index": index[name], "subscriber": link.subscriber_stats(),
+                "index": index.get(name, EngineState().counters()),
+                "subscriber": link.subscriber_stats(),
             } for name, link in self.links.items()}

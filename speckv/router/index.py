@@ -1,7 +1,8 @@
 """The router index: which engine holds the longest cached prefix of a prompt.
 
 Owns a per-engine set of cached block hashes built from KV events, the check that every
-BlockStored's hashes are reproducible from the event, and the prefix lookup.
+BlockStored's hashes are reproducible from the event (recomputed by `speckv.router.verify`),
+the engine's divergent-block index as its events show it, and the prefix lookup.
 
 Verification recomputes each stored block from the event alone:
 
@@ -38,16 +39,15 @@ from speckv.events.schema import (
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
-    ExtraKeysError,
     KVEventBatch,
     low64,
-    retag_extra_keys,
 )
-from speckv.hashing.block_hash import hash_block_tokens, hash_lookahead_block
+from speckv.hashing.block_hash import hash_lookahead_block
 from speckv.hashing.extra_keys import HashInputs, LoRARef, MultiModalItem
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import HashAlgo, get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
+from speckv.router.verify import VerifyError, at_hash_unit, recompute_block_hashes
 
 
 @dataclass(frozen=True)
@@ -80,110 +80,9 @@ class EngineHashConfig:
         return make_none_hash(self.hash_algo, self.seed)
 
 
-class VerifyError(ValueError):
-    """An event that cannot be checked (not a wrong hash: unknown inputs)."""
-
-
-def recompute_block_hashes(
-    event: BlockStored,
-    algo: HashAlgo,
-    parent: bytes,
-    lora_paths: Mapping[str, str],
-) -> list[bytes]:
-    """The full hashes of an event's blocks, from its fields alone (plus the parent's full hash
-    and the LoRA paths). Raises `VerifyError` when the event's shape is inconsistent. Pure."""
-    block_size = event.block_size
-    num_blocks = len(event.block_hashes)
-    tokens = event.token_ids
-    if block_size <= 0 or len(tokens) != block_size * num_blocks:
-        raise VerifyError(
-            f"{len(tokens)} token ids for {num_blocks} blocks of {block_size}"
-        )
-    lookahead = event.lookahead_token_ids
-    if lookahead is not None and len(lookahead) != num_blocks:
-        raise VerifyError(f"{len(lookahead)} lookahead lists for {num_blocks} blocks")
-    extra = event.extra_keys
-    if extra is not None and len(extra) != num_blocks:
-        raise VerifyError(f"{len(extra)} extra-key entries for {num_blocks} blocks")
-    num_lookahead = len(lookahead[0]) if lookahead else 0
-    if lookahead and any(len(ids) != num_lookahead for ids in lookahead):
-        raise VerifyError("lookahead lists of different lengths in one event")
-    if lookahead is not None and num_lookahead == 0:
-        raise VerifyError("empty lookahead lists (L = 0 must omit the field)")
-
-    if extra is None and _chain_is_contiguous(tokens, lookahead, block_size, num_lookahead):
-        # Fast path: the run is one token sequence; the request hasher encodes it in bulk.
-        sequence = [*tokens, *lookahead[-1]] if lookahead else tokens
-        hashes = hash_prompt(algo, parent, block_size, format_for(num_lookahead), sequence)
-        if len(hashes) == num_blocks:
-            return hashes
-    hashes = []
-    for index in range(num_blocks):
-        block = tokens[index * block_size : (index + 1) * block_size]
-        try:
-            keys = retag_extra_keys(extra[index] if extra else None, event.lora_name, lora_paths)
-        except ExtraKeysError as err:
-            raise VerifyError(str(err)) from None
-        if lookahead:
-            parent = hash_lookahead_block(algo, parent, block, lookahead[index], keys)
-        else:
-            parent = hash_block_tokens(algo, parent, block, keys)
-        hashes.append(parent)
-    return hashes
-
-
-def _chain_is_contiguous(
-    tokens: Sequence[int], lookahead: Sequence[Sequence[int]] | None, block_size: int, num: int
-) -> bool:
-    """Each block's lookahead equals the next block's first tokens (so one sequence holds it)."""
-    if not lookahead:
-        return True
-    if num > block_size:
-        return False
-    num_blocks = len(lookahead)
-    for index in range(num_blocks - 1):
-        start = (index + 1) * block_size
-        if list(lookahead[index]) != list(tokens[start : start + num]):
-            return False
-    return True
-
-
-def _at_hash_unit(event: BlockStored, unit: int) -> BlockStored:
-    """A hybrid group's event whose blocks are m hash units each (a Mamba checkpoint every
-    544 tokens over a 16-token hash unit), as the m-times-longer run of hash-unit blocks its
-    hashes chain over: each unit's lookahead is the L tokens after it (inside the block, or
-    the block's own lookahead for its last unit). Raises `VerifyError` when that cannot be
-    rebuilt from the event (extra keys are per group block, not per unit). Pure."""
-    size = event.block_size
-    if size == unit:
-        return event
-    if size <= 0 or unit <= 0 or size % unit:
-        raise VerifyError(f"blocks of {size} tokens over a hash unit of {unit}")
-    if event.extra_keys is not None:
-        raise VerifyError("extra keys of a group block cannot be split into hash units")
-    stride = size // unit
-    num_blocks = len(event.block_hashes)
-    tokens = event.token_ids
-    if len(tokens) != size * num_blocks:
-        raise VerifyError(f"{len(tokens)} token ids for {num_blocks} blocks of {size}")
-    lookahead = event.lookahead_token_ids
-    unit_lookahead: list[list[int]] | None = None
-    if lookahead is not None:
-        if len(lookahead) != num_blocks:
-            raise VerifyError(f"{len(lookahead)} lookahead lists for {num_blocks} blocks")
-        unit_lookahead = []
-        for index, after in enumerate(lookahead):
-            extended = [*tokens[index * size:(index + 1) * size], *after]
-            num = len(after)
-            unit_lookahead.extend(extended[(j + 1) * unit:(j + 1) * unit + num]
-                                  for j in range(stride))
-    return BlockStored(
-        block_hashes=[b""] * (num_blocks * stride), parent_block_hash=event.parent_block_hash,
-        token_ids=tokens, block_size=unit, lora_id=None, medium=event.medium,
-        lora_name=event.lora_name, lookahead_token_ids=unit_lookahead)
-
-
-_ROOT = -1  # the successor index's key for the first block
+_ROOT = -1  # the successor index's parent key for the first block
+# (low64 parent hash or _ROOT, the block's tokens): a block's content, its successors aside
+ContentKey = tuple[int, tuple[int, ...]]
 
 
 def _is_pending(entry: tuple[int, float] | None, now: float) -> bool:
@@ -209,9 +108,15 @@ class EngineState:
     # low64 hash -> (routed requests in flight, monotonic expiry once none is): blocks routed
     # here whose BlockStored has not arrived yet
     pending: dict[int, tuple[int, float]] = field(default_factory=dict)
-    # low64 parent hash (-1: the root) -> (low64 hash, successor tokens) of the latest block
-    # stored after it: the engine's divergent-block-reuse index, as its events show it
-    successors: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # (low64 parent hash (-1: the root), the block's tokens) -> (low64 hash, successor
+    # tokens) of the latest block stored with that content: the engine's divergent-block
+    # index, keyed as the engine keys it (by content, not by parent alone: two blocks after
+    # one parent may share their first L tokens and differ later)
+    successors: dict[ContentKey, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # the same for blocks routed here whose BlockStored has not arrived yet (read while their
+    # hash is pending: the engine copies a block an earlier step computed)
+    pending_successors: dict[ContentKey, tuple[int, tuple[int, ...]]] = field(
+        default_factory=dict)
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -239,8 +144,6 @@ class RouteResult:
 
 class RouterIndex:
     def __init__(self, engines: Mapping[str, EngineHashConfig]) -> None:
-        if not engines:
-            raise ValueError("the router needs at least one engine")
         self.configs = dict(engines)
         self.state = {name: EngineState() for name in engines}
         self._algos = {name: cfg.hash_algo for name, cfg in engines.items()}
@@ -257,24 +160,42 @@ class RouterIndex:
         self.state[engine] = EngineState()
 
     def add_pending(self, engine: str, hashes: Sequence[bytes],
-                    max_pending: int = 65_536) -> None:
+                    max_pending: int = 65_536,
+                    token_ids: Sequence[int] | None = None) -> None:
         """Count `hashes` as held by `engine` from now on, while the routed request that
         brings them is in flight and for a grace period after (`release_pending`), or until
-        its events say so. Mutates."""
+        its events say so; with the prompt's `token_ids` (the chain of an engine that reuses
+        divergent blocks), their contents enter the pending divergent-block index. Mutates."""
         state = self.state[engine]
         pending = state.pending
         if len(pending) + len(hashes) > max_pending:
             now = time.monotonic()
             for key in [k for k, entry in pending.items() if not _is_pending(entry, now)]:
                 del pending[key]
+            state.pending_successors = {
+                content: entry for content, entry in state.pending_successors.items()
+                if entry[0] in pending}
             if len(pending) + len(hashes) > max_pending:
                 pending.clear()  # a bound: losing them only costs a burst's routing
-        group = self.configs[engine].route_group
-        for block_hash in hashes:
+                state.pending_successors.clear()
+        if len(state.pending_successors) > 2 * len(pending) + 1024:  # failed requests' ones
+            state.pending_successors = {
+                content: entry for content, entry in state.pending_successors.items()
+                if entry[0] in pending}
+        config = self.configs[engine]
+        group = config.route_group
+        size, lookahead = config.block_size, config.lookahead_tokens
+        parent = _ROOT
+        for index, block_hash in enumerate(hashes):
             key = low64(block_hash)
             if (group, key) not in state.blocks:
                 count, until = pending.get(key, (0, 0.0))
                 pending[key] = (count + 1, until)
+                if token_ids is not None and lookahead:
+                    end = (index + 1) * size
+                    content = (parent, tuple(token_ids[end - size:end]))
+                    state.pending_successors[content] = (key, tuple(token_ids[end:end + lookahead]))
+            parent = key
 
     def release_pending(self, engine: str, hashes: Sequence[bytes], until_s: float) -> None:
         """The routed request that brought `hashes` is answered: they stay pending until
@@ -313,10 +234,16 @@ class RouterIndex:
                     state.full_hashes.pop(key[1], None)
                 state.removed_blocks += 1
         elif isinstance(event, AllBlocksCleared):
-            state.blocks.clear()
-            state.full_hashes.clear()
-            state.successors.clear()
+            self.clear_engine(engine)
             state.clears += 1
+
+    def clear_engine(self, engine: str) -> None:
+        """Forget every block of the engine (its cache was reset), counters kept. Mutates."""
+        state = self.state[engine]
+        state.blocks.clear()
+        state.full_hashes.clear()
+        state.successors.clear()
+        state.pending_successors.clear()
 
     def _stored(self, engine: str, state: EngineState, event: BlockStored) -> None:
         group = event.group_idx or 0
@@ -327,11 +254,7 @@ class RouterIndex:
             state.pending.pop(key, None)
         lookahead = event.lookahead_token_ids
         if lookahead and len(lookahead) == len(keys):
-            parent = event.parent_block_hash
-            previous = low64(parent) if parent is not None else _ROOT
-            for key, successor in zip(keys, lookahead):
-                state.successors[previous] = (key, tuple(successor))
-                previous = key
+            self._note_successors(state, event, keys, lookahead)
         state.stored_blocks += len(keys)
         config = self.configs[engine]
         if not config.verify:
@@ -342,7 +265,7 @@ class RouterIndex:
             return
         try:
             expected = recompute_block_hashes(
-                _at_hash_unit(event, config.block_size), self._algos[engine], parent,
+                at_hash_unit(event, config.block_size), self._algos[engine], parent,
                 config.lora_paths,
             )
             stride = event.block_size // config.block_size
@@ -358,6 +281,27 @@ class RouterIndex:
                 state.full_hashes[key] = full
             else:
                 state.mismatched_blocks += 1
+
+    def _note_successors(self, state: EngineState, event: BlockStored, keys: list[int],
+                         lookahead: Sequence[Sequence[int]]) -> None:
+        """Enter the event's blocks into the divergent-block index by content, the latest
+        over earlier ones (as the engine's index); entries of evicted blocks are dropped once
+        the index outgrows the cached blocks twice over. Mutates."""
+        parent = event.parent_block_hash
+        previous = low64(parent) if parent is not None else _ROOT
+        size, tokens = event.block_size, event.token_ids
+        successors = state.successors
+        for index, (key, successor) in enumerate(zip(keys, lookahead)):
+            content = (previous, tuple(tokens[index * size:(index + 1) * size]))
+            successors[content] = (key, tuple(successor))
+            routed = state.pending_successors.get(content)
+            if routed is not None and routed[0] == key:  # arrived: the entry above is it
+                del state.pending_successors[content]
+            previous = key
+        if len(successors) > 2 * len(state.blocks) + 1024:
+            group = event.group_idx or 0
+            state.successors = {content: entry for content, entry in successors.items()
+                                if (group, entry[0]) in state.blocks}
 
     def _full_parent(
         self, engine: str, state: EngineState, parent: ExternalBlockHash | None
@@ -410,21 +354,30 @@ class RouterIndex:
         return matched
 
     def divergent_block_cached(self, engine: str, hashes: Sequence[bytes],
-                               token_ids: Sequence[int], index: int) -> bool:
+                               token_ids: Sequence[int], index: int,
+                               pending_at_s: float | None = None) -> bool:
         """Whether the engine holds block `index` of the prompt (its tokens after the same
-        chain) under another successor: the latest block its events stored after block
-        `index - 1`, still cached, whose hash the prompt's tokens reproduce with that block's
-        own successors. Pure."""
+        chain) under another successor: the latest block its events stored with that content
+        (parent and tokens), still cached, whose hash the prompt's tokens reproduce with that
+        block's own successors. With `pending_at_s`, a block routed there and still pending
+        then, with that content, comes first (it is the latest). Pure."""
         state = self.state[engine]
         config = self.configs[engine]
         size = config.block_size
-        block = token_ids[index * size:(index + 1) * size]
+        block = tuple(token_ids[index * size:(index + 1) * size])
         if len(block) < size or index > len(hashes):
             return False
-        parent_key = low64(hashes[index - 1]) if index else _ROOT
-        entry = state.successors.get(parent_key)
-        if entry is None or (config.route_group, entry[0]) not in state.blocks:
-            return False
+        content = (low64(hashes[index - 1]) if index else _ROOT, block)
+        entry = None
+        if pending_at_s is not None:
+            entry = state.pending_successors.get(content)
+            if entry is not None and not _is_pending(state.pending.get(entry[0]),
+                                                     pending_at_s):
+                entry = None
+        if entry is None:
+            entry = state.successors.get(content)
+            if entry is None or (config.route_group, entry[0]) not in state.blocks:
+                return False
         parent = hashes[index - 1] if index else self._none_hashes[engine]
         recomputed = hash_lookahead_block(self._algos[engine], parent, list(block),
                                           list(entry[1]), None)
@@ -442,6 +395,8 @@ class RouterIndex:
 
         Raises ValueError for a LoRA adapter whose path no engine config knows.
         """
+        if not self.configs:
+            return RouteResult(None, 0, {}, 0)
         per_engine: dict[str, int] = {}
         hashes_by_key: dict[tuple, list[bytes]] = {}
         num_prompt_blocks = 0

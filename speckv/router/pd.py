@@ -11,6 +11,9 @@ Owns the P/D flow of vLLM's disaggregated proxy, over engines started with
 
 A prefill engine that fails or answers without params is not fatal: the decode engine then
 gets the request without params and prefills it itself. Engines of each kind are used in turn.
+Every answer names its engines by the router's names for them (`--prefill NAME=URL`, default
+prefill0, decode0, ...): `x-speckv-engine` the decode engine that answered, `x-speckv-pd` both;
+`/metrics` is the router's own (`speckv.router.pd_metrics`), not an engine's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -41,9 +45,11 @@ from speckv.api.http_guard import (
     read_body,
 )
 from speckv.api.protocol import parse_json_object
+from speckv.router.pd_metrics import PDMetrics
 
 logger = logging.getLogger("speckv.router")
 
+ENGINE_HEADER = "x-speckv-engine"  # the decode engine that answered, as the KV router's
 PD_HEADER = "x-speckv-pd"  # "prefill=NAME;decode=NAME" or "decode=NAME" (local prefill)
 
 
@@ -51,6 +57,9 @@ PD_HEADER = "x-speckv-pd"  # "prefill=NAME;decode=NAME" or "decode=NAME" (local 
 class PDConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
+    # the router's names for them (headers, metrics); default prefill0.., decode0..
+    prefill_names: tuple[str, ...] = ()
+    decode_names: tuple[str, ...] = ()
     api_key: str | None = None
     engine_api_key: str | None = None
     max_request_body_bytes: int = 8 << 20
@@ -61,6 +70,16 @@ class PDConfig:
             raise ValueError("--prefill: at least one prefill engine URL")
         if not self.decode_urls:
             raise ValueError("--decode: at least one decode engine URL")
+        for kind in ("prefill", "decode"):
+            urls, names = getattr(self, f"{kind}_urls"), getattr(self, f"{kind}_names")
+            if not names:
+                object.__setattr__(self, f"{kind}_names",
+                                   tuple(f"{kind}{i}" for i in range(len(urls))))
+            elif len(names) != len(urls):
+                raise ValueError(f"--{kind}: {len(names)} names for {len(urls)} URLs")
+        names = (*self.prefill_names, *self.decode_names)
+        if len(set(names)) != len(names):
+            raise ValueError(f"--prefill / --decode: engine names must be unique, got {names}")
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -75,10 +94,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 class PDRouter:
     def __init__(self, config: PDConfig) -> None:
         self.config = config
-        self._prefill = itertools.cycle(config.prefill_urls)
-        self._decode = itertools.cycle(config.decode_urls)
+        self._prefill = itertools.cycle(zip(config.prefill_names, config.prefill_urls))
+        self._decode = itertools.cycle(zip(config.decode_names, config.decode_urls))
         self.client: httpx.AsyncClient | None = None
         self.counts = {"requests": 0, "transferred": 0, "local_prefill": 0}
+        self.metrics = PDMetrics()
 
     def headers(self) -> dict[str, str]:
         headers = {"content-type": "application/json"}
@@ -87,8 +107,15 @@ class PDRouter:
         return headers
 
     async def prefill(self, path: str, body: dict[str, Any]) -> tuple[str, Any]:
-        """(prefill URL, its kv_transfer_params or None when it failed)."""
-        url = next(self._prefill)
+        """(prefill engine's name, its kv_transfer_params or None when it failed)."""
+        name, url = next(self._prefill)
+        self.metrics.prefill_requests.labels(name).inc()
+        url, params = await self._prefill_at(url, path, body)
+        if not isinstance(params, dict):
+            self.metrics.prefill_failures.labels(name).inc()
+        return name, params
+
+    async def _prefill_at(self, url: str, path: str, body: dict[str, Any]) -> tuple[str, Any]:
         assert self.client is not None
         try:
             response = await self.client.post(f"{url}{path}", json=prefill_body(body),
@@ -121,16 +148,18 @@ def _passthrough_error(response: httpx.Response) -> APIError:
 class _Stream:
     """The decode engine's SSE answer, passed through; a client that leaves closes it."""
 
-    def __init__(self, response: httpx.Response, header: str) -> None:
+    def __init__(self, response: httpx.Response, header: str, engine: str) -> None:
         self.response = response
         self.header = header
+        self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.response.status_code,
                     "headers": [(b"content-type", self.response.headers.get(
                         "content-type", "text/event-stream").encode()),
                         (b"cache-control", b"no-cache"),
-                        (PD_HEADER.encode(), self.header.encode())]})
+                        (PD_HEADER.encode(), self.header.encode()),
+                        (ENGINE_HEADER.encode(), self.engine.encode())]})
         try:
             await race_disconnect(self._pump(send), receive)
         finally:
@@ -151,32 +180,37 @@ def build_pd_app(router: PDRouter) -> Starlette:
         check_bearer_key(request, config.api_key)
         body = parse_json_object(await read_body(request, config.max_request_body_bytes))
         router.counts["requests"] += 1
-        prefill_url, params = await router.prefill(path, body)
-        decode_url = next(router._decode)
+        prefill_name, params = await router.prefill(path, body)
+        decode_name, decode_url = next(router._decode)
         sent = dict(body)
         if isinstance(params, dict):
             sent["kv_transfer_params"] = params
-            router.counts["transferred"] += 1
-            header = f"prefill={prefill_url};decode={decode_url}"
+            reason = "transferred"
+            header = f"prefill={prefill_name};decode={decode_name}"
         else:
             sent.pop("kv_transfer_params", None)
-            router.counts["local_prefill"] += 1
-            header = f"decode={decode_url}"
+            reason = "local_prefill"
+            header = f"decode={decode_name}"
+        router.counts[reason] += 1
+        router.metrics.requests.labels(decode_name, reason).inc()
         assert router.client is not None
         upstream = router.client.build_request("POST", f"{decode_url}{path}", json=sent,
                                                headers=router.headers())
         try:
             response = await router.client.send(upstream, stream=True)
         except httpx.HTTPError as error:
-            raise APIError(502, f"The decode engine {decode_url} failed: "
+            router.metrics.upstream_errors.labels(decode_name).inc()
+            raise APIError(502, f"The decode engine {decode_name} ({decode_url}) failed: "
                            f"{type(error).__name__}: {error}", "server_error", None,
                            "upstream_failed") from None
+        if response.status_code >= 500:
+            router.metrics.upstream_errors.labels(decode_name).inc()
         if body.get("stream") and response.status_code == 200:
-            return _Stream(response, header)
+            return _Stream(response, header, decode_name)
         content = await response.aread()
         await response.aclose()
         return Response(content, status_code=response.status_code,
-                        headers={PD_HEADER: header},
+                        headers={PD_HEADER: header, ENGINE_HEADER: decode_name},
                         media_type=response.headers.get("content-type", "application/json"))
 
     async def completions(request: Request) -> Any:
@@ -189,8 +223,10 @@ def build_pd_app(router: PDRouter) -> Starlette:
         return Response(status_code=200)
 
     async def state(request: Request) -> JSONResponse:
-        return JSONResponse({"mode": "pd", "prefill": list(config.prefill_urls),
-                             "decode": list(config.decode_urls), **router.counts})
+        return JSONResponse({"mode": "pd",
+                             "prefill": dict(zip(config.prefill_names, config.prefill_urls)),
+                             "decode": dict(zip(config.decode_names, config.decode_urls)),
+                             **router.counts})
 
     async def models(request: Request) -> Response:
         check_bearer_key(request, config.api_key)
@@ -215,11 +251,8 @@ def build_pd_app(router: PDRouter) -> Starlette:
         return JSONResponse({"success": True})
 
     async def metrics(request: Request) -> Response:
-        """The first decode engine's metrics: it serves the tokens (TTFT, hits, acceptance)."""
-        assert router.client is not None
-        response = await router.client.get(f"{config.decode_urls[0]}/metrics")
-        return Response(response.content, status_code=response.status_code,
-                        media_type=response.headers.get("content-type", "text/plain"))
+        """The router's own metrics (each engine serves its own /metrics)."""
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -39,6 +39,8 @@ class EngineEndpoint:
 
 class RouterService:
     def __init__(self, engines: list[EngineEndpoint], poll_timeout_s: float = 0.05) -> None:
+        if not engines:
+            raise ValueError("the router needs at least one engine")
         names = [engine.name for engine in engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")

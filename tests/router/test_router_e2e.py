@@ -17,9 +17,10 @@ import openai
 import pytest
 
 from speckv.engine.engine_args import engine_config
-from speckv.router.app import fetch_contracts
 from speckv.router.contract import ContractError
+from speckv.router.engine_probe import fetch_contracts
 from speckv.router.fleet import EngineSpec
+from tests.patience import WATCHDOG_S
 from tests.router.fleet_utils import (
     BLOCK,
     MODEL_NAME,
@@ -41,7 +42,7 @@ def tokens(seed: int, n: int) -> list[int]:
 def complete(router: RouterProcess, prompt, headers=None, **extra) -> httpx.Response:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "temperature": 0, **extra}
     response = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers,
-                          timeout=60)
+                          timeout=WATCHDOG_S)
     assert response.status_code == 200, response.text
     return response
 
@@ -74,13 +75,15 @@ def start_all(*processes):
 
 @pytest.fixture(scope="module")
 def fleet(models):
-    """Every engine of the module, loaded side by side: two EAGLE engines (L = 1), a 2-module
-    MTP engine (L = 2) and an EAGLE engine on legacy hashes (the drop); the last two want an
-    API key."""
+    """Every engine of the module, loaded side by side: two EAGLE engines (L = 1, divergent
+    block reuse on), a 2-module MTP engine (L = 2) and an EAGLE engine on legacy hashes (the
+    drop); the last two want an API key."""
     eagle = ["--speculative-method", "eagle", "--speculative-model", str(models["eagle"]),
              "--num-spec-tokens", "2", *SMALL_CACHE]
+    # MTP without divergent block reuse: its hits stay whole blocks (the mode test checks it)
     mtp = ["--speculative-method", "mtp", "--speculative-model", str(models["mtp2"]),
-           "--num-spec-tokens", "2", *SMALL_CACHE, "--api-key", "ek"]
+           "--num-spec-tokens", "2", *SMALL_CACHE, "--api-key", "ek",
+           "--disable-divergent-block-reuse"]
     legacy = [*eagle, "--disable-lookahead-block-hashes", "--api-key", "ek"]
     engines = {"a": Engine(models["model"], eagle), "b": Engine(models["model"], eagle),
                "mtp": Engine(models["model"], mtp), "legacy": Engine(models["model"], legacy)}
@@ -96,7 +99,7 @@ def fleet(models):
 def pair(fleet):
     """Engines a and b behind a router started after engine a served one prompt."""
     engines = {name: fleet[name] for name in ("a", "b")}
-    early = httpx.post(f"{engines['a'].url}/v1/completions", timeout=60, json={
+    early = httpx.post(f"{engines['a'].url}/v1/completions", timeout=WATCHDOG_S, json={
         "model": MODEL_NAME, "prompt": tokens(0, 30), "max_tokens": 2})
     assert early.status_code == 200
     routers = [RouterProcess(engines, ["--max-request-body-bytes", "65536"]).start()]
@@ -172,7 +175,7 @@ def test_the_openai_client_against_the_router(pair):
         assert raised.value.status_code == 413
     assert total(router_metrics(router), "speckv_router:prediction_mismatches_total") == 0
     # the reset goes to every engine; their AllBlocksCleared events empty the index
-    reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=30)
+    reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=WATCHDOG_S)
     assert reset.status_code == 200 and reset.json()["engines"] == ["a", "b"]
     state = router.wait_state(lambda s: all(e["index"]["cached_blocks"] == 0
                                             for e in s.values()))
@@ -219,6 +222,29 @@ def test_predictions_equal_reports_for_every_hash_mode(modes):
     assert all(c % BLOCK == 0 for cs in reported.values() for c in cs)
 
 
+def test_an_engine_down_at_the_routers_start_joins_when_its_health_passes(pair, models):
+    engines, routers = pair
+    late = Engine(models["model"], engines["a"].flags)  # its port is known, nothing listens
+    router = RouterProcess({"a": engines["a"], "late": late}).start()
+    routers.append(router)
+    try:
+        state = router.state()["late"]
+        assert (state["healthy"], state["reached"], state["epoch"]) == (False, False, None)
+        assert complete(router, tokens(11, 20)).headers["x-speckv-engine"] == "a"
+        late.start().wait()
+        router.wait_state(lambda s: s["late"]["healthy"] and s["late"]["epochs_seen"] == 1)
+        prompt = tokens(12, 41)  # served by `late` alone first: only it holds the prefix
+        assert httpx.post(f"{late.url}/v1/completions", timeout=WATCHDOG_S, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}).status_code == 200
+        router.wait_state(lambda s: s["late"]["index"]["cached_blocks"] >= 10)
+        response = complete(router, prompt)
+        assert response.headers["x-speckv-engine"] == "late"
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+        assert total(router_metrics(router), "speckv_router:prediction_mismatches_total") == 0
+    finally:
+        late.kill()
+
+
 def test_an_engine_killed_and_restarted(pair):
     engines, routers = pair
     # its own router, polling slowly: the kill is found by the next request
@@ -246,7 +272,8 @@ def test_an_engine_killed_and_restarted(pair):
     body = {"model": MODEL_NAME, "prompt": tokens(8, 20), "max_tokens": 400,
             "temperature": 0, "ignore_eos": True, "stream": True}
     events: list[str] = []
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as stream:
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body,
+                      timeout=WATCHDOG_S) as stream:
         streaming = stream.headers["x-speckv-engine"]
         for line in stream.iter_lines():
             if line.startswith("data:"):

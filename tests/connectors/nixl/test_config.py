@@ -7,7 +7,7 @@ import pytest
 from speckv.commands.router import add_arguments, build_pd_router
 from speckv.connectors.nixl.config import NixlConfig
 from speckv.engine.engine_args import engine_config
-from speckv.router.pd import prefill_body
+from speckv.router.pd import PDConfig, prefill_body
 
 
 def test_the_transfer_config_parses_and_names_a_bad_key() -> None:
@@ -41,6 +41,15 @@ def test_the_pd_router_flags_and_the_prefill_body() -> None:
     with pytest.raises(ValueError, match="--prefill 'localhost'"):
         build_pd_router(parser.parse_args(["--prefill", "localhost", "--decode",
                                            "http://127.0.0.1:2"]))
+    with pytest.raises(ValueError, match="names must be unique"):
+        build_pd_router(parser.parse_args(["--prefill", "x=http://127.0.0.1:1", "--decode",
+                                           "x=http://127.0.0.1:2"]))
+    with pytest.raises(ValueError, match="expected \\[NAME=\\]http://HOST:PORT"):
+        build_pd_router(parser.parse_args(["--prefill", "=http://127.0.0.1:1", "--decode",
+                                           "http://127.0.0.1:2"]))
+    config = PDConfig(("http://127.0.0.1:1",), ("http://127.0.0.1:2", "http://127.0.0.1:3"),
+                      decode_names=("fast", "slow"))
+    assert (config.prefill_names, config.decode_names) == (("prefill0",), ("fast", "slow"))
     body = prefill_body({"prompt": "x", "max_tokens": 50, "stream": True,
                          "stream_options": {"include_usage": True}})
     assert body == {"prompt": "x", "max_tokens": 1,
