@@ -176,9 +176,11 @@ def start_engine(args: argparse.Namespace, num_blocks: int) -> Any:
         if args.speculative_method not in spec:
             raise ValueError(f"--speculative-method {args.speculative_method} with "
                              "--vllm-venv: eagle3 or none")
-        return VLLMEngine(Path(args.vllm_venv), builtin_model_dir(), MODEL_NAME,
+        engine = VLLMEngine(Path(args.vllm_venv), builtin_model_dir(), MODEL_NAME,
                           spec[args.speculative_method], args.block_size, num_blocks,
-                          plugin=args.vllm_plugin).start()
+                          plugin=args.vllm_plugin)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        return engine.start(args.output_dir / f"vllm-{engine.port}.log")
     port = free_port()
     return Process(engine_command(args, port, num_blocks), f"http://{LOOPBACK}:{port}")
 

@@ -79,6 +79,7 @@ class VLLMEngine:
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    log: Path | None = None  # where its output goes
 
     @property
     def url(self) -> str:
@@ -129,7 +130,13 @@ class VLLMEngine:
             flags.append(f"--vllm-lookahead-tokens={name}={self.lookahead_tokens}")
         return flags
 
+    def _log_tail(self) -> str:
+        if self.log is None or not self.log.is_file():
+            return ""
+        return f"; its log {self.log} ends:\n{self.log.read_text()[-2000:]}"
+
     def start(self, log: Path | None = None) -> VLLMEngine:
+        self.log = log
         out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(self.command(), env=self.env(), stdout=out,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,7 +152,7 @@ class VLLMEngine:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"vllm serve on port {self.port} exited "
-                                   f"{self.process.returncode}")
+                                   f"{self.process.returncode}{self._log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
