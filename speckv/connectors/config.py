@@ -282,6 +282,8 @@ def connector_config_from_args(args: argparse.Namespace) -> ConnectorConfig | No
                                         or store_optional):
         raise ValueError("--kv-store-url / --kv-store-cluster / --kv-store-optional need "
                          "store in --kv-connector")
+    if config.offload_dir is not None:
+        check_writable_dir(config.offload_dir, "--kv-offload-dir")
     return config
 
 
@@ -297,3 +299,18 @@ def connector_flags(config_args: argparse.Namespace) -> list[str]:
         elif value is not None:
             flags += [meta["flag"], str(value)]
     return flags
+
+
+def check_writable_dir(directory: str, flag: str) -> None:
+    """ValueError naming `flag` unless `directory` is (or can be made) a directory this
+    process can write a file in: said before a model loads, not after."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {directory}: cannot write there "
+                         f"({error.strerror or type(error).__name__})") from None

@@ -7,6 +7,7 @@
     POST /reset_prefix_cache                     forget cached blocks (409 while requests hold
                                                  blocks)
     GET  /version
+    POST /tokenize, /detokenize                  as vLLM serves them (`speckv.api.tokenize`)
     GET  /kv_cache_contract                      what a router needs to reproduce the block
                                                  hashes (`contract.py`); API key as for /v1
 
@@ -31,7 +32,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -41,6 +42,7 @@ from speckv.api.contract import CONTRACT_PATH, engine_contract, new_epoch, token
 from speckv.api.errors import APIError
 from speckv.api.http_guard import (
     check_bearer_key,
+    client_gone_handler,
     error_response,
     on_api_error,
     on_http_error,
@@ -60,6 +62,7 @@ from speckv.api.protocol import (
     parse_completion,
     parse_json_object,
 )
+from speckv.api.tokenize import detokenize, tokenize
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.server.async_client import AsyncEngineClient, RequestStream
@@ -245,6 +248,14 @@ def build_app(server: OpenAIServer) -> Starlette:
                            "prefix_cache_in_use")
         return JSONResponse({"success": True})
 
+    async def tokenize_route(request: Request) -> JSONResponse:
+        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
+        return JSONResponse(tokenize(body, server.limits, tokenizer))
+
+    async def detokenize_route(request: Request) -> JSONResponse:
+        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
+        return JSONResponse(detokenize(body, server.limits, tokenizer))
+
     async def kv_cache_contract(request: Request) -> JSONResponse:
         _check_api_key(server, request)
         return JSONResponse(server.contract())
@@ -274,9 +285,12 @@ def build_app(server: OpenAIServer) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/version", version_info, methods=["GET"]),
+            Route("/tokenize", tokenize_route, methods=["POST"]),
+            Route("/detokenize", detokenize_route, methods=["POST"]),
             Route(CONTRACT_PATH, kv_cache_contract, methods=["GET"]),
         ],
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            ClientDisconnect: client_gone_handler(logger),
                             Exception: on_unexpected},
         lifespan=lifespan,
     )

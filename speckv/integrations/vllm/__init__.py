@@ -39,6 +39,11 @@ def register() -> None:
         logger.warning("speckv: not patching vLLM %s: the plugin supports vLLM %s only; "
                        "vLLM runs unpatched", version, patches.SUPPORTED_TEXT)
         return
+    native = patches.native_lookahead_hashes()
+    if native:
+        logger.info("speckv: vLLM %s hashes blocks with their lookahead tokens itself (%s); the "
+                    "plugin patches nothing", version, native)
+        return
     try:
         targets = patches.resolve_targets()
     except patches.PatchTargetMissing as error:

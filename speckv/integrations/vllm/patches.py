@@ -4,15 +4,18 @@ Owns the list of vLLM functions the plugin wraps and the check that each exists 
 parameters the wrapper expects. `resolve_targets` finds every one first; `apply` wraps them
 only after all were found, so a vLLM that changed any of them is left untouched. Each wrapper
 behaves exactly as the original unless its engine was switched on at start (an attribute the
-patched `EngineCore.__init__` sets on that engine's scheduler, coordinator and block pool):
+patched `Scheduler.__init__` sets on that engine's objects; the wrappers are wrappers.py):
 
 | wrapped                              | with lookahead hashes on                                |
 |--------------------------------------|---------------------------------------------------------|
-| EngineCore.__init__                  | decides (decision.py); sets disable_eagle_block_drop    |
-|                                      | before the scheduler exists; installs speckv's hasher   |
+| Scheduler.__init__                   | decides (decision.py); sets disable_eagle_block_drop    |
+|                                      | before its KV cache manager exists                      |
+| core.get_request_block_hasher        | speckv's lookahead hasher for that engine's requests    |
 | KVCacheCoordinator.cache_blocks      | caches a block only once its hash exists                |
 | Scheduler._free_request              | caches what the last token completed, then frees        |
 | BlockPool._build_block_stored_event  | BlockStored gets lookahead_token_ids and E(s, e + L)    |
+| KVCacheManager.get_computed_blocks   | reuses a block cached under another successor (reuse.py)|
+| BlockPool.cache_full_blocks          | indexes what it cached for that reuse                   |
 
 All of it runs in the engine-core process, the scheduler side: the model runner (CPU or GPU)
 is not touched.
@@ -22,21 +25,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from speckv.integrations.vllm.decision import PluginDecision, decide
-from speckv.integrations.vllm.hasher import LookaheadBlockHasher
-
 SUPPORTED_VERSIONS = ((0, 32), (0, 33))
 SUPPORTED_TEXT = "0.32 and 0.33"
-_FLAG = "_speckv_lookahead_tokens"  # L on an engine's scheduler, coordinator and block pool
 _PATCHED = "_speckv_original"
-
-logger = logging.getLogger("vllm.plugins.speckv")
 
 
 class PatchTargetMissing(RuntimeError):
@@ -55,17 +51,34 @@ class Targets:
     scheduler: type
     block_pool: type
     block_stored: type
+    kv_cache_manager: type
+    single_type_manager: type
+    full_attention_manager: type
     kv_cache_utils: Any
 
 
 _EXPECTED_PARAMS = {
     ("engine_core", "__init__"): ("self", "vllm_config"),
+    ("scheduler", "__init__"): ("self", "vllm_config", "kv_cache_config"),
     ("coordinator", "cache_blocks"): ("self", "request", "num_computed_tokens"),
     ("scheduler", "_free_request"): ("self", "request", "delay_free_blocks"),
     ("block_pool", "_build_block_stored_event"): (
         "self", "request", "block_hashes", "parent_block_hash", "start_token_idx",
         "end_token_idx", "block_size", "kv_cache_group_id", "extra_keys_list"),
+    ("kv_cache_manager", "get_computed_blocks"): ("self", "request"),
+    ("block_pool", "cache_full_blocks"): (
+        "self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
+        "kv_cache_group_id"),
 }
+
+
+def native_lookahead_hashes() -> str | None:
+    """What makes this vLLM hash with lookahead tokens on its own (vLLM 0.33:
+    `VllmConfig.num_hash_lookahead_tokens`, the same key layout as speckv's), or None."""
+    config = _attr("vllm.config", "VllmConfig")
+    if hasattr(config, "num_hash_lookahead_tokens"):
+        return "VllmConfig.num_hash_lookahead_tokens"
+    return None
 
 
 def _attr(module: str, name: str) -> Any:
@@ -88,8 +101,21 @@ def resolve_targets() -> Targets:
         scheduler=_attr("vllm.v1.core.sched.scheduler", "Scheduler"),
         block_pool=_attr("vllm.v1.core.block_pool", "BlockPool"),
         block_stored=_attr("vllm.distributed.kv_events", "BlockStored"),
+        kv_cache_manager=_attr("vllm.v1.core.kv_cache_manager", "KVCacheManager"),
+        single_type_manager=_attr("vllm.v1.core.single_type_kv_cache_manager",
+                                  "SingleTypeKVCacheManager"),
+        full_attention_manager=_attr("vllm.v1.core.single_type_kv_cache_manager",
+                                     "FullAttentionManager"),
         kv_cache_utils=utils,
     )
+    # the copy-on-write path a hit ending inside a block takes (reuse.py relies on it)
+    for name in ("_has_partial_local_hit", "_apply_cow", "take_pending_cow_copies"):
+        if not hasattr(targets.single_type_manager, name):
+            raise PatchTargetMissing(f"SingleTypeKVCacheManager.{name}")
+    # what the wrappers call
+    for name in ("cache_blocks", "prefix_cache_lookup_enabled", "create_kv_cache_blocks"):
+        if not hasattr(targets.kv_cache_manager, name):
+            raise PatchTargetMissing(f"KVCacheManager.{name}")
     for (owner, method), expected in _EXPECTED_PARAMS.items():
         cls = getattr(targets, owner)
         function = getattr(cls, method, None)
@@ -99,6 +125,12 @@ def resolve_targets() -> Targets:
         params = tuple(inspect.signature(function).parameters)[: len(expected)]
         if params != expected:
             raise PatchTargetMissing(f"{cls.__name__}.{method}{params}, expected {expected}")
+    hasher = getattr(importlib.import_module("vllm.v1.engine.core"), "get_request_block_hasher",
+                     None)
+    hasher = getattr(hasher, _PATCHED, hasher)
+    if hasher is None or tuple(inspect.signature(hasher).parameters)[:2] != (
+            "hash_block_size", "caching_hash_fn"):
+        raise PatchTargetMissing("vllm.v1.engine.core.get_request_block_hasher")
     spec_config = _attr("vllm.config.speculative", "SpeculativeConfig")
     if "disable_eagle_block_drop" not in getattr(spec_config, "__dataclass_fields__", {}):
         raise PatchTargetMissing("SpeculativeConfig.disable_eagle_block_drop")
@@ -116,86 +148,19 @@ def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
     setattr(cls, name, wrapper)
 
 
-def engine_decision(vllm_config: Any, targets: Targets) -> PluginDecision:
-    spec = vllm_config.speculative_config
-    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, targets.scheduler)):
-        return PluginDecision(0, f"scheduler class {scheduler_cls!r} is not vLLM's Scheduler")
-    return decide(
-        method=None if spec is None else spec.method,
-        num_prefill_lookahead=vllm_config.num_prefill_lookahead_tokens,
-        enable_prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-        has_kv_connector=vllm_config.kv_transfer_config is not None,
-    )
-
-
-def _switch_on(engine: Any, vllm_config: Any, decision: PluginDecision,
-               targets: Targets) -> None:
-    scheduler = engine.scheduler
-    lookahead = decision.lookahead_tokens
-    engine.request_block_hasher = LookaheadBlockHasher(
-        vllm_config.cache_config.prefix_caching_hash_algo,
-        targets.kv_cache_utils.NONE_HASH,
-        scheduler.hash_block_size,
-        lookahead,
-    )
-    coordinator = scheduler.kv_cache_manager.coordinator
-    for owner in (scheduler, coordinator, coordinator.block_pool):
-        setattr(owner, _FLAG, lookahead)
-    logger.info("speckv: lookahead block hashes with L=%d replace vLLM's EAGLE block drop (%s)",
-                lookahead, decision.reason)
-
-
 def apply(targets: Targets) -> None:
     """Wrap every target. Call only with what `resolve_targets` returned. Mutates vLLM's
     classes (idempotent)."""
-    from speckv.integrations.vllm.events import event_with_lookahead
+    from speckv.integrations.vllm import wrappers
 
-    def engine_init(original):
-        def __init__(self, vllm_config, *args, **kwargs):
-            decision = engine_decision(vllm_config, targets)
-            if decision.active:
-                # vLLM's own switch: every drop site (hit lookup, replay boundaries, group
-                # annotation) reads it; lookahead hashes make the dropped block safe to keep
-                vllm_config.speculative_config.disable_eagle_block_drop = True
-            original(self, vllm_config, *args, **kwargs)
-            if decision.active and self.request_block_hasher is not None:
-                _switch_on(self, vllm_config, decision, targets)
-            elif vllm_config.speculative_config is not None:
-                logger.info("speckv: plugin off for this engine: %s", decision.reason)
-        return __init__
-
-    def cache_blocks(original):
-        def wrapper(self, request, num_computed_tokens, *args, **kwargs):
-            if getattr(self, _FLAG, 0):
-                # a block's hash exists once its L successors are real tokens
-                hashed = len(request.block_hashes) * self.block_pool.hash_block_size
-                num_computed_tokens = min(num_computed_tokens, hashed)
-            return original(self, request, num_computed_tokens, *args, **kwargs)
-        return wrapper
-
-    def free_request(original):
-        def wrapper(self, request, *args, **kwargs):
-            if getattr(self, _FLAG, 0) and request.num_computed_tokens > 0:
-                # the last sampled token completed the lookahead of the block before it
-                self.kv_cache_manager.cache_blocks(
-                    request, min(request.num_computed_tokens, request.num_tokens))
-            return original(self, request, *args, **kwargs)
-        return wrapper
-
-    def stored_event(original):
-        def wrapper(self, request, block_hashes, parent_block_hash, start_token_idx,
-                    end_token_idx, block_size, *args, **kwargs):
-            event = original(self, request, block_hashes, parent_block_hash, start_token_idx,
-                             end_token_idx, block_size, *args, **kwargs)
-            lookahead = getattr(self, _FLAG, 0)
-            if not lookahead:
-                return event
-            return event_with_lookahead(event, request, start_token_idx, end_token_idx,
-                                        block_size, lookahead, targets)
-        return wrapper
-
-    _wrap(targets.engine_core, "__init__", engine_init)
-    _wrap(targets.coordinator, "cache_blocks", cache_blocks)
-    _wrap(targets.scheduler, "_free_request", free_request)
-    _wrap(targets.block_pool, "_build_block_stored_event", stored_event)
+    core = importlib.import_module("vllm.v1.engine.core")
+    original = getattr(core.get_request_block_hasher, _PATCHED, core.get_request_block_hasher)
+    factory = wrappers.block_hasher_factory(targets, original)
+    setattr(factory, _PATCHED, original)
+    core.get_request_block_hasher = factory
+    _wrap(targets.scheduler, "__init__", wrappers.scheduler_init(targets))
+    _wrap(targets.kv_cache_manager, "get_computed_blocks", wrappers.computed_blocks)
+    _wrap(targets.block_pool, "cache_full_blocks", wrappers.cache_full)
+    _wrap(targets.coordinator, "cache_blocks", wrappers.cache_blocks)
+    _wrap(targets.scheduler, "_free_request", wrappers.free_request)
+    _wrap(targets.block_pool, "_build_block_stored_event", wrappers.stored_event(targets))
