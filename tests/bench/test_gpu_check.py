@@ -5,13 +5,13 @@ run on the tiny CPU rehearsal."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from speckv.bench import gpu_check
+from tests import patience
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,8 +26,7 @@ def test_without_cuda_it_says_so_and_fails(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check runs")
 def test_the_script_exits_1_without_cuda() -> None:
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")],
-                            capture_output=True, text=True, timeout=300)
+    result = patience.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cpu_budget_s=300)
     assert result.returncode == 1
     assert "needs a CUDA GPU" in result.stderr
 

@@ -190,7 +190,7 @@ def test_flags_the_engine_contradicts_are_refused(engines):
     plain, eagle = engines["plain"], engines["eagle"]
     events = plain.kv_events_config()
     # a block stored from the root, for the events to say which seed and lookahead it hashes with
-    assert httpx.post(f"{plain.url}/v1/completions", timeout=300, json={
+    assert httpx.post(f"{plain.url}/v1/completions", timeout=WATCHDOG_S, json={
         "model": MODEL, "prompt": prompts(5, 1, 1)[0], "max_tokens": 1}).status_code == 200
     with pytest.raises(ContractError, match=r"'hash_seed'.*--vllm-hash-seed '7'.*seed '0' "
                        "reproduces them"):

@@ -127,6 +127,9 @@ def test_bench_serve_launches_the_server_and_compares_in_process(model_dir, tmp_
     # the server's own TTFT (from the handler) is inside the client's
     assert 0 < server["server_ttft_mean_ms"] < server["ttft_mean_ms"]
     assert server["http_path_overhead_ms"] > 0 and loop["http_path_overhead_ms"] is None
+    # the HTTP path alone, not the queue (the median of 2 repeats is their mean: linear)
+    assert server["http_path_overhead_ms"] == pytest.approx(
+        server["ttft_mean_ms"] - server["server_ttft_mean_ms"])
     assert generate["ttft_median_ms"] is None  # one call: no per-request timing
     assert payload["server_errors"] == []
     assert (tmp_path / "ttft.png").stat().st_size > 0
