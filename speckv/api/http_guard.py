@@ -1,11 +1,13 @@
 """The HTTP checks `speckv serve` and `speckv router` share: the API key, the bounded request
-body, noticing a client that went away, and the OpenAI error shape for API and routing errors.
-One copy, so both fronts refuse alike."""
+body, noticing a client that went away (one short log line, no traceback, for a client that
+leaves while sending its body), and the OpenAI error shape for API and routing errors. One
+copy, so both fronts refuse alike."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections.abc import Awaitable
 from typing import Any
 
@@ -37,7 +39,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise errors.body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in request.stream():  # ClientDisconnect: `client_gone_handler`
         size += len(chunk)
         if size > limit:
             raise errors.body_too_large(limit)
@@ -67,6 +69,21 @@ async def race_disconnect(work: Awaitable[Any], receive: Receive) -> tuple[bool,
     if task.done() and not task.cancelled():
         raise task.exception()  # type: ignore[misc]
     return False, None
+
+
+def client_gone_handler(logger: logging.Logger) -> Any:
+    """A Starlette handler for `ClientDisconnect` (a client that left while sending its body):
+    one line on `logger`, and a 499 that nobody reads, where an unhandled exception would log
+    two tracebacks per dropped connection."""
+
+    async def on_client_gone(request: Request, error: Exception) -> Response:
+        client = request.client
+        peer = f"{client.host}:{client.port}" if client else "a client"
+        logger.warning("%s left before sending its whole body (%s %s)", peer, request.method,
+                    request.url.path)
+        return Response(status_code=499)
+
+    return on_client_gone
 
 
 def error_response(error: APIError) -> JSONResponse:

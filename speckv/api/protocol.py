@@ -22,22 +22,27 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speckv.api.errors import APIError, bad_request, model_not_found, not_supported
-from speckv.connectors.nixl.params import (
-    ParamsError,
-    parse_transfer_params,
-    wants_remote_prefill,
-)
+from speckv.api.json_body import parse_json_object as parse_json_object  # re-exported
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
 
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+# every stop string is checked against every new token's text: bounded, so one request cannot
+# slow the engine for everyone (OpenAI allows 4 strings; vLLM clients send a handful)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class ChatTokenizer(Protocol):
     chat_template: str | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_text(self, token_id: int) -> str | None: ...
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> str: ...
@@ -87,7 +92,8 @@ class _SamplingBody(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     # prefill/decode disaggregation: {"do_remote_decode": true} to a prefill engine, the
-    # prefill engine's returned params to a decode engine (speckv.connectors.nixl.params)
+    # prefill engine's returned params to a decode engine: passed on untouched, only the
+    # engine's KV connector reads them (its refusal is a 400 naming the field)
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -114,19 +120,6 @@ class _ChatBody(_SamplingBody):
     add_generation_prompt: bool = True
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 that says what is wrong with it."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise bad_request(f"The request body is not valid JSON: {error}", None,
-                          "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}.",
-                          None, "invalid_json")
-    return body
-
-
 def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
@@ -151,10 +144,17 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise bad_request("'stop' must be a non-empty string or a list of them.", "stop",
                           "invalid_value")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS} are "
+                          "allowed.", "stop", "invalid_value")
+    longest = max(len(s) for s in items) if items else 0
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(f"'stop' holds a string of {longest} characters; at most "
+                          f"{MAX_STOP_CHARS} are allowed.", "stop", "invalid_value")
     return tuple(items)
 
 
-def _check_token_ids(token_ids: Sequence[Any], limits: ModelLimits, param: str) -> list[int]:
+def check_token_ids(token_ids: Sequence[Any], limits: ModelLimits, param: str) -> list[int]:
     for index, token in enumerate(token_ids):
         if isinstance(token, bool) or not isinstance(token, int):
             raise bad_request(f"'{param}[{index}]' = {token!r} is not an integer token id.",
@@ -210,24 +210,16 @@ def _sampling_params(body: _SamplingBody, max_tokens: int | None, num_prompt_tok
     if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
         raise bad_request(f"'seed' must be in [0, 2**63), got {body.seed}.", "seed",
                           "invalid_value")
-    stop_token_ids = _check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
+    if body.stop_token_ids is not None and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"'stop_token_ids' holds {len(body.stop_token_ids)} ids; at most "
+                          f"{MAX_STOP_TOKEN_IDS} are allowed.", "stop_token_ids",
+                          "invalid_value")
+    stop_token_ids = check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                           top_p=float(top_p), seed=body.seed, stop=_stop_strings(body.stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
                           skip_special_tokens=body.skip_special_tokens,
-                          kv_transfer_params=_transfer_params(body.kv_transfer_params))
-
-
-def _transfer_params(obj: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`kv_transfer_params` checked: a decode engine's params must parse (a 400 naming the
-    field otherwise); a prefill engine's `{"do_remote_decode": true}` passes as is."""
-    if wants_remote_prefill(obj):
-        try:
-            parse_transfer_params(obj)
-        except ParamsError as error:
-            raise bad_request(str(error), f"kv_transfer_params.{error.field}".rstrip("."),
-                              "invalid_value") from None
-    return obj
+                          kv_transfer_params=body.kv_transfer_params)
 
 
 def _stream_flags(body: _SamplingBody) -> tuple[bool, bool]:
@@ -255,7 +247,11 @@ def _prompt_token_ids(prompt: Any, tokenizer: ChatTokenizer | None,
         if all(isinstance(p, str | list) for p in prompt):
             raise not_supported("prompt", f"one prompt per request (got {len(prompt)}); send "
                                           "one request per prompt.")
-        return _check_token_ids(prompt, limits, "prompt")
+        if len(prompt) > limits.max_model_len:  # said before checking every id
+            raise bad_request(f"This model's maximum context length is {limits.max_model_len} "
+                              f"tokens, but the prompt has {len(prompt)} tokens (no room for "
+                              "an output token).", "prompt", "context_length_exceeded")
+        return check_token_ids(prompt, limits, "prompt")
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
     raise bad_request("'prompt' must be a string or a list of token ids.", "prompt",
@@ -312,6 +308,17 @@ def _content_text(content: Any, index: int) -> str:
                       "messages", "invalid_value")
 
 
+def chat_text(messages: Sequence[_ChatMessage], add_generation_prompt: bool,
+              tokenizer: ChatTokenizer) -> str:
+    """The prompt text the chat template makes of `messages` (each checked), or a 400."""
+    plain = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # the template's own raise_exception (e.g. role order)
+        raise bad_request(f"The chat template rejected the messages: {error}", "messages",
+                          "invalid_value") from None
+
+
 def parse_chat(body: dict[str, Any], limits: ModelLimits,
                tokenizer: ChatTokenizer | None) -> GenerationRequest:
     parsed: _ChatBody = _validate(_ChatBody, body)
@@ -327,15 +334,12 @@ def parse_chat(body: dict[str, Any], limits: ModelLimits,
     if tokenizer is None or not tokenizer.chat_template:
         raise bad_request("This model has no chat template: use /v1/completions.", "messages",
                           "invalid_value")
-    messages = [{"role": m.role, "content": _message_text(m, i)}
-                for i, m in enumerate(parsed.messages)]
-    try:
-        text = tokenizer.apply_chat_template(messages,
-                                             add_generation_prompt=parsed.add_generation_prompt)
-    except Exception as error:  # the template's own raise_exception (e.g. role order)
-        raise bad_request(f"The chat template rejected the messages: {error}", "messages",
-                          "invalid_value") from None
-    token_ids = tokenizer.encode(text)
+    if len(parsed.messages) > limits.max_model_len:  # each message takes a token at least
+        raise bad_request(f"This model's maximum context length is {limits.max_model_len} "
+                          f"tokens, but 'messages' holds {len(parsed.messages)} messages.",
+                          "messages", "context_length_exceeded")
+    token_ids = tokenizer.encode(chat_text(parsed.messages, parsed.add_generation_prompt,
+                                           tokenizer))
     # max_completion_tokens is the newer name; it wins when both are given (as in OpenAI's API)
     max_tokens_param = ("max_completion_tokens" if parsed.max_completion_tokens is not None
                         else "max_tokens")

@@ -12,16 +12,16 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from speckv.bench.prefix_repetition_modes import (
+from speckv.cluster.engine_pool import EngineWorkers, ModelSpec, drive_round_robin
+from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
+from speckv.connectors.shared_store import EMBEDDED
+from speckv.measure.prefix_repetition import (
     ModeResult,
     RunOptions,
     arrival_times,
     engine_config,
     summarize,
 )
-from speckv.cluster.engine_pool import EngineWorkers, ModelSpec, drive_round_robin
-from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
-from speckv.connectors.shared_store import EMBEDDED
 from speckv.workloads import WorkloadRequest
 
 

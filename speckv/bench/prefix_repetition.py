@@ -44,15 +44,14 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.bench.multi_engine import run_modes_multi_engine
-from speckv.bench.prefix_repetition_modes import (
+from speckv.connectors import add_connector_arguments, connector_config_from_args
+from speckv.measure.prefix_repetition import (
     MODES,
-    NO_TIER_MODE,
-    REUSE_MODE,
     ModeResult,
     RunOptions,
-    run_mode,
+    modes_for,
+    run_modes,
 )
-from speckv.connectors import add_connector_arguments, connector_config_from_args
 from speckv.workloads import (
     PrefixRepetitionConfig,
     WorkloadRequest,
@@ -64,18 +63,15 @@ from speckv.workloads import (
 def run_benchmark(model: Any, drafter: Any, workload: list[WorkloadRequest],
                   options: RunOptions, modes: tuple[str, ...] = tuple(MODES),
                   model_spec: Any = None) -> list[ModeResult]:
-    """Every mode on a fresh engine; with a KV tier, also lookahead without it. With
-    `options.num_engines` > 1, on that many engine processes built from `model_spec`
-    (`engine_workers.ModelSpec`: the same weights as `model` and `drafter`)."""
-    if options.kv_connector is not None:
-        modes = tuple(mode for mode in modes if mode != REUSE_MODE)  # not under a connector
-        if "lookahead" in modes:
-            modes = (*modes, NO_TIER_MODE)
+    """Every mode on a fresh engine (`run_modes`); with `options.num_engines` > 1, on that
+    many engine processes built from `model_spec` (`engine_workers.ModelSpec`: the same
+    weights as `model` and `drafter`)."""
     if options.num_engines == 1:
-        return [run_mode(model, drafter, workload, mode, options) for mode in modes]
+        return run_modes(model, drafter, workload, options, modes)
     if model_spec is None:
         raise ValueError("--engines > 1 needs a ModelSpec to build the engines' processes")
-    return run_modes_multi_engine(model, drafter, model_spec, workload, options, modes)
+    return run_modes_multi_engine(model, drafter, model_spec, workload, options,
+                                  modes_for(options, modes))
 
 
 def outputs_identical(results: list[ModeResult]) -> bool:
@@ -111,20 +107,6 @@ def render(results: list[ModeResult], title: str) -> Table:
     row("acceptance rate", opt, "acceptance_rate")
     row("mean acceptance length", opt, "mean_acceptance_length")
     row("preemptions", str, "num_preemptions")
-    return table
-
-
-def render_compact(results: list[ModeResult], title: str) -> Table:
-    """One row per mode: the headline numbers."""
-    table = Table(title=title)
-    for column in ("mode", "hit", "oracle", "req/s", "tok/s", "TTFT ms", "acc len"):
-        table.add_column(column, justify="left" if column == "mode" else "right",
-                         no_wrap=True)
-    for r in results:
-        accept = "-" if r.mean_acceptance_length is None else f"{r.mean_acceptance_length:.2f}"
-        table.add_row(r.mode, f"{100 * r.hit_rate:.1f}%",
-                      f"{100 * r.oracle_hit_rate:.1f}%", f"{r.requests_per_s:.2f}",
-                      f"{r.output_tokens_per_s:.1f}", f"{r.ttft_mean_ms:.0f}", accept)
     return table
 
 

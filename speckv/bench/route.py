@@ -1,6 +1,6 @@
-"""`speckv bench route`: N `speckv serve` engines behind `speckv router` on loopback, the
-routing policies side by side on a prefix_repetition workload with more prefixes than one
-engine's cache holds.
+"""`speckv bench route`: N `speckv serve` (or, with `--vllm-venv DIR`, vLLM CPU) engines behind
+`speckv router` on loopback, the routing policies side by side on a prefix_repetition workload
+with more prefixes than one engine's cache holds.
 
 For each policy (kv, round-robin, least-loaded) the engines' prefix caches are reset
 (`POST /reset_prefix_cache`: the router sees AllBlocksCleared), a router with that policy
@@ -35,8 +35,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from speckv.bench.serve_client import HttpTarget, metric_totals, run_http, summarize
+from speckv.bench.serve_client import HttpTarget, run_http, summarize
 from speckv.events.endpoints import LOOPBACK, free_port, loopback_endpoint
+from speckv.measure.prometheus import metric_totals
 from speckv.router.policy import POLICIES
 from speckv.workloads import (
     PrefixRepetitionConfig,
@@ -65,9 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(the router's predictions then cover every hit)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated, of " + ", ".join(POLICIES))
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=96,
-                        help="KV blocks per engine (the oracle engine gets N times as many)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block (default 16; 32 with --vllm-venv: vLLM's CPU "
+                        "attention wants multiples of 32)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks per engine, default 1,536 tokens' worth (the oracle "
+                        "engine gets N times as many)")
+    parser.add_argument("--vllm-venv", default=None, metavar="DIR",
+                        help="run vLLM engines (DIR/bin/vllm, vLLM's CPU engine) of the "
+                        "built-in model instead of speckv serve; --speculative-method eagle3 "
+                        "gives them speckv's EAGLE3 head")
+    parser.add_argument("--vllm-plugin", action="store_true",
+                        help="with --vllm-venv: load speckv's vLLM plugin into the engines "
+                        "(lookahead block hashes, no last-block drop)")
     parser.add_argument("--prefix-len", type=int, default=192)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--num-prefixes", type=int, default=8)
@@ -157,16 +168,30 @@ def engine_command(args: argparse.Namespace, port: int, num_blocks: int) -> list
     return command
 
 
-def start_engine(args: argparse.Namespace, num_blocks: int) -> Process:
+def start_engine(args: argparse.Namespace, num_blocks: int) -> Any:
+    if args.vllm_venv:
+        from speckv.bench.vllm_fleet import VLLMEngine, builtin_model_dir, eagle3_config
+
+        spec = {"none": None, "eagle3": eagle3_config(args.num_spec_tokens)}
+        if args.speculative_method not in spec:
+            raise ValueError(f"--speculative-method {args.speculative_method} with "
+                             "--vllm-venv: eagle3 or none")
+        engine = VLLMEngine(Path(args.vllm_venv), builtin_model_dir(), MODEL_NAME,
+                          spec[args.speculative_method], args.block_size, num_blocks,
+                          plugin=args.vllm_plugin)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        return engine.start(args.output_dir / f"vllm-{engine.port}.log")
     port = free_port()
     return Process(engine_command(args, port, num_blocks), f"http://{LOOPBACK}:{port}")
 
 
-def start_router(engines: dict[str, Process], policy: str) -> Process:
+def start_router(engines: dict[str, Any], policy: str) -> Process:
     port = free_port()
     command = [sys.executable, "-m", "speckv.cli", "router", "--port", str(port),
-               "--policy", policy, "--health-interval", "0.25",
-               *[f"--engine={name}={engine.url}" for name, engine in engines.items()]]
+               "--policy", policy, "--health-interval", "0.25"]
+    for name, engine in engines.items():
+        command += engine.router_flags(name) if hasattr(engine, "router_flags") \
+            else [f"--engine={name}={engine.url}"]
     router = Process(command, f"http://{LOOPBACK}:{port}")
     router.wait_ready(120)
     return router
@@ -328,6 +353,16 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not policies:
         raise ValueError(f"--policies: {unknown or 'none given'}; choose from "
                          f"{', '.join(POLICIES)}")
+    if args.vllm_venv:
+        from speckv.bench.vllm_fleet import check_venv
+
+        check_venv(args.vllm_venv)
+        if args.model != "builtin":
+            raise ValueError("--vllm-venv runs the built-in model: leave --model out")
+    if args.block_size is None:
+        args.block_size = 32 if args.vllm_venv else 16
+    if args.num_blocks is None:
+        args.num_blocks = max(2, 1536 // args.block_size)
     if args.engines < 1 or args.num_blocks < 2 or args.max_concurrency < 1:
         raise ValueError("--engines, --max-concurrency must be >= 1 and --num-blocks >= 2")
     from speckv.router.tokenizer import load_tokenizer
@@ -343,7 +378,9 @@ def run(args: argparse.Namespace) -> int:
     description = (f"prefix_repetition: {len(requests)} prompts, {args.num_prefixes} prefixes "
                    f"of {args.prefix_len} (+{args.suffix_len}) tokens = "
                    f"{args.num_prefixes * blocks_per_prefix} prefix blocks; {args.engines} "
-                   f"engines of {args.num_blocks} blocks of {args.block_size}; drafter "
+                   f"{'vLLM ' if args.vllm_venv else ''}"
+                   f"{'+ speckv plugin ' if args.vllm_plugin else ''}engines of {args.num_blocks} "
+                   f"blocks of {args.block_size}; drafter "
                    f"{args.speculative_method}"
                    f"{', legacy hashes' if args.disable_lookahead_block_hashes else ''}; "
                    f"concurrency {args.max_concurrency}, {args.output_len} output tokens")

@@ -49,11 +49,11 @@ from speckv.bench.serve_client import (
     arrival_offsets,
     histogram_mean_ms,
     http_get,
-    metric_totals,
     metrics_rates,
     run_http,
     summarize,
 )
+from speckv.measure.prometheus import metric_totals
 from speckv.workloads import (
     PrefixRepetitionConfig,
     WorkloadRequest,
@@ -167,7 +167,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("mean acceptance length", "mean_acceptance_length", ".2f"),
     ("server-side TTFT mean (ms, /metrics)", "server_ttft_mean_ms", ".1f"),
     ("server-side queue time mean (ms, /metrics)", "server_queue_mean_ms", ".1f"),
-    ("HTTP path overhead (ms): client TTFT - engine", "http_path_overhead_ms", ".1f"),
+    ("HTTP path overhead (ms): client TTFT - server TTFT", "http_path_overhead_ms", ".1f"),
 ]
 RATIO_ROWS = {"request_throughput", "output_throughput", "total_token_throughput"}
 
@@ -360,8 +360,10 @@ def run_server_once(target: HttpTarget, args: argparse.Namespace,
     server_ttft = histogram_mean_ms(before, after, "vllm:time_to_first_token_seconds")
     server_queue = histogram_mean_ms(before, after, "vllm:request_queue_time_seconds")
     overhead = None
-    if server_ttft is not None and server_queue is not None and summary.ttft_mean_ms:
-        overhead = summary.ttft_mean_ms - (server_ttft - server_queue)
+    if server_ttft is not None and summary.ttft_mean_ms:
+        # the server's TTFT runs from the request's HTTP arrival and includes its queueing:
+        # what the client sees beyond it is the HTTP path alone
+        overhead = summary.ttft_mean_ms - server_ttft
     summary = replace(summary, server_ttft_mean_ms=server_ttft,
                       server_queue_mean_ms=server_queue, http_path_overhead_ms=overhead)
     return summary, sorted({r.error for r in results if not r.success})
@@ -434,9 +436,10 @@ class InProcess:
 
         from speckv.engine.cli_args import engine_args_from_cli
         from speckv.engine.llm import LLM
+        from speckv.server.cli import serve_threads
 
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
+        # the server's thread count, so the two runs compare the same engine
+        torch.set_num_threads(serve_threads(args.threads, torch.get_num_threads()))
         engine_args = replace(engine_args_from_cli(args),
                               max_num_seqs=min(args.max_num_seqs, args.max_concurrency),
                               kv_events_endpoint=None, kv_events_replay_endpoint=None)

@@ -12,8 +12,8 @@ import argparse
 
 from rich.console import Console
 
-from speckv.bench.hit_length import measure_hit_length, print_table
 from speckv.cache.specs import parse_group_specs
+from speckv.measure.hit_length import measure_hit_length, print_table
 
 
 def _hashing_cost(console: Console) -> None:
@@ -21,7 +21,7 @@ def _hashing_cost(console: Console) -> None:
     per block size (text prompt of 32K+1 tokens)."""
     from rich.table import Table
 
-    from speckv.bench.hash_cost import ALGO_NAME, DEMO, METHODS, NAIVE, measure
+    from speckv.measure.hash_cost import ALGO_NAME, DEMO, METHODS, NAIVE, measure
 
     rows = measure(DEMO)
     names = {"legacy": "legacy", "nested": "nested", "expanded": "expanded window",
@@ -50,9 +50,9 @@ def _prefix_repetition(console: Console) -> None:
     """A short end-to-end run of vLLM's prefix_repetition workload, three modes."""
     import torch
 
-    from speckv.bench.prefix_repetition import RunOptions, render_compact, run_benchmark
     from speckv.engine.llm import load_model
     from speckv.engine.speculative import load_drafter_model
+    from speckv.measure.prefix_repetition import RunOptions, render_compact, run_modes
     from speckv.workloads import PrefixRepetitionConfig, prefix_repetition
 
     torch.set_num_threads(1)  # small matmuls on a shared 2-core CPU stall with 2 threads
@@ -62,9 +62,9 @@ def _prefix_repetition(console: Console) -> None:
                                     output_len=16, num_prompts=12, seed=0)
     block_size = 64
     workload = prefix_repetition(config, model.config.vocab_size, tokenizer)
-    results = run_benchmark(model, drafter, workload,
-                            RunOptions(block_size=block_size, max_concurrency=4,
-                                       num_spec_tokens=3))
+    results = run_modes(model, drafter, workload,
+                        RunOptions(block_size=block_size, max_concurrency=4,
+                                   num_spec_tokens=3))
     console.print(render_compact(
         results, f"prefix_repetition: {config.num_prefixes} prefixes of {config.prefix_len} "
                  f"tokens x {config.num_prompts // config.num_prefixes} prompts, "

@@ -22,9 +22,9 @@ def run_server_demo(console: Console, max_tokens: int = 32) -> bool:
     import httpx
     import openai
 
-    from speckv.bench.serve_client import metric_totals
     from speckv.drafters.builtin import BUILTIN_DRAFTER_METHOD, builtin_speculation_pays
     from speckv.engine.llm import LLM
+    from speckv.measure.prometheus import metric_totals
     from speckv.models.llama.builtin import BuiltinModelMissingError
     from speckv.server.app import OpenAIServer, ServerConfig
     from speckv.server.launch import ServerThread

@@ -1,5 +1,6 @@
-"""`speckv router`: a KV-aware OpenAI front for several `speckv serve` engines (arguments and
-start-up; the router itself is `speckv.router`).
+"""`speckv router`: a KV-aware OpenAI front for several `speckv serve` or vLLM engines
+(arguments and start-up; the router itself is `speckv.router`; vLLM engines are described by
+the `--vllm-*` flags, `speckv.router.vllm_engine`).
 
 Reads each engine's cache contract by URL (refusing, with the field named, one it cannot
 reproduce), loads the engines' tokenizer, subscribes to their KV events and serves the OpenAI
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 from speckv.router.policy import POLICIES, ScoringConfig
@@ -30,6 +33,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-api-key", action="append", default=[],
                         metavar="NAME=KEY|KEY",
                         help="the key sent to engine NAME (KEY alone: to every engine)")
+    parser.add_argument("--vllm-kv-events-config", action="append", default=[],
+                        metavar="[NAME=]JSON",
+                        help="a vLLM engine's --kv-events-config, as it was started with "
+                        "(its event endpoints); NAME= marks engine NAME as vLLM's, without "
+                        "it the value holds for every vLLM engine")
+    parser.add_argument("--vllm-hash-seed", action="append", default=[], metavar="[NAME=]SEED",
+                        help="the PYTHONHASHSEED a vLLM engine was started with (default: "
+                        "vLLM's own seed for sha256, vllm-none-hash)")
+    parser.add_argument("--vllm-speculative-config", action="append", default=[],
+                        metavar="[NAME=]JSON",
+                        help="a vLLM engine's --speculative-config (an EAGLE-family method "
+                        "drops the last matched block)")
+    parser.add_argument("--vllm-lookahead-tokens", action="append", default=[],
+                        metavar="[NAME=]L",
+                        help="a vLLM engine runs speckv's vLLM plugin: lookahead hashes with "
+                        "L successor tokens, no last-block drop")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--policy", choices=POLICIES, default="kv")
@@ -95,6 +114,53 @@ def parse_engines(entries: list[str], keys: list[str]) -> list:
     return [EngineSpec(name, url, api_keys.get(name)) for name, url in urls.items()]
 
 
+_VLLM_FLAGS = (("--vllm-kv-events-config", "kv_events_config"), ("--vllm-hash-seed", "hash_seed"),
+               ("--vllm-speculative-config", "speculative_config"),
+               ("--vllm-lookahead-tokens", "lookahead_tokens"))
+
+
+def _vllm_value(flag: str, text: str) -> object:
+    if flag.endswith("-config"):
+        try:
+            value = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"{flag} {text!r}: not JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{flag} {text!r}: expected a JSON object")
+        return value
+    if flag == "--vllm-lookahead-tokens":
+        if not text.isdigit():
+            raise ValueError(f"{flag} {text!r}: expected an integer L >= 0")
+        return int(text)
+    return text
+
+
+def with_vllm_flags(specs: list, args: argparse.Namespace) -> list:
+    """The engines with what the --vllm-* flags say of them: `vllm` for those a flag names
+    (they are vLLM engines), `vllm_default` from the unnamed values. ValueError if bad."""
+    from speckv.router.vllm_engine import VLLMFlags
+
+    names = {spec.name for spec in specs}
+    named: dict[str, dict[str, object]] = {}
+    default: dict[str, object] = {}
+    for flag, field in _VLLM_FLAGS:
+        for entry in getattr(args, flag[2:].replace("-", "_")):
+            name, sep, value = entry.partition("=")
+            if not sep or entry.lstrip().startswith("{"):
+                default[field] = _vllm_value(flag, entry)
+                continue
+            if name not in names:
+                raise ValueError(f"{flag} {name}=...: no --engine named {name!r}")
+            named.setdefault(name, {})[field] = _vllm_value(flag, value)
+    out = []
+    for spec in specs:
+        values = named.get(spec.name)
+        out.append(replace(
+            spec, vllm=VLLMFlags(**{**default, **values}) if values is not None else None,
+            vllm_default=VLLMFlags(**default) if default else None))
+    return out
+
+
 def build_pd_router(args: argparse.Namespace):
     """The P/D proxy of `--prefill URL --decode URL` (ValueError if the URLs are bad)."""
     from speckv.router.pd import PDConfig, PDRouter, build_pd_app
@@ -123,7 +189,8 @@ def build_pd_router(args: argparse.Namespace):
 
 
 def build_router(args: argparse.Namespace):
-    from speckv.router.app import Router, RouterConfig, fetch_contracts
+    from speckv.router.app import Router, RouterConfig
+    from speckv.router.engine_probe import fetch_contracts
     from speckv.router.fleet import Fleet, FleetConfig
     from speckv.router.policy import Policy
     from speckv.router.tokenizer import TokenizerCache
@@ -136,7 +203,8 @@ def build_router(args: argparse.Namespace):
                           health_interval_s=args.health_interval)
     fleet_config = FleetConfig(stale_after_s=args.stale_after, pending_ttl_s=args.pending_ttl)
     policy = Policy(args.policy, scoring)
-    links = fetch_contracts(parse_engines(args.engine, args.engine_api_key))
+    links = fetch_contracts(with_vllm_flags(parse_engines(args.engine, args.engine_api_key),
+                                            args))
     fleet = Fleet(links, TokenizerCache(args.tokenizer), fleet_config)
     return Router(fleet, policy, config)
 

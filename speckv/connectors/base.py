@@ -95,7 +95,7 @@ says which groups it carries (`kv_group_support`); the tiers carry all (`group_t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,20 @@ class FinishDecision:
 
     delay_free: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+
+
+class TransferParamsError(ValueError):
+    """A request's `kv_transfer_params` a connector refuses; `field` names the offending field
+    (`param` in the API's words: `kv_transfer_params.host`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"kv_transfer_params.{field}: {message}" if field
+                         else f"kv_transfer_params: {message}")
+        self.field = field
+
+    @property
+    def param(self) -> str:
+        return f"kv_transfer_params.{self.field}".rstrip(".")
 
 
 class KVConnector(ABC):
@@ -271,6 +285,17 @@ class KVConnector(ABC):
         """Forget everything stored (not the local prefix cache). False if blocks are in use."""
         return True
 
+    # ---- a request's kv_transfer_params (the API passes them on untouched) --------------------
+    def check_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        """When a request is added, before it is queued: TransferParamsError if this connector
+        refuses its `kv_transfer_params`. No I/O (it runs on the engine's thread)."""
+        return None
+
+    def transfer_abandoned(self, params: Mapping[str, Any] | None) -> None:
+        """A request with these params was refused before the engine took it (a bad field, a
+        full queue): whatever a peer keeps for it may go. Never blocks."""
+        return None
+
     # ---- worker side -------------------------------------------------------------------------
     def start_load_kv(self, meta: StepMetadata) -> None:
         """Before the forward: snapshot the step's saves, then load into the device blocks.
@@ -313,6 +338,10 @@ class KVConnector(ABC):
         """Between steps only: store every pending save and wait for the copy thread. True if
         everything settled within `timeout_s`."""
         return True
+
+    def startup_lines(self) -> tuple[str, ...]:
+        """What `speckv serve` prints about this connector when it starts (nothing here)."""
+        return ()
 
     def shutdown(self) -> None:
         """Stop background threads; pending stores are dropped."""

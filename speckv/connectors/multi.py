@@ -14,7 +14,7 @@ Owns the composition rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from speckv.cache.events import KVCacheEvent
@@ -35,6 +35,17 @@ from speckv.connectors.metadata import (
 )
 from speckv.connectors.parts import PendingParts
 from speckv.connectors.rules import ConnectorMode, ConnectorRequest
+
+
+def combine(connectors: Sequence[KVConnector | None]) -> KVConnector | None:
+    """One connector of several, in order (a MultiConnector's children flattened into the
+    list; None entries skipped); None when there is none, the one when there is one."""
+    children = [child for connector in connectors if connector is not None
+                for child in (connector.children if isinstance(connector, MultiConnector)
+                              else (connector,))]
+    if len(children) <= 1:
+        return children[0] if children else None
+    return MultiConnector(children, name=",".join(child.name for child in children))
 
 
 class MultiConnector(KVConnector):
@@ -148,6 +159,17 @@ class MultiConnector(KVConnector):
         return all(results)
 
     # ---- worker side -------------------------------------------------------------------------
+    def check_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        for child in self.children:
+            child.check_transfer_params(params)
+
+    def transfer_abandoned(self, params: Mapping[str, Any] | None) -> None:
+        for child in self.children:
+            child.transfer_abandoned(params)
+
+    def startup_lines(self) -> tuple[str, ...]:
+        return tuple(line for child in self.children for line in child.startup_lines())
+
     def _children_meta(self, meta: StepMetadata) -> tuple[StepMetadata, ...]:
         if not isinstance(meta, MultiConnectorMetadata) or len(meta.children) != len(
             self.children

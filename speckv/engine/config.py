@@ -10,8 +10,8 @@ validated part by part (each sub-config checks itself; `EngineConfig` checks how
                                                 (None: no speculation)
       kv_connector  ConnectorConfig | None      KV tiers beyond the local prefix cache
                                                 (`--kv-connector`)
-      kv_transfer   NixlConfig | None           prefill/decode transfer over NIXL
-                                                (`--kv-transfer-config`)
+      kv_transfer   KVTransferConfig | None     a KV transfer connector, e.g. prefill/decode
+                                                over NIXL (`--kv-transfer-config`)
       events        EventsConfig | None         where KV events are published
       kv_load_failure_policy, dtype, device, max_model_len, seed
 
@@ -32,7 +32,7 @@ from speckv.connectors.config import (
     check_load_failure_policy,
 )
 from speckv.connectors.namespace import persistent_hash_seed
-from speckv.connectors.nixl.config import NixlConfig
+from speckv.connectors.transfer_config import KVTransferConfig
 from speckv.hashing.functions import HASH_ALGOS
 from speckv.speculation.methods import METHODS
 
@@ -176,7 +176,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculation
     kv_connector: ConnectorConfig | None = None  # None: the local prefix cache only
-    kv_transfer: NixlConfig | None = None  # None: no prefill/decode transfer
+    kv_transfer: KVTransferConfig | None = None  # None: no KV transfer connector
     events: EventsConfig | None = None  # None: no KV events published
     # what a failed KV load (a tier's, or a transfer's) does to its request: recompute from the
     # first failed token, or end it with an error (vLLM's kv_load_failure_policy)

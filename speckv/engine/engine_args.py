@@ -24,12 +24,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, ConnectorConfig
+from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, ConnectorConfig, options
 from speckv.connectors.disk import DEFAULT_DISK_GIB
-from speckv.connectors.nixl.config import NixlConfig
 from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB
 from speckv.connectors.redis_store import DEFAULT_TIMEOUT_S
 from speckv.connectors.shared_store import DEFAULT_STORE_GIB, EMBEDDED
+from speckv.connectors.transfer_config import KVTransferConfig
 from speckv.engine.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     CacheConfig,
@@ -78,16 +78,25 @@ class EngineArgs:
     kv_load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY  # a failed load: recompute | fail
     # the connector settings whole (what the CLI parses); instead of kv_connector + kv_*
     kv_connector_config: ConnectorConfig | None = None
-    # prefill/decode transfer over NIXL: the `--kv-transfer-config` JSON (text or dict;
-    # speckv.connectors.nixl.config); its side channel binds `kv_transfer_host`. None: off
+    # a KV transfer connector (prefill/decode over NIXL): the `--kv-transfer-config` JSON
+    # (text or dict; speckv.connectors.transfer_config); a side channel binds
+    # `kv_transfer_host`. None: off
     kv_transfer_config: str | dict[str, Any] | None = None
     kv_transfer_host: str = "127.0.0.1"
     mamba_block_size: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """The nested `EngineConfig` (ValueError naming the field that is wrong)."""
-        transfer = (None if self.kv_transfer_config is None else
-                    NixlConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host))
+        parsed = (None if self.kv_transfer_config is None else
+                  KVTransferConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host))
+        transfer = parsed.transfer() if parsed is not None else None
+        kv_connector = self._kv_connector()
+        tiers = parsed.tiers() if parsed is not None else None
+        if tiers is not None:  # vLLM's JSON naming a tier: as --kv-connector would
+            if kv_connector is not None:
+                raise ValueError("--kv-transfer-config names KV tiers and --kv-connector too; "
+                                 "name them in one of the two")
+            kv_connector = tiers
         return EngineConfig(
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_blocks,
@@ -99,12 +108,12 @@ class EngineArgs:
                 mamba_block_size=self.mamba_block_size),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             speculative=self._speculative(),
-            kv_connector=self._kv_connector(),
+            kv_connector=kv_connector,
             kv_transfer=transfer,
             events=self._events(),
             kv_load_failure_policy=(
-                transfer.load_failure_policy  # the JSON's key, as vLLM's
-                if transfer is not None and transfer.load_failure_policy is not None
+                parsed.kv_load_failure_policy  # the JSON's key, as vLLM's
+                if parsed is not None and parsed.kv_load_failure_policy is not None
                 else self.kv_load_failure_policy),
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             seed=self.seed,
@@ -147,14 +156,10 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.kv_connector must be a string like 'offload,disk', "
                              f"got {self.kv_connector!r}")
         try:
-            return ConnectorConfig.parse(
-                self.kv_connector, offload_gib=self.kv_offload_gib,
-                offload_dir=None if self.kv_offload_dir is None else str(self.kv_offload_dir),
-                disk_gib=self.kv_offload_disk_gib, store_url=self.kv_store_url,
-                store_gib=self.kv_store_gib, store_cluster=self.kv_store_cluster,
-                store_optional=self.kv_store_optional,
-                store_timeout_s=self.kv_store_timeout_s,
-                load_failure_policy=self.kv_load_failure_policy)
+            given = {option.name: getattr(self, option.metadata["arg"]) for option in options()}
+            if given["offload_dir"] is not None:  # a Path is fine
+                given["offload_dir"] = str(given["offload_dir"])
+            return ConnectorConfig.parse(self.kv_connector, **given)
         except ValueError as error:
             raise ValueError(f"EngineArgs.kv_connector: {error}") from None
 

@@ -37,7 +37,6 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from speckv.cache.results import BlockCopy
-from speckv.engine.direct_init import direct_init
 from speckv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,7 +72,6 @@ class NewRequestData:
     stop_limits: StopLimits
 
 
-@direct_init
 @dataclass(frozen=True, kw_only=True)
 class ScheduledRequest:
     """One request computed in this step, in batch order (built by keyword only)."""
@@ -146,7 +144,6 @@ class ModelRunnerOutput:
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
 
 
-@direct_init
 @dataclass(frozen=True, kw_only=True)
 class EngineCoreOutput:
     """One request's progress in one step, as the scheduler saw it (no text; built by

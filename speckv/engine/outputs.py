@@ -13,10 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from speckv.engine.direct_init import direct_init
 
-
-@direct_init  # one per request per step: the frozen init's per-field setattr costs
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str

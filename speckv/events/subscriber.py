@@ -1,6 +1,7 @@
 """The KV-event subscriber: SUB socket, sequence-gap detection, replay, safe decoding.
 
-Owns the consumer side of the publisher's protocol (`speckv.events.publisher`). It delivers
+Owns the consumer side of the publisher's protocol (`speckv.events.publisher`, and vLLM's,
+whose replay answers carry the topic frame too). It delivers
 batches in sequence order, each once:
 
 - a live batch whose seq is past the next expected one means batches were missed (a slow
@@ -245,6 +246,8 @@ class EventSubscriber:
         while sock.poll(timeout_ms):
             frames = sock.recv_multipart()
             if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:  # vLLM's publisher replays (topic, seq, payload)
                 frames = frames[1:]
             if len(frames) != 2 or len(frames[0]) != 8:
                 self.stats.malformed_messages += 1

@@ -36,16 +36,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from speckv.api import errors
-from speckv.api.contract import CONTRACT_PATH
 from speckv.api.errors import APIError
 from speckv.api.http_guard import (
     check_bearer_key,
+    client_gone_handler,
     on_api_error,
     on_http_error,
     race_disconnect,
@@ -60,7 +60,7 @@ from speckv.api.protocol import (
     parse_completion,
     parse_json_object,
 )
-from speckv.router.contract import ContractError
+from speckv.router.engine_probe import EngineDown, read_contract
 from speckv.router.fleet import EngineLink, EnginePlan, Fleet
 from speckv.router.metrics import RouterMetrics
 from speckv.router.policy import Decision, Policy
@@ -103,23 +103,24 @@ def load_from_metrics(text: str) -> dict[str, float]:
 
 async def poll_engine(client: httpx.AsyncClient, fleet: Fleet, link: EngineLink,
                       timeout_s: float) -> None:
-    """One health poll: /health, the contract, the load. Any failure takes it out."""
-    url, headers = link.spec.url, link.headers()
+    """One health poll: /health, the contract (a speckv engine's, or the one a vLLM engine's
+    /metrics and /v1/models give), the load. Any failure takes it out."""
     try:
-        health = await client.get(f"{url}/health", timeout=timeout_s)
+        health = await client.get(f"{link.spec.url}/health", timeout=timeout_s)
         if health.status_code != 200:
             fleet.mark_unhealthy(link, f"/health answered {health.status_code}")
             return
-        contract = await client.get(f"{url}{CONTRACT_PATH}", headers=headers,
-                                    timeout=timeout_s)
-        metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
-        if contract.status_code != 200 or metrics.status_code != 200:
-            fleet.mark_unhealthy(link, f"{CONTRACT_PATH} answered {contract.status_code}, "
-                                 f"/metrics {metrics.status_code}")
-            return
-        fleet.engine_healthy(link, contract.json(), load_from_metrics(metrics.text))
-    except (httpx.HTTPError, ValueError) as error:
+        probe = await read_contract(client, link.spec, timeout_s)
+    except EngineDown as down:
+        fleet.mark_unhealthy(link, str(down))
+        return
+    except httpx.HTTPError as error:
         fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
+        return
+    except ValueError as error:
+        fleet.refuse(link, error)
+        return
+    fleet.engine_healthy(link, probe.contract, load_from_metrics(probe.metrics_text))
 
 
 def _no_engine(retry_after_s: int) -> APIError:
@@ -283,9 +284,47 @@ def _passthrough(response: httpx.Response, content: bytes, engine: str) -> Respo
 
 def build_app(router: Router) -> Starlette:
     """The Starlette app: every route is a closure over the one router state (config, fleet,
-    index, metrics), so they stay together here rather than in a class of handlers."""
+    index, metrics), built in two groups: the proxied generation routes (`_proxy_routes`)
+    and the router's own (`_service_routes`)."""
     config = router.config
     fleet = router.fleet
+
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unexpected error routing %s", request.url.path)
+        failure = APIError(500, f"Internal router error: {type(error).__name__}: {error}",
+                           "server_error")
+        return JSONResponse(failure.body(), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        total = config.max_inflight_requests + 16
+        router.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=total, max_keepalive_connections=total),
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
+        fleet.start()
+        health = asyncio.ensure_future(router.health_loop())
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await router.client.aclose()
+            fleet.stop()
+
+    return Starlette(
+        routes=[*_proxy_routes(router), *_service_routes(router)],
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            ClientDisconnect: client_gone_handler(logger),
+                            Exception: on_unexpected},
+        lifespan=lifespan,
+    )
+
+
+def _proxy_routes(router: Router) -> list[Route]:
+    """/v1/completions and /v1/chat/completions: routed to an engine (`_try_engine`), one
+    retry on another engine after an upstream failure."""
+    config = router.config
 
     async def forward(request: Request, kind: str, path: str) -> Any:
         _check_api_key(router, request)
@@ -305,53 +344,12 @@ def build_app(router: Router) -> Starlette:
             decision = router.choose(plans, tried)
             if decision is None:
                 break
-            engine = decision.engine
-            tried.add(engine)
-            link = fleet.links[engine]
-            plan = plans[engine]
-            router.metrics.requests.labels(engine, decision.reason).inc()
-            fleet.routed(engine, plan)
-            router.inflight += 1
-            settled = False
-
-            def done(engine: str = engine, plan: EnginePlan = plan) -> None:
-                router.inflight -= 1
-                fleet.finished(engine, plan)
-
-            try:
-                upstream = router.client.build_request(
-                    "POST", f"{link.spec.url}{path}", content=raw,
-                    headers={"content-type": "application/json", **link.headers()})
-                response = await router.client.send(upstream, stream=True)
-                if response.status_code >= 500:
-                    content = await response.aread()
-                    await response.aclose()
-                    router.metrics.upstream_errors.labels(engine).inc()
-                    last_error = _upstream_failed(engine, f"HTTP {response.status_code}: "
-                                                  f"{content[:200]!r}")
-                    if len(tried) < 2 and len(fleet.links) > 1:
-                        router.metrics.retries.labels(engine).inc()
-                        continue
-                    return _passthrough(response, content, engine)
-                if stream and response.status_code == 200:
-                    settled = True  # the stream's end settles it
-                    return _Stream(router, engine, response, plan, done)
-                content = await response.aread()
-                await response.aclose()
-                if response.status_code == 200:
-                    with contextlib.suppress(ValueError, AttributeError):
-                        router.metrics.report(engine, plan.predicted_cached_tokens,
-                                              json.loads(content).get("usage"),
-                                              plan.num_prompt_tokens)
-                return _passthrough(response, content, engine)
-            except httpx.HTTPError as error:
-                router.metrics.upstream_errors.labels(engine).inc()
-                fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
-                last_error = _upstream_failed(engine, f"{type(error).__name__}: {error}")
-                router.metrics.retries.labels(engine).inc()
-            finally:
-                if not settled:
-                    done()
+            tried.add(decision.engine)
+            response, error = await _try_engine(router, decision, plans, raw, path, stream,
+                                                tried)
+            if response is not None:
+                return response
+            last_error = error
         if last_error is not None:
             raise last_error
         raise _no_engine(config.retry_after_s)
@@ -361,6 +359,73 @@ def build_app(router: Router) -> Starlette:
 
     async def chat_completions(request: Request) -> Any:
         return await forward(request, "chat", "/v1/chat/completions")
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+
+
+async def _try_engine(router: Router, decision: Decision, plans: dict[str, EnginePlan], raw: bytes,
+                     path: str, stream: bool, tried: set[str]
+                     ) -> tuple[Response | None, APIError | None]:
+    """One try of a request on the engine `decision` chose: (the response to return, None),
+    or (None, the error) when the next engine should be tried."""
+    fleet = router.fleet
+    assert router.client is not None
+    last_error: APIError | None = None
+    engine = decision.engine
+    link = fleet.links[engine]
+    plan = plans[engine]
+    router.metrics.requests.labels(engine, decision.reason).inc()
+    fleet.routed(engine, plan)
+    router.inflight += 1
+    settled = False
+
+    def done(engine: str = engine, plan: EnginePlan = plan) -> None:
+        router.inflight -= 1
+        fleet.finished(engine, plan)
+
+    try:
+        upstream = router.client.build_request(
+            "POST", f"{link.spec.url}{path}", content=raw,
+            headers={"content-type": "application/json", **link.headers()})
+        response = await router.client.send(upstream, stream=True)
+        if response.status_code >= 500:
+            content = await response.aread()
+            await response.aclose()
+            router.metrics.upstream_errors.labels(engine).inc()
+            last_error = _upstream_failed(engine, f"HTTP {response.status_code}: "
+                                          f"{content[:200]!r}")
+            if len(tried) < 2 and len(fleet.links) > 1:
+                router.metrics.retries.labels(engine).inc()
+                return None, last_error
+            return _passthrough(response, content, engine), None
+        if stream and response.status_code == 200:
+            settled = True  # the stream's end settles it
+            return _Stream(router, engine, response, plan, done), None
+        content = await response.aread()
+        await response.aclose()
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                router.metrics.report(engine, plan.predicted_cached_tokens,
+                                      json.loads(content).get("usage"),
+                                      plan.num_prompt_tokens)
+        return _passthrough(response, content, engine), None
+    except httpx.HTTPError as error:
+        router.metrics.upstream_errors.labels(engine).inc()
+        fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
+        last_error = _upstream_failed(engine, f"{type(error).__name__}: {error}")
+        router.metrics.retries.labels(engine).inc()
+    finally:
+        if not settled:
+            done()
+    return None, last_error
+
+
+def _service_routes(router: Router) -> list[Route]:
+    """Models, health, metrics, the router's state and the fleet-wide prefix-cache reset."""
+    fleet = router.fleet
 
     async def models(request: Request) -> JSONResponse:
         _check_api_key(router, request)
@@ -401,81 +466,18 @@ def build_app(router: Router) -> Starlette:
         for link, answer in zip(links, answers):
             if answer.status_code != 200:
                 return _passthrough(answer, answer.content, link.name)
+            with contextlib.suppress(ValueError, AttributeError):
+                if answer.json().get("success") is False:  # vLLM: blocks still held
+                    return _passthrough(answer, answer.content, link.name)
+            # a vLLM engine publishes its AllBlocksCleared with its next step's events: the
+            # index forgets the engine's blocks now (the event, when it comes, again)
+            fleet.cleared(link)
         return JSONResponse({"success": True, "engines": [link.name for link in links]})
 
-    async def on_unexpected(request: Request, error: Exception) -> Response:
-        logger.exception("unexpected error routing %s", request.url.path)
-        failure = APIError(500, f"Internal router error: {type(error).__name__}: {error}",
-                           "server_error")
-        return JSONResponse(failure.body(), status_code=500)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        total = config.max_inflight_requests + 16
-        router.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=total, max_keepalive_connections=total),
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
-        fleet.start()
-        health = asyncio.ensure_future(router.health_loop())
-        try:
-            yield
-        finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
-            await router.client.aclose()
-            fleet.stop()
-
-    return Starlette(
-        routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/router/state", state, methods=["GET"]),
-            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        ],
-        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                            Exception: on_unexpected},
-        lifespan=lifespan,
-    )
-
-
-def fetch_contracts(specs: list[Any], timeout_s: float = 10.0) -> list[EngineLink]:
-    """Each engine's contract, read by URL at start. An engine that does not answer (no
-    connection, a 5xx while it loads) starts out of rotation, without a contract: its first
-    passing health poll adds it. A ValueError naming the engine (and the contract field) for
-    one that answers with a contract the router cannot reproduce, or wants a key."""
-    from speckv.router.contract import parse_contract
-
-    links = []
-    for spec in specs:
-        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-        try:
-            response = httpx.get(f"{spec.url}{CONTRACT_PATH}", headers=headers,
-                                 timeout=timeout_s)
-        except httpx.HTTPError as error:
-            logger.warning("engine %s at %s does not answer (%s: %s): starting without it; "
-                           "it joins when its health passes", spec.name, spec.url,
-                           type(error).__name__, error)
-            links.append(EngineLink(spec, None))
-            continue
-        if response.status_code == 401:
-            raise ValueError(f"engine {spec.name!r} at {spec.url} wants an API key: pass "
-                             f"--engine-api-key {spec.name}=KEY")
-        if response.status_code >= 500:
-            logger.warning("engine %s at %s: %s answered %d: starting without it; it joins "
-                           "when its health passes", spec.name, spec.url, CONTRACT_PATH,
-                           response.status_code)
-            links.append(EngineLink(spec, None))
-            continue
-        if response.status_code != 200:
-            raise ValueError(f"engine {spec.name!r} at {spec.url}: {CONTRACT_PATH} answered "
-                             f"{response.status_code} (not a speckv serve of this version?)")
-        try:
-            body = response.json()
-        except ValueError:
-            raise ContractError(spec.name, "contract", "not JSON") from None
-        links.append(EngineLink(spec, parse_contract(spec.name, spec.url, body)))
-    return links
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/router/state", state, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+    ]

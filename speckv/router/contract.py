@@ -94,6 +94,7 @@ class EngineContract:
     events_endpoint: str
     replay_endpoint: str | None
     num_blocks: int
+    vllm: bool = False  # built from a vLLM engine's /metrics (`speckv.router.vllm_engine`)
 
     @property
     def reproduction_key(self) -> tuple[Any, ...]:

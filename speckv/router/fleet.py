@@ -30,6 +30,7 @@ from speckv.router.contract import ContractError, EngineContract, parse_contract
 from speckv.router.index import EngineState, RouterIndex
 from speckv.router.policy import EngineView
 from speckv.router.tokenizer import TokenizerCache
+from speckv.router.vllm_engine import VLLMFlags, check_groups
 
 logger = logging.getLogger("speckv.router")
 SUBSCRIBER_COUNTERS = ("received_batches", "replayed_batches", "replay_requests",
@@ -41,6 +42,9 @@ class EngineSpec:
     name: str
     url: str  # http://host:port
     api_key: str | None = None  # sent on as Authorization: Bearer
+    vllm: VLLMFlags | None = None  # a vLLM engine, as the --vllm-* flags naming it describe it
+    # what the --vllm-* flags without a name say, for an engine found to be vLLM's
+    vllm_default: VLLMFlags | None = None
 
 
 @dataclass
@@ -51,6 +55,9 @@ class EngineLink:
     contract: EngineContract | None
     healthy: bool = True
     refused: str | None = None  # a later contract the router cannot reproduce
+    # what its KV events showed the router cannot predict (a hybrid vLLM engine), until the
+    # engine restarts
+    events_refused: str | None = None
     unhealthy_since: float | None = None
     expired: bool = False  # entries dropped after stale_after_s without health
     generation: int = 0  # bumped to make the subscriber thread start over
@@ -73,7 +80,8 @@ class EngineLink:
 
     @property
     def in_rotation(self) -> bool:
-        return self.healthy and self.refused is None and self.contract is not None
+        return (self.healthy and self.refused is None and self.events_refused is None
+                and self.contract is not None)
 
     @property
     def load_requests(self) -> int:
@@ -197,6 +205,14 @@ class Fleet:
                 subscriber.close()
 
     def apply(self, link: EngineLink, generation: int, seq: int, batch: KVEventBatch) -> None:
+        if link.contract is not None and link.contract.vllm:
+            try:
+                check_groups(link.name, batch)
+            except ContractError as error:  # a hybrid vLLM engine: out of rotation
+                with self.lock:
+                    if link.events_refused is None:
+                        logger.error("engine %s out of rotation: %s", link.name, error)
+                    link.events_refused = str(error)
         with self.lock:
             if link.generation != generation:
                 return  # read before the engine's entries were dropped
@@ -232,25 +248,32 @@ class Fleet:
         """Drop the engine's entries and make its thread subscribe again (lock held)."""
         if contract is not None:
             link.contract = contract
+            link.events_refused = None  # a new epoch: its events are judged again
         self.index.reset_engine(link.name, link.contract.hashing)
         link.index_resets += 1
         link.generation += 1
 
+    def refuse(self, link: EngineLink, error: Exception) -> None:
+        """Out of rotation: the engine answers with a contract the router cannot use."""
+        with self.lock:
+            if link.refused != str(error):
+                logger.error("engine %s out of rotation: %s", link.name, error)
+            link.refused = str(error)
+
     def engine_healthy(self, link: EngineLink, contract_body: Any,
                        load: Mapping[str, float]) -> None:
-        """A successful poll: the contract as served now and the load from /metrics."""
+        """A successful poll: the contract as served now (its JSON, or an `EngineContract`
+        built from a vLLM engine's /metrics) and the load from /metrics."""
         try:
-            contract = parse_contract(link.name, link.spec.url, contract_body)
+            contract = contract_body if isinstance(contract_body, EngineContract) \
+                else parse_contract(link.name, link.spec.url, contract_body)
             if link.contract is None \
                     or contract.reproduction_key != link.contract.reproduction_key:
                 self.tokenizers.get(link.name, contract.model, contract.tokenizer)
                 with self.lock:
                     self._check_model(link, contract)
         except ValueError as error:
-            with self.lock:
-                if link.refused != str(error):
-                    logger.error("engine %s out of rotation: %s", link.name, error)
-                link.refused = str(error)
+            self.refuse(link, error)
             return
         with self.lock:
             link.refused = None
@@ -278,6 +301,12 @@ class Fleet:
             link.waiting = int(load.get("waiting", 0))
             link.external_load = max(0, link.running + link.waiting - link.inflight)
             link.kv_usage = float(load.get("kv_usage", 0.0))
+
+    def cleared(self, link: EngineLink) -> None:
+        """The engine's prefix cache was reset: forget its blocks (as AllBlocksCleared)."""
+        with self.lock:
+            if link.name in self.index.state:
+                self.index.clear_engine(link.name)
 
     # ---- requests ----------------------------------------------------------------------------
     def plan(self, token_ids: Sequence[int], engines: Sequence[str]
@@ -380,7 +409,8 @@ class Fleet:
         with self.lock:
             index = self.index.stats()
             return {name: {
-                "url": link.spec.url, "healthy": link.healthy, "refused": link.refused,
+                "url": link.spec.url, "healthy": link.healthy,
+                "refused": link.refused or link.events_refused,
                 "expired": link.expired, "reached": link.contract is not None,
                 "epoch": link.contract.epoch if link.contract else None,
                 "epochs_seen": link.epochs_seen, "index_resets": link.index_resets,

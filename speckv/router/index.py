@@ -234,11 +234,16 @@ class RouterIndex:
                     state.full_hashes.pop(key[1], None)
                 state.removed_blocks += 1
         elif isinstance(event, AllBlocksCleared):
-            state.blocks.clear()
-            state.full_hashes.clear()
-            state.successors.clear()
-            state.pending_successors.clear()
+            self.clear_engine(engine)
             state.clears += 1
+
+    def clear_engine(self, engine: str) -> None:
+        """Forget every block of the engine (its cache was reset), counters kept. Mutates."""
+        state = self.state[engine]
+        state.blocks.clear()
+        state.full_hashes.clear()
+        state.successors.clear()
+        state.pending_successors.clear()
 
     def _stored(self, engine: str, state: EngineState, event: BlockStored) -> None:
         group = event.group_idx or 0

@@ -16,6 +16,8 @@ from speckv.api.contract import tokenizer_digest
 from speckv.models.common.tokenizer import Tokenizer
 
 BUILTIN_TOKENIZER_MODELS = ("builtin", "hybrid-swa", "hybrid-gdn")
+# the contract `tokenizer` of an engine that publishes no digest (a vLLM engine), + its model
+UNPUBLISHED = "unpublished:"
 
 
 def _config_eos_ids(directory: Path) -> tuple[int, ...]:
@@ -68,7 +70,9 @@ class TokenizerCache:
             raise ValueError(f"engine {engine!r}: cache contract field 'tokenizer': {error}; "
                              "pass --tokenizer MODEL (the engine's model dir or file)") from None
         found = tokenizer_digest(tokenizer)
-        if found != digest:
+        if digest is not None and digest.startswith(UNPUBLISHED):
+            pass  # the engine publishes no digest (vLLM): its model's tokenizer is trusted
+        elif found != digest:
             raise ValueError(f"engine {engine!r}: cache contract field 'tokenizer': the "
                              f"tokenizer of {source!r} here (digest {str(found)[:12]}) is not "
                              f"the engine's ({digest[:12]}); pass --tokenizer MODEL with the "

@@ -101,7 +101,7 @@ class AsyncEngineClient:
             raise
         if isinstance(event, Rejected):
             self._unregister(request.request_id)
-            raise bad_request(event.message, None, "invalid_value")
+            raise bad_request(event.message, event.param, "invalid_value")
         if isinstance(event, Failed):
             self._unregister(request.request_id)
             raise engine_failed(event.message)

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from speckv.engine.cli_args import add_engine_arguments, engine_args_from_cli, parse_size
 
-__all__ = ["add_arguments", "build_server", "parse_size", "run"]
+__all__ = ["add_arguments", "build_server", "parse_size", "run", "serve_threads"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,10 +46,7 @@ def build_server(args: argparse.Namespace, progress: bool = True):
     from speckv.engine.llm import LLM
     from speckv.server.app import OpenAIServer, ServerConfig
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(serve_threads(args.threads, torch.get_num_threads()))
     config = ServerConfig(served_model_name=args.served_model_name or args.model,
                           api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests,
@@ -60,7 +56,23 @@ def build_server(args: argparse.Namespace, progress: bool = True):
     return OpenAIServer(llm.engine, config, model_path=args.model)
 
 
+def serve_threads(requested: int | None, torch_default: int) -> int:
+    """The engine's compute threads: `--threads`, else one fewer than torch's default (its
+    physical cores), at least 1. As vLLM's CPU engine does, one core is left to the HTTP
+    server and the event loop: with every core computing, the server's work preempts a compute
+    thread and the others wait for it at each op's barrier (the README's "speckv vs vLLM on
+    CPU" gives the measured effect)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads must be >= 1, got {requested}")
+        return requested
+    return max(1, torch_default - 1)
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from speckv.engine.cli_args import speculation_choice
     from speckv.engine.llm import random_init_note
     from speckv.server.launch import bind_socket, serve_forever
 
@@ -82,23 +94,11 @@ def run(args: argparse.Namespace) -> int:
           f"{engine.config.cache.block_size}"
           f", {engine.hash_mode.label} block hashes"
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
-          + ")", flush=True)
+          + f", {torch.get_num_threads()} compute threads)", flush=True)
     print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
-    transfer = _transfer_connector(engine.connector)
-    if transfer is not None:
-        print(f"speckv serve: KV transfer over NIXL, {transfer.config.role}, engine "
-              f"{transfer.config.engine_id}"
-              + (f", side channel {transfer.config.host}:{transfer.side_channel_port}"
-                 if transfer.side_channel_port is not None else ""), flush=True)
+    choice, _ = speculation_choice(args.model, args.speculative_method, args.speculative_model,
+                                   args.num_spec_tokens, args.speculative_config)
+    print(f"speckv serve: {choice.summary}", flush=True)
+    for line in engine.connector.startup_lines() if engine.connector is not None else ():
+        print(f"speckv serve: {line}", flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)
-
-
-def _transfer_connector(connector: Any) -> Any:
-    """The engine's NixlConnector (alone or inside a MultiConnector), or None."""
-    from speckv.connectors.nixl.connector import NixlConnector
-
-    for child in getattr(connector, "children", (connector,)):
-        if isinstance(child, NixlConnector):
-            return child
-    return None
-    return 0

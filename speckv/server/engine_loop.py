@@ -23,12 +23,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from speckv.connectors import TransferParamsError
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.stats import SchedulerStats
 
 logger = logging.getLogger("speckv.server")
+
+# Between two steps that ran nothing (every request waits on a KV transfer, or only leases are
+# held): a step is what polls the transfers, 1 ms apart costs at most 1 ms of their latency.
+WAITING_PAUSE_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class Accepted:
 class Rejected:
     request_id: str
     message: str  # the engine's ValueError, in the user's words
+    param: str | None = None  # the API field it names (a connector's kv_transfer_params.*)
 
 
 @dataclass(frozen=True)
@@ -162,12 +168,14 @@ class EngineLoop:
             while not self._stop.is_set():
                 events: list[LoopEvent] = []
                 self._take_queued(events)
-                if self.engine.has_unfinished_requests():
-                    self._step(events)
+                ran = self._step(events) if self.engine.has_unfinished_requests() else False
                 if events:
                     self._deliver(events)
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                elif not ran:  # only KV transfers pending: poll them, do not spin on them
+                    self._wake.wait(WAITING_PAUSE_S)
                     self._wake.clear()
             self._fail_all("the server is shutting down")
         except BaseException as error:  # the engine is broken: nobody may wait on it
@@ -192,7 +200,8 @@ class EngineLoop:
                 engine.add_request(request.prompt_token_ids, request.params, request.request_id)
             except ValueError as error:
                 self._finish(request.request_id)
-                events.append(Rejected(request.request_id, str(error)))
+                param = error.param if isinstance(error, TransferParamsError) else None
+                events.append(Rejected(request.request_id, str(error), param))
                 continue
             events.append(Accepted(request.request_id))
             if self._observer is not None:
@@ -213,7 +222,8 @@ class EngineLoop:
                 except Exception as error:  # the caller's failure, not the engine's
                     future.set_exception(error)
 
-    def _step(self, events: list[LoopEvent]) -> None:
+    def _step(self, events: list[LoopEvent]) -> bool:
+        """One engine step; False if it ran no request (it only polled KV transfers)."""
         start = time.perf_counter()
         outputs = self.engine.step()
         end = time.perf_counter()
@@ -226,6 +236,7 @@ class EngineLoop:
             if stats is not None:
                 self._num_running = stats.num_running_reqs
         events.extend(Output(output) for output in outputs)
+        return bool(outputs) or stats is None or stats.num_running_reqs > 0
 
     def _finish(self, request_id: str) -> None:
         with self._lock:

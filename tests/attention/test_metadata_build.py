@@ -1,5 +1,6 @@
-"""AttentionMetadata from host lists or from one padded block-table array: the array path
-(many requests) gives exactly the tensors of the per-token list path (a few requests)."""
+"""AttentionMetadata from host lists or from one padded block-table array: the one array path
+gives, at every batch size, exactly the tensors of the layout's definition written token by
+token in this test."""
 
 from __future__ import annotations
 
@@ -33,14 +34,33 @@ def _same(a: AttentionMetadata, b: AttentionMetadata) -> None:
     assert a.query_lens_host == b.query_lens_host and a.seq_lens_host == b.seq_lens_host
 
 
+def _reference(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+               width: int, block_size: int) -> AttentionMetadata:
+    """The layout token by token: request r's new tokens at s - q .. s - 1, each written to
+    its block's slot; tables padded with the null block (0)."""
+    positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
+    slots = [table[p // block_size] * block_size + p % block_size
+             for q, s, table in zip(query_lens, seq_lens, tables) for p in range(s - q, s)]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32).view(-1, width),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=block_size)
+    md._positions = torch.tensor(positions, dtype=torch.int64)
+    return md
+
+
 @pytest.mark.parametrize("num_reqs", [1, 3, 9, 40, 200])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_array_paths_equal_the_list_path(num_reqs: int, seed: int) -> None:
+def test_array_path_equals_the_layout_token_by_token(num_reqs: int, seed: int) -> None:
     query_lens, seq_lens, tables = _batch(num_reqs, seed)
     lens = [len(t) for t in tables]
     width = max(1, max(lens))
-    reference = AttentionMetadata._from_lists(query_lens, seq_lens, tables, lens, width, 4,
-                                              "cpu")
+    reference = _reference(query_lens, seq_lens, tables, width, 4)
     _same(AttentionMetadata.build(query_lens, seq_lens, tables, 4), reference)
     padded = np.zeros((num_reqs, width + 2), dtype=np.int32)  # wider than needed: cut below
     for row, table in zip(padded, tables):
@@ -50,7 +70,7 @@ def test_array_paths_equal_the_list_path(num_reqs: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("num_reqs", [2, 20])
-def test_bad_lengths_are_refused_on_both_paths(num_reqs: int) -> None:
+def test_bad_lengths_are_refused(num_reqs: int) -> None:
     query_lens, seq_lens, tables = _batch(num_reqs, 3)
     seq_lens[-1] = 4 * len(tables[-1]) + 1
     query_lens[-1] = 1
@@ -61,7 +81,7 @@ def test_bad_lengths_are_refused_on_both_paths(num_reqs: int) -> None:
         AttentionMetadata.build(query_lens, seq_lens, tables, 4)
 
 
-@pytest.mark.parametrize("num_reqs", [2, 40])  # the list path and the array path
+@pytest.mark.parametrize("num_reqs", [2, 40])
 def test_short_tables_are_padded_with_the_null_block(num_reqs):
     from speckv.cache import NULL_BLOCK_ID
 

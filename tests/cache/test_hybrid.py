@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from speckv.bench.hit_length import measure_hit_length
 from speckv.bench.retention import run_scenario
 from speckv.cache import KVCacheManager
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec, parse_group_specs
 from speckv.engine.request import Request
+from speckv.measure.hit_length import measure_hit_length
 from speckv.simulation import run_to_completion, toy_core
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 

@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 from rich.console import Console
 
-from speckv.bench import hash_cost
-from speckv.bench.hash_cost import DEMO, METHODS, Case, Row
 from speckv.commands import demo
+from speckv.measure import hash_cost
+from speckv.measure.hash_cost import DEMO, METHODS, Case, Row
 
 
 def test_hashing_table_fits_80_columns(monkeypatch):

@@ -87,3 +87,14 @@ def test_kv_connector_flags_reach_the_engine_and_round_trip(tmp_path):
         engine_args_from_cli(_parse("--kv-connector", "tape"))
     with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-connector disk"):
         engine_args_from_cli(_parse("--kv-offload-dir", str(tmp_path)))
+
+
+def test_serve_leaves_one_core_to_the_http_server() -> None:
+    from speckv.server.cli import serve_threads
+
+    assert serve_threads(None, 2) == 1  # this 2-core machine: one compute thread, as vLLM
+    assert serve_threads(None, 16) == 15
+    assert serve_threads(None, 1) == 1
+    assert serve_threads(3, 2) == 3  # --threads wins
+    with pytest.raises(ValueError, match="--threads must be >= 1"):
+        serve_threads(0, 2)

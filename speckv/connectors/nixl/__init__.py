@@ -9,5 +9,7 @@ engine over NIXL, the transport vLLM's NixlConnector uses.
 | `side_channel.py`| the ZeroMQ handshake / admit / heartbeat / release service and client |
 | `transport.py`   | the NIXL agent, registered KV, block READs, notifications |
 | `config.py`      | `NixlConfig`: the `--kv-transfer-config` JSON |
+| `trust.py`       | which prefill engines a decode engine contacts (`kv_peers`, signed params) |
+| `pulls.py`       | the decode side: peer links, admissions on threads, control messages |
 | `connector.py`   | `NixlConnector`: the prefill side (leases) and the decode side (pulls) |
 """

@@ -7,10 +7,14 @@ Owns `NixlConfig` (frozen, validated; errors name the JSON key) and its parsing:
      "kv_port": 0,                        side channel port (0: any free port)
      "kv_lease_s": 30.0,                  how long a prefill engine keeps unpulled blocks
      "kv_transfer_timeout_s": 10.0,       a decode engine's wait for the handshake and a READ
-     "kv_load_failure_policy": "recompute" | "fail",
-     "engine_id": "prefill-0"}            default: a random id per start
+     "kv_load_failure_policy": "recompute" | "fail",   read by `transfer_config.py`
+     "engine_id": "prefill-0",            default: a random id per start
+     "kv_connector_extra_config": {
+         "kv_peers": ["10.0.0.5", "10.0.0.6:5600"],   side channels a decode engine may contact
+         "kv_secret": "..."}}                  signs (prefill) / is required (decode) on params
 
-The side channel binds to `--host` (the same address the HTTP server listens on).
+The side channel binds to `--host` (the same address the HTTP server listens on). Which peers a
+decode engine trusts (default: loopback only) is `trust.PeerPolicy`.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speckv.connectors.nixl.lease import DEFAULT_LEASE_S
+from speckv.connectors.nixl.trust import PeerPolicy
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-POLICIES = ("recompute", "fail")
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 _KEYS = ("kv_connector", "kv_role", "kv_port", "kv_lease_s", "kv_transfer_timeout_s",
-         "kv_load_failure_policy", "engine_id")
+         "engine_id", "kv_connector_extra_config")
+_EXTRA_KEYS = ("kv_peers", "kv_secret")
 
 
 @dataclass(frozen=True)
@@ -36,16 +41,13 @@ class NixlConfig:
     port: int = 0
     lease_s: float = DEFAULT_LEASE_S
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
-    load_failure_policy: str | None = None  # None: the engine's --kv-load-failure-policy
     engine_id: str = field(default_factory=lambda: f"speckv-{uuid.uuid4().hex[:12]}")
+    policy: PeerPolicy = field(default_factory=PeerPolicy)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(ROLES)}, "
                              f"got {self.role!r}")
-        if self.load_failure_policy is not None and self.load_failure_policy not in POLICIES:
-            raise ValueError("--kv-transfer-config kv_load_failure_policy must be recompute or "
-                             f"fail, got {self.load_failure_policy!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) \
                 or not 0 <= self.port < 65536:
             raise ValueError(f"--kv-transfer-config kv_port must be a TCP port, got "
@@ -88,18 +90,25 @@ class NixlConfig:
         if "kv_role" not in obj:
             raise ValueError("--kv-transfer-config needs kv_role (kv_producer, kv_consumer or "
                              "kv_both)")
-        options: dict[str, Any] = {"role": obj["kv_role"], "host": host}
+        options: dict[str, Any] = {"role": obj["kv_role"], "host": host,
+                                   "policy": _policy(obj.get("kv_connector_extra_config"))}
         for key, name in (("kv_port", "port"), ("kv_lease_s", "lease_s"),
                           ("kv_transfer_timeout_s", "transfer_timeout_s"),
-                          ("kv_load_failure_policy", "load_failure_policy"),
                           ("engine_id", "engine_id")):
             if key in obj:
                 options[name] = obj[key]
         return cls(**options)
 
-    def to_json(self) -> str:
-        return json.dumps({"kv_connector": "nixl", "kv_role": self.role, "kv_port": self.port,
-                           "kv_lease_s": self.lease_s,
-                           "kv_transfer_timeout_s": self.transfer_timeout_s,
-                           "kv_load_failure_policy": self.load_failure_policy,
-                           "engine_id": self.engine_id})
+
+
+def _policy(extra: Any) -> PeerPolicy:
+    """The peer policy of `kv_connector_extra_config` (None: the defaults)."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise ValueError("--kv-transfer-config kv_connector_extra_config must be a JSON object")
+    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"--kv-transfer-config kv_connector_extra_config: unknown key(s) "
+                         f"{unknown}; known: {', '.join(_EXTRA_KEYS)}")
+    return PeerPolicy.parse(extra.get("kv_peers"), extra.get("kv_secret"))

@@ -12,9 +12,12 @@ decode side (`kv_consumer`), `do_remote_prefill`: after the local hit `h`, the h
 longest prefix every group serves with the local blocks and the peer's blocks whose manifest
 hash equals this engine's own; it READs (every tensor of the groups: target and drafter KV,
 GDN conv and recurrent state) only what that hit reads beyond `h`, in the worker phase after
-the step's saves are snapshotted. A failed or timed-out READ, a dead prefill engine or an
-expired lease fails the whole range: the engine recomputes from the local hit, caching
-nothing of it. Every way out releases the prefill side's lease.
+the step's saves are snapshotted. Params naming a peer the engine does not trust
+(`trust.PeerPolicy`) are refused when the request is added. The handshake and the READ's
+admission run on a thread per transfer (`pulls.admit`), the READ is polled: no step waits on
+a peer. A failed or timed-out transfer, a dead prefill engine or an expired lease fails the
+whole range: the engine recomputes from the local hit, caching nothing of it. Every way out
+releases the prefill side's lease.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from speckv.connectors.metadata import (
 )
 from speckv.connectors.nixl.config import NixlConfig
 from speckv.connectors.nixl.groups import Groups, group_rules
-from speckv.connectors.nixl.layout_desc import KVLayoutDesc, check_peer_layout, describe_layout
+from speckv.connectors.nixl.layout_desc import KVLayoutDesc, describe_layout
 from speckv.connectors.nixl.params import (
     HashContract,
     KVTransferParams,
@@ -53,17 +56,19 @@ from speckv.connectors.nixl.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from speckv.connectors.nixl.pulls import ControlSender, PeerLink, Pull, ReadInFlight
+from speckv.connectors.nixl.pulls import (
+    Caller,
+    ControlSender,
+    PeerLink,
+    Pull,
+    ReadInFlight,
+    admit,
+    close_unused,
+    peer_key,
+    run_async,
+)
 from speckv.connectors.nixl.side_channel import (
-    Admit,
-    Admitted,
-    Heartbeat,
-    Hello,
     LeaseService,
-    Refused,
-    Release,
-    SideChannelClient,
-    SideChannelError,
     SideChannelServer,
     Welcome,
 )
@@ -83,10 +88,11 @@ _DONE_PREFIX = b"done:"
 class NixlConnector(KVConnector):
     name = "nixl"
 
-    def __init__(self, config: NixlConfig, hash_algo: str, hash_seed: str | None) -> None:
+    def __init__(self, config: NixlConfig, hash_algo: str, hash_seed: str | None,
+                 load_failure_policy: str = "recompute") -> None:
         self.config = config
-        self.hash_algo = hash_algo
-        self.hash_seed = hash_seed
+        self.load_failure_policy = load_failure_policy  # the engine's one policy
+        self.hash_algo, self.hash_seed = hash_algo, hash_seed
         self.epoch = ""
         self._kv: DeviceKV | GroupedDeviceKV | None = None
         self._mode: ConnectorMode | None = None
@@ -96,16 +102,16 @@ class NixlConnector(KVConnector):
         # prefill side
         self._leases: LeaseService | None = None
         self._server: SideChannelServer | None = None
-        self._leased_requests: dict[str, str] = {}  # request id -> lease id
         # decode side
         self._peers: dict[tuple[str, int, str], PeerLink] = {}
         self._pulls: dict[str, Pull] = {}  # request id -> its pull (until released)
         self._planned: list[str] = []  # request ids whose load the next metadata carries
         self._failures: list[LoadFailure] = []
         self._recved: set[str] = set()  # asynchronous loads settled since the last report
-        self._inflight: dict[str, ReadInFlight] = {}  # READs on the wire, by request id
+        self._inflight: dict[str, ReadInFlight] = {}  # admissions and READs, by request id
         self._finished_pulls: dict[str, Pull] = {}  # finished while their READ runs
         self._control: ControlSender | None = None
+        self._caller: Caller | None = None
         self._heartbeat_at = 0.0
         self._step = 0
         self._stats: dict[str, Any] = {"lookups": 0, "hit_blocks": 0, "loaded_blocks": 0,
@@ -144,15 +150,18 @@ class NixlConnector(KVConnector):
             logger.info("nixl: prefill side channel on %s:%d (engine %s)", self.config.host,
                         self._server.port, self.config.engine_id)
         self._control = ControlSender()
+        self._caller = Caller(self.config.engine_id, self.epoch, self._layout,
+                              self.config.transfer_timeout_s)
+
+    def startup_lines(self) -> tuple[str, ...]:
+        config, port = self.config, self.side_channel_port
+        return (f"KV transfer over NIXL, {config.role}, engine {config.engine_id}"
+                + (f", side channel {config.host}:{port}" if port is not None else "")
+                + (f"; {config.policy.describe()}" if config.is_consumer else ""),)
 
     @property
     def side_channel_port(self) -> int | None:
         return self._server.port if self._server is not None else None
-
-    @property
-    def hash_contract(self) -> HashContract:
-        assert self._layout is not None
-        return self._layout.hash_contract
 
     # ---- decode side: scheduler --------------------------------------------------------------
     def _pull_of(self, request: ConnectorRequest) -> Pull | None:
@@ -168,61 +177,37 @@ class NixlConnector(KVConnector):
             logger.warning("request %s: %s; prefilling locally", request.request_id, error)
             return None
         assert self._groups is not None
-        rules = self._groups.rules
-        if len(params.block_ids) != len(rules) or any(
-                params.block_size_of(g) != rule.block_size for g, rule in enumerate(rules)):
-            logger.warning("request %s: kv_transfer_params.block_ids: %d KV cache groups of %s "
-                           "tokens, this engine has %s; prefilling locally", request.request_id,
-                           len(params.block_ids), [params.block_size_of(g) for g in
-                                                   range(len(params.block_ids))],
-                           [rule.block_size for rule in rules])
+        mismatch = self._groups.mismatch(params)
+        if mismatch is not None:
+            logger.warning("request %s: %s; prefilling locally", request.request_id, mismatch)
             return None
-        pull = self._pulls[request.request_id] = Pull(params)
-        try:
-            pull.peer = self._peer(params)
-        except (ParamsError, SideChannelError, ValueError, RuntimeError) as error:
-            self._stats["refused"] += 1
-            pull.error = str(error)
-            logger.warning("request %s: the transfer from %s:%d is refused (%s)%s",
-                           request.request_id, params.host, params.port, error,
-                           "" if self._fails else "; prefilling locally")
+        pull = self._pulls[request.request_id] = Pull(params)  # its peer: add_request checked
         return pull
+
+    def check_transfer_params(self, params: Any) -> None:
+        """A decode engine's params must parse and name a peer `config.policy` trusts."""
+        if self.config.is_consumer and wants_remote_prefill(params):
+            try:
+                self.config.policy.check(params)  # first: unsigned input is parsed no further
+                parse_transfer_params(params)
+            except ParamsError:
+                self._stats["refused"] += 1
+                raise
+
+    def transfer_abandoned(self, params: Any) -> None:
+        """Release the lease named by a refused request's params, if its peer is trusted."""
+        if not (self.config.is_consumer and wants_remote_prefill(params)):
+            return
+        try:
+            self.config.policy.check(params)
+            parsed = parse_transfer_params(params)
+        except ParamsError:
+            return  # never contact an address the engine would not pull from
+        self._release(Pull(parsed))
 
     @property
     def _fails(self) -> bool:
-        return self.config.load_failure_policy == "fail"
-
-    def _peer(self, params: KVTransferParams) -> PeerLink:
-        key = (params.host, params.port, params.epoch)
-        peer = self._peers.get(key)
-        if peer is not None:
-            return peer
-        assert self._transport is not None and self._layout is not None
-        client = SideChannelClient(params.host, params.port, self.config.transfer_timeout_s)
-        reply = client.call(Hello(self.config.engine_id, self.epoch))
-        if isinstance(reply, Refused):
-            client.close()
-            raise ParamsError(reply.field, reply.reason)
-        if not isinstance(reply, Welcome):
-            client.close()
-            raise SideChannelError(f"unexpected answer {type(reply).__name__} to a handshake")
-        layout = reply.layout
-        if (layout.engine_id, layout.epoch) != (params.engine_id, params.epoch):
-            client.close()
-            field = "engine_id" if layout.engine_id != params.engine_id else "epoch"
-            raise ParamsError(field, f"the engine at {params.host}:{params.port} is "
-                              f"{layout.engine_id} epoch {layout.epoch}, the params name "
-                              f"{params.engine_id} epoch {params.epoch}")
-        if params.hash_contract != layout.hash_contract:
-            client.close()
-            raise ParamsError("hash_contract", "differs from the prefill engine's own")
-        check_peer_layout(self._layout, layout)
-        if self._transport.has_peer(layout.agent_name):
-            agent_name = layout.agent_name
-        else:
-            agent_name = self._transport.add_peer(reply.agent_metadata, layout)
-        peer = self._peers[key] = PeerLink(client, agent_name, layout)
-        return peer
+        return self.load_failure_policy == "fail"
 
     def _servable(self, request: ConnectorRequest, pull: Pull, num_local_hit_tokens: int
                   ) -> int:
@@ -230,8 +215,6 @@ class NixlConnector(KVConnector):
         assert self._mode is not None and self._groups is not None
         if pull.released:
             return 0  # pulled (or given up) already: a preempted request recomputes locally
-        if pull.peer is None and not self._fails:
-            return 0  # prefill it locally
         # under policy "fail" a refused transfer still claims its range: the load fails it
         tokens, stale = self._groups.servable(request, pull.params, num_local_hit_tokens,
                                               self._mode.drops_last_block)
@@ -338,16 +321,15 @@ class NixlConnector(KVConnector):
         leased = [[block_id for block_id in ids if block_id] for ids in block_ids]
         lease_id = self._leases.issue(request.request_id, leased) if num_tokens else ""
         if num_tokens:
-            self._leased_requests[request.request_id] = lease_id
             self._stats["sent_leases"] += 1
         params = KVTransferParams(
             engine_id=self.config.engine_id, epoch=self.epoch, host=self.config.host,
             port=self._server.port, lease_id=lease_id or "none", block_ids=block_ids,
             num_tokens=num_tokens, first_token_id=first_token,
-            hash_contract=self.hash_contract, manifest=manifest,
+            hash_contract=self._layout.hash_contract, manifest=manifest,
             group_block_sizes=[rule.block_size for rule in self._groups.rules])
         return FinishDecision(delay_free=bool(num_tokens),
-                              kv_transfer_params=params.to_json_obj())
+                              kv_transfer_params=self.config.policy.signed(params.to_json_obj()))
 
     def _finished_sending(self) -> frozenset[str]:
         if self._leases is None or self._transport is None:
@@ -356,41 +338,49 @@ class NixlConnector(KVConnector):
             for message in messages:
                 if message.startswith(_DONE_PREFIX):
                     self._leases.release(message[len(_DONE_PREFIX):].decode(errors="replace"))
-        ended = set(self._leases.take_ended())
-        for request_id in ended:
-            self._leased_requests.pop(request_id, None)
-        return frozenset(ended)
+        return frozenset(self._leases.take_ended())
 
     # ---- decode side: worker -----------------------------------------------------------------
     def snapshot_saves(self, meta: StepMetadata) -> None:
         return None
 
     def load_blocks(self, meta: StepMetadata) -> None:
-        """Start this step's READs (asynchronous: `get_finished` reports them done)."""
-        assert isinstance(meta, ConnectorMetadata) and self._transport is not None
+        """Start this step's transfers: each one's handshake and admission on a thread of its
+        own (`pulls.admit`), its READ from the step that sees it admitted; `get_finished`
+        reports them done. Nothing here waits on a peer."""
+        assert isinstance(meta, ConnectorMetadata) and self._caller is not None
         for load in meta.loads:
-            started = time.monotonic()
             pull = self._pulls.get(load.request_id)
-            if pull is None or pull.peer is None:
-                reason = pull.error if pull is not None and pull.error else "no transfer"
-                self._fail(load, reason)
+            if pull is None:
+                self._fail(load, "no transfer")
                 continue
-            try:
-                reply = pull.peer.client.call(Admit(pull.params.epoch, pull.params.lease_id,
-                                                    [list(ids) for ids in pull.remote_block_ids],
-                                                    self.config.transfer_timeout_s))
-                if not isinstance(reply, Admitted):
-                    reason = (f"{reply.field}: {reply.reason}" if isinstance(reply, Refused)
-                              else "unexpected answer")
-                    raise SideChannelError(f"the prefill engine refused the READ ({reason})")
-                read = self._transport.start_read(
-                    pull.peer.agent_name, pull.remote_block_ids, pull.local_block_ids,
-                    _DONE_PREFIX + pull.params.lease_id.encode())
-            except (SideChannelError, ValueError, IndexError, RuntimeError) as error:
-                self._fail(load, str(error))
-                continue
+            started = time.monotonic()
+            link = self._peers.get(peer_key(pull.params))
             self._inflight[load.request_id] = ReadInFlight(
-                load, pull, read, started, started + self.config.transfer_timeout_s)
+                load, pull, started, started + self.config.transfer_timeout_s,
+                run_async(admit, self._caller, pull.params, pull.remote_block_ids, link))
+
+    def _start_read(self, flight: ReadInFlight) -> None:
+        """The prefill engine admitted the READ: link a new peer, start the READ (both local,
+        non-blocking); ValueError, IndexError or RuntimeError if it cannot start."""
+        assert self._transport is not None
+        admission = flight.admission.result()
+        key = peer_key(flight.pull.params)
+        if admission.welcome is not None and key not in self._peers:
+            layout = admission.welcome.layout
+            agent_name = layout.agent_name
+            if not self._transport.has_peer(agent_name):
+                agent_name = self._transport.add_peer(admission.welcome.agent_metadata, layout)
+            self._peers[key] = PeerLink(admission.client, agent_name, layout)
+        elif admission.welcome is not None:
+            admission.client.close()  # another transfer linked this peer meanwhile
+        pull = flight.pull
+        pull.peer = self._peers[key]
+        flight.started = time.monotonic()
+        flight.deadline = flight.started + self.config.transfer_timeout_s
+        flight.read = self._transport.start_read(
+            pull.peer.agent_name, pull.remote_block_ids, pull.local_block_ids,
+            _DONE_PREFIX + pull.params.lease_id.encode())
 
     def _fail(self, load: RequestLoad, reason: str) -> None:
         logger.warning("request %s: KV transfer failed (%s); %s", load.request_id, reason,
@@ -407,10 +397,37 @@ class NixlConnector(KVConnector):
         if pull is not None:
             self._release(pull)
 
+    def _admitted(self, request_id: str, flight: ReadInFlight, now: float) -> bool:
+        """Whether the flight's READ runs; a failed, refused or overdue admission fails the
+        load (the thread still waiting on a hung peer is left to its own timeout)."""
+        if flight.admission.done():
+            failed = flight.admission.exception()  # any error of the peer's thread
+            if failed is not None:
+                reason = str(failed) or type(failed).__name__
+            else:
+                try:
+                    self._start_read(flight)
+                    return True
+                except (ValueError, IndexError, RuntimeError) as error:
+                    reason = str(error)
+        elif now < flight.deadline:
+            return False
+        else:
+            params = flight.pull.params
+            reason = (f"no answer from the prefill engine at {params.host}:{params.port} "
+                      f"within {self.config.transfer_timeout_s:g} s")
+            flight.admission.add_done_callback(close_unused)
+        del self._inflight[request_id]
+        self._fail(flight.load, reason)
+        return False
+
     def _poll_reads(self) -> None:
         assert self._transport is not None
         now = time.monotonic()
         for request_id, flight in list(self._inflight.items()):
+            if flight.read is None and not self._admitted(request_id, flight, now):
+                continue
+            assert flight.read is not None
             state = self._transport.poll(flight.read)
             if state == "PROC" and now < flight.deadline:
                 continue
@@ -443,35 +460,16 @@ class NixlConnector(KVConnector):
 
     # ---- control messages (a thread: never block a step on a dead peer) ---------------------
     def _release(self, pull: Pull) -> None:
-        if pull.released:
-            return
+        if not pull.released and self._control is not None:
+            self._control.release(pull, self.config.transfer_timeout_s)
         pull.released = True
-        if pull.peer is not None:
-            self._send_control(pull.peer.client, Release(pull.params.epoch,
-                                                         pull.params.lease_id))
-        else:  # never shook hands (refused or unreachable): tell it anyway, best effort
-            client = SideChannelClient(pull.params.host, pull.params.port,
-                                       self.config.transfer_timeout_s)
-            self._send_control(client, Release(pull.params.epoch, pull.params.lease_id),
-                               close=True)
-
-    def _send_control(self, client: SideChannelClient, message: Any, close: bool = False
-                      ) -> None:
-        if self._control is not None:
-            self._control.send(client, message, close)
 
     def _heartbeats(self) -> None:
         now = time.monotonic()
-        if now < self._heartbeat_at or not self._pulls:
+        if now < self._heartbeat_at or not self._pulls or self._control is None:
             return
         self._heartbeat_at = now + self.config.lease_s / 3
-        by_peer: dict[int, tuple[PeerLink, list[str]]] = {}
-        for pull in self._pulls.values():
-            if pull.peer is not None and not pull.released:
-                by_peer.setdefault(id(pull.peer), (pull.peer, []))[1].append(
-                    pull.params.lease_id)
-        for peer, lease_ids in by_peer.values():
-            self._send_control(peer.client, Heartbeat(peer.layout.epoch, lease_ids))
+        self._control.heartbeats(self._pulls.values())
 
     # ---- both --------------------------------------------------------------------------------
     def stats(self) -> dict[str, ConnectorStats]:
@@ -498,3 +496,4 @@ class NixlConnector(KVConnector):
         if self._transport is not None:
             self._transport.shutdown()
             self._transport = None
+

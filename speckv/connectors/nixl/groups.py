@@ -74,6 +74,14 @@ class Groups:
     def unit(self) -> int:
         return _lcm(rule.block_size for rule in self.rules)
 
+    def mismatch(self, params: KVTransferParams) -> str | None:
+        """Why a peer's params cannot map onto these groups (None: they can)."""
+        sizes = [params.block_size_of(g) for g in range(len(params.block_ids))]
+        if sizes != [rule.block_size for rule in self.rules]:
+            return (f"kv_transfer_params.block_ids: {len(sizes)} KV cache groups of {sizes} "
+                    f"tokens, this engine has {[rule.block_size for rule in self.rules]}")
+        return None
+
     def hashes(self, request: ConnectorRequest, rule: GroupRule) -> Sequence[bytes]:
         """A group's block hashes of `request`, as the cache manager names its blocks."""
         chain = request.get_block_hashes(rule.lookahead_tokens)

@@ -21,6 +21,8 @@ Owns the wire schema (msgspec Structs, JSON in the API, msgpack on the side chan
     hash_contract       how both sides hash blocks (algo, seed, block size, hash mode)
     manifest            per KV cache group, per block, its block hash on the prefill side
                         (empty where the block id is 0)
+    signature           HMAC-SHA256 of the rest under the engines' shared `kv_secret` (empty:
+                        no secret; `trust.py`)
 
 The decode engine recomputes its own block hashes (each group's: attention groups under the
 hash mode's lookahead, GDN state under legacy hashes) and pulls a block only where the
@@ -36,15 +38,13 @@ from typing import Any
 
 import msgspec
 
+from speckv.connectors.base import TransferParamsError
+
 MAX_BLOCKS = 1 << 20  # a bound on every block list a peer sends
 
 
-class ParamsError(ValueError):
+class ParamsError(TransferParamsError):
     """A `kv_transfer_params` (or side-channel message) that cannot be used; `field` names it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"kv_transfer_params.{field}: {message}")
-        self.field = field
 
 
 class HashContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -94,6 +94,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     manifest: list[list[bytes]]  # per KV group, block hash per block (b"" where id is 0)
     group_block_sizes: list[int] = []
     do_remote_prefill: bool = True
+    signature: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id:

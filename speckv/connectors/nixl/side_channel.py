@@ -214,6 +214,7 @@ class SideChannelClient:
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
@@ -230,6 +231,8 @@ class SideChannelClient:
 
     def call(self, message: RequestMsg) -> ReplyMsg:
         with self._lock:
+            if self._closed:
+                raise SideChannelError(f"the connection to {self.address} is closed")
             sock = self._connect()
             try:
                 sock.send(_encoder.encode(message))
@@ -242,35 +245,20 @@ class SideChannelClient:
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
                 raise SideChannelError(f"malformed answer from {self.address}: {error}"
                                        ) from None
+            finally:
+                if self._closed:  # closed while this call waited: the closer did not wait
+                    self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
 
     def close(self) -> None:
-        with self._lock:
-            if self._socket is not None:
-                self._socket.close(0)
-                self._socket = None
-
-
-def release_lease_soon(params: object, timeout_s: float = 2.0) -> bool:
-    """Best effort, on a daemon thread: tell the prefill engine named by a request's
-    `kv_transfer_params` (a dict with host, port, epoch, lease_id) that its lease is not
-    needed (the decode engine rejected the request). False if the dict names no lease."""
-    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
-        return False
-    host, port = params.get("host"), params.get("port")
-    epoch, lease_id = params.get("epoch"), params.get("lease_id")
-    if not (isinstance(host, str) and isinstance(port, int) and isinstance(epoch, str)
-            and isinstance(lease_id, str)):
-        return False
-
-    def send() -> None:
-        client = SideChannelClient(host, port, timeout_s)
-        try:
-            client.call(Release(epoch, lease_id))
-        except SideChannelError as error:
-            logger.info("nixl: release of a rejected request's lease not delivered (%s)",
-                        error)
-        finally:
-            client.close()
-
-    threading.Thread(target=send, name="speckv-nixl-release", daemon=True).start()
-    return True
+        """Close now, or (a call waits on a silent peer) when that call ends: never waits."""
+        self._closed = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_socket()
+            finally:
+                self._lock.release()

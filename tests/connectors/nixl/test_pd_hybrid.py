@@ -34,7 +34,9 @@ from tests.connectors.nixl.pd_helpers import (
     pulled_hit,
     run,
     settle,
+    step_until,
 )
+from tests.patience import WATCHDOG_S
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs nixl-cu12")
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -183,11 +185,8 @@ def test_a_failed_transfer_recomputes_or_fails_and_leaves_the_pools_clean(hybrid
         assert all_free(p)
         request_id = d.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True,
                                                           kv_transfer_params=params))
-        for _ in range(100):  # the handshake succeeds, the READ is refused
-            d.step()
-            d.manager.check_integrity()
-            if d.kv_connector_stats()["nixl"].load_failed_blocks:
-                break
+        # the handshake succeeds, the READ is refused
+        step_until(d, lambda: d.kv_connector_stats()["nixl"].load_failed_blocks)
         probe = d.add_request(prompt, SamplingParams(max_tokens=1))
         local = d.manager.get_computed_blocks(d.get_request(probe)).num_computed_tokens
         assert 0 < local < params["num_tokens"]  # nothing of the failed load is cached
@@ -243,7 +242,7 @@ def test_the_nixl_connector_carries_every_group_and_composes_with_the_cpu_tier(h
         settle(p)
         assert got.token_ids == expected.token_ids
         assert got.num_external_cached_tokens == params["num_tokens"]
-        assert d.flush_kv_connector(timeout_s=30) and d.reset_prefix_cache()
+        assert d.flush_kv_connector(timeout_s=WATCHDOG_S) and d.reset_prefix_cache()
         again = run(d, prompt, GREEDY)
         assert again.token_ids == expected.token_ids
         assert d.kv_connector_stats()["nixl"].loaded_blocks == blocks_read(

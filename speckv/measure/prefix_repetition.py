@@ -1,9 +1,11 @@
-"""One mode of `speckv bench prefix-repetition` on one engine, and its summary.
+"""vLLM's prefix_repetition workload through the real engine, once per mode, and its summary.
 
 Owns the modes table, the run options, the engine configuration of a mode, driving one
-engine through a workload (arrivals, the concurrency cap) and summarising what it did into a
-`ModeResult`. `prefix_repetition.py` runs the modes and renders them; `multi_engine.py` runs
-them on several engine processes with the same configuration and summary.
+engine through a workload (arrivals, the concurrency cap), summarising what it did into a
+`ModeResult`, running every mode in this process (`run_modes`) and the one-row-per-mode table
+(`render_compact`) the demo prints. `speckv bench prefix-repetition`
+(`speckv/bench/prefix_repetition.py`) renders the full table; `bench/multi_engine.py` runs the
+modes on several engine processes with the same configuration and summary.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rich.table import Table
 from tqdm import tqdm
 
 from speckv.workloads import (
@@ -213,3 +216,34 @@ def summarize(mode: str, hash_mode: str, tier: str, workload: list[WorkloadReque
         outputs=[list(o.token_ids) for o in ordered],
         num_engines=options.num_engines,
     )
+
+
+def modes_for(options: RunOptions, modes: tuple[str, ...]) -> tuple[str, ...]:
+    """The modes to run: with a KV tier no block reuse (not under a connector), and lookahead
+    also without the tier."""
+    if options.kv_connector is not None:
+        modes = tuple(mode for mode in modes if mode != REUSE_MODE)  # not under a connector
+        if "lookahead" in modes:
+            modes = (*modes, NO_TIER_MODE)
+    return modes
+
+
+def run_modes(model: Any, drafter: Any, workload: list[WorkloadRequest], options: RunOptions,
+              modes: tuple[str, ...] = tuple(MODES)) -> list[ModeResult]:
+    """Every mode (`modes_for`) on a fresh engine in this process."""
+    return [run_mode(model, drafter, workload, mode, options)
+            for mode in modes_for(options, modes)]
+
+
+def render_compact(results: list[ModeResult], title: str) -> Table:
+    """One row per mode: the headline numbers."""
+    table = Table(title=title)
+    for column in ("mode", "hit", "oracle", "req/s", "tok/s", "TTFT ms", "acc len"):
+        table.add_column(column, justify="left" if column == "mode" else "right",
+                         no_wrap=True)
+    for r in results:
+        accept = "-" if r.mean_acceptance_length is None else f"{r.mean_acceptance_length:.2f}"
+        table.add_row(r.mode, f"{100 * r.hit_rate:.1f}%",
+                      f"{100 * r.oracle_hit_rate:.1f}%", f"{r.requests_per_s:.2f}",
+                      f"{r.output_tokens_per_s:.1f}", f"{r.ttft_mean_ms:.0f}", accept)
+    return table
