@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run vLLM engines (DIR/bin/vllm, vLLM's CPU engine) of the "
                         "built-in model instead of speckv serve; --speculative-method eagle3 "
                         "gives them speckv's EAGLE3 head")
+    parser.add_argument("--vllm-plugin", action="store_true",
+                        help="with --vllm-venv: load speckv's vLLM plugin into the engines "
+                        "(lookahead block hashes, no last-block drop)")
     parser.add_argument("--prefix-len", type=int, default=192)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--num-prefixes", type=int, default=8)
@@ -173,8 +176,11 @@ def start_engine(args: argparse.Namespace, num_blocks: int) -> Any:
         if args.speculative_method not in spec:
             raise ValueError(f"--speculative-method {args.speculative_method} with "
                              "--vllm-venv: eagle3 or none")
-        return VLLMEngine(Path(args.vllm_venv), builtin_model_dir(), MODEL_NAME,
-                          spec[args.speculative_method], args.block_size, num_blocks).start()
+        engine = VLLMEngine(Path(args.vllm_venv), builtin_model_dir(), MODEL_NAME,
+                          spec[args.speculative_method], args.block_size, num_blocks,
+                          plugin=args.vllm_plugin)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        return engine.start(args.output_dir / f"vllm-{engine.port}.log")
     port = free_port()
     return Process(engine_command(args, port, num_blocks), f"http://{LOOPBACK}:{port}")
 
@@ -362,7 +368,8 @@ def run(args: argparse.Namespace) -> int:
     description = (f"prefix_repetition: {len(requests)} prompts, {args.num_prefixes} prefixes "
                    f"of {args.prefix_len} (+{args.suffix_len}) tokens = "
                    f"{args.num_prefixes * blocks_per_prefix} prefix blocks; {args.engines} "
-                   f"{'vLLM ' if args.vllm_venv else ''}engines of {args.num_blocks} "
+                   f"{'vLLM ' if args.vllm_venv else ''}"
+                   f"{'+ speckv plugin ' if args.vllm_plugin else ''}engines of {args.num_blocks} "
                    f"blocks of {args.block_size}; drafter "
                    f"{args.speculative_method}"
                    f"{', legacy hashes' if args.disable_lookahead_block_hashes else ''}; "

@@ -19,7 +19,23 @@ from typing import Any
 
 from speckv.events.endpoints import LOOPBACK, free_port
 
-EAGLE3_HEAD = Path(__file__).resolve().parents[1] / "assets" / "smollm2-eagle3"
+CHECKOUT = Path(__file__).resolve().parents[2]
+EAGLE3_HEAD = CHECKOUT / "speckv" / "assets" / "smollm2-eagle3"
+
+
+def _entry_point_dir() -> Path:
+    """A folder holding only speckv's `vllm.general_plugins` entry point (a metadata-only
+    dist-info), for a vLLM venv without speckv installed."""
+    import tempfile
+
+    root = Path(tempfile.gettempdir()) / "speckv-vllm-entry-point"
+    info = root / "speckv-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: speckv\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nspeckv_lookahead = speckv.integrations.vllm:register\n")
+    (info / "RECORD").write_text("")
+    return root
 
 
 def builtin_model_dir() -> Path:
@@ -56,10 +72,14 @@ class VLLMEngine:
     num_blocks: int | None = None  # --num-gpu-blocks-override
     max_model_len: int = 1024
     hash_seed: str = "0"
+    # speckv's vLLM plugin (speckv.integrations.vllm) loaded into the engine: lookahead hashes
+    # (L = 1 under EAGLE3), no last-block drop
+    plugin: bool = False
     port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    log: Path | None = None  # where its output goes
 
     @property
     def url(self) -> str:
@@ -84,9 +104,19 @@ class VLLMEngine:
         return command
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONHASHSEED": self.hash_seed, "VLLM_TARGET_DEVICE": "cpu",
-                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONHASHSEED": self.hash_seed, "VLLM_TARGET_DEVICE": "cpu",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+               "OMP_NUM_THREADS": "1", "VLLM_PLUGINS": ""}
+        if self.plugin:  # this checkout's speckv and its entry point, visible to vLLM's venv
+            del env["VLLM_PLUGINS"]
+            env["PYTHONPATH"] = os.pathsep.join([str(_entry_point_dir()), str(CHECKOUT)])
+        return env
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """L of the plugin's lookahead hashes: 1 under an EAGLE / EAGLE3 drafter."""
+        method = (self.speculative_config or {}).get("method")
+        return 1 if self.plugin and method in ("eagle", "eagle3") else 0
 
     def router_flags(self, name: str) -> list[str]:
         """The `speckv router` flags that describe this engine as `--engine NAME=URL`."""
@@ -96,9 +126,17 @@ class VLLMEngine:
         if self.speculative_config is not None:
             flags.append(f"--vllm-speculative-config={name}="
                          f"{json.dumps(self.speculative_config)}")
+        if self.lookahead_tokens:
+            flags.append(f"--vllm-lookahead-tokens={name}={self.lookahead_tokens}")
         return flags
 
+    def _log_tail(self) -> str:
+        if self.log is None or not self.log.is_file():
+            return ""
+        return f"; its log {self.log} ends:\n{self.log.read_text()[-2000:]}"
+
     def start(self, log: Path | None = None) -> VLLMEngine:
+        self.log = log
         out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(self.command(), env=self.env(), stdout=out,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -114,7 +152,7 @@ class VLLMEngine:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"vllm serve on port {self.port} exited "
-                                   f"{self.process.returncode}")
+                                   f"{self.process.returncode}{self._log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return

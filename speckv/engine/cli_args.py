@@ -14,8 +14,12 @@ import json
 import re
 from typing import Any
 
-from speckv.connectors.config import add_connector_arguments, connector_config_from_args
-from speckv.connectors.transfer_config import transfer_connectors_help
+from speckv.connectors.config import (
+    add_connector_arguments,
+    connector_config_from_args,
+    connector_flags,
+)
+from speckv.connectors.transfer_config import KVTransferConfig, transfer_connectors_help
 from speckv.engine.config import MAX_NUM_SPEC_TOKENS, SPECULATIVE_METHODS
 from speckv.engine.engine_args import EngineArgs
 from speckv.engine.speculation_choice import (
@@ -156,9 +160,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     speculative = speculative_kwargs(args.model, args.speculative_method, args.speculative_model,
                                      args.num_spec_tokens, args.speculative_config)
     if args.kv_transfer_config is not None:  # its errors too come before the model loads
-        from speckv.connectors.nixl.config import NixlConfig
-
-        NixlConfig.parse(args.kv_transfer_config)
+        KVTransferConfig.parse(args.kv_transfer_config)
     optional: dict[str, Any] = {}
     if args.kv_cache_memory_bytes is not None:
         optional["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
@@ -196,16 +198,10 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
                 "--kv-events-endpoint": args.kv_events_endpoint,
                 "--kv-events-replay-endpoint": args.kv_events_replay_endpoint,
                 "--hash-seed": args.hash_seed, "--kv-connector": args.kv_connector,
-                "--kv-offload-dir": args.kv_offload_dir, "--kv-store-url": args.kv_store_url,
                 "--kv-transfer-config": args.kv_transfer_config,
                 "--kv-load-failure-policy": args.kv_load_failure_policy}
     if args.kv_connector is not None:
-        optional.update({"--kv-offload-gib": args.kv_offload_gib,
-                         "--kv-offload-disk-gib": args.kv_offload_disk_gib,
-                         "--kv-store-gib": args.kv_store_gib,
-                         "--kv-store-timeout": args.kv_store_timeout})
-        flags += ["--kv-store-cluster"] * args.kv_store_cluster
-        flags += ["--kv-store-optional"] * args.kv_store_optional
+        flags += connector_flags(args)
     for flag, value in optional.items():
         if value is not None:
             flags += [flag, str(value)]

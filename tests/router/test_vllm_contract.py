@@ -176,3 +176,25 @@ def test_a_hybrid_vllm_engine_is_refused_from_its_metrics_or_its_events():
                               MODELS, VLLMFlags(EVENTS, "0"))
     fleet.engine_healthy(link, restarted, {})
     assert link.in_rotation and link.epochs_seen == 2
+
+
+def test_bench_route_vllm_flags_are_checked_before_anything_starts(tmp_path):
+    from speckv.bench import route
+
+    parser = argparse.ArgumentParser()
+    route.add_arguments(parser)
+    fake = tmp_path / "venv"
+    (fake / "bin").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"--vllm-venv .*no bin/vllm there"):
+        route.run(parser.parse_args(["--vllm-venv", str(tmp_path / "nowhere")]))
+    (fake / "bin" / "vllm").write_text("")
+    with pytest.raises(ValueError, match="--vllm-venv runs the built-in model"):
+        route.run(parser.parse_args(["--vllm-venv", str(fake), "--model", "/some/dir"]))
+    from speckv.bench.vllm_fleet import VLLMEngine, eagle3_config
+
+    engine = VLLMEngine(fake, tmp_path, speculative_config=eagle3_config(), plugin=True)
+    flags = engine.router_flags("v")
+    assert f"--engine=v={engine.url}" in flags and "--vllm-lookahead-tokens=v=1" in flags
+    assert "VLLM_PLUGINS" not in engine.env() and "VLLM_PLUGINS" in VLLMEngine(fake, tmp_path).env()
+    command = engine.command()
+    assert command[command.index("--block-size") + 1] == "32"
