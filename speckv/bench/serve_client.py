@@ -67,9 +67,8 @@ class Summary:
     # server runs only, means from /metrics histograms (times run from the handler's start):
     server_ttft_mean_ms: float | None = None  # HTTP arrival -> first token out of the engine
     server_queue_mean_ms: float | None = None  # HTTP arrival -> admitted into a step
-    # client TTFT - time in the engine (server TTFT - queue): what the HTTP path adds to a
-    # request that would not have waited in process (exact at concurrency 1, where nothing
-    # queues; under load it also counts waiting for a step or a batch slot)
+    # client TTFT - server TTFT (both include the queue): what the HTTP path adds, the
+    # client's send and the response's way back
     http_path_overhead_ms: float | None = None
     ttfts_ms: list[float] = field(repr=False, default_factory=list)
 

@@ -34,6 +34,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
@@ -46,11 +47,12 @@ from speckv.cache.specs import parse_group_specs
 from speckv.connectors import ConnectorConfig, KVConnector, TierIdentity, make_connector
 from speckv.connectors.copy_schedule import COPY_MODES
 from speckv.connectors.host_pool import GIB
-from speckv.engine.messages import FinishReason
+from speckv.engine.messages import EngineCoreOutput, FinishReason
 from speckv.engine.request import Request
 from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.simulation import HitMismatch, PagedSymbolicKV, SymbolicKV, instrument_tiers, toy_core
 from speckv.simulation.tiers import CheckedStore
+from speckv.simulation.toy_runner import ToyRunner
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 VOCAB_SIZE = 50  # small: drafts from the toy model are often right, prefixes repeat
@@ -162,6 +164,50 @@ def run_soak(config: SoakConfig, progress: bool = True) -> SoakResult:
         return _run_soak(config, progress, stack)
 
 
+def _random_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
+    """A prompt that starts with part of one of the shared prefixes, then a few random ids."""
+    prefix = prefixes[rng.randrange(len(prefixes))]
+    return prefix[: rng.randrange(1, len(prefix))] + [
+        rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randrange(0, 8))]
+
+
+def _check_integrity(manager: KVCacheManager, stores: list[CheckedStore]) -> None:
+    """After every operation: the pools' invariants, and no tier served or stored a wrong
+    block (AssertionError)."""
+    manager.check_integrity()
+    for store in stores:
+        if store.violations:
+            raise AssertionError(store.violations[0])
+
+
+def _count_finished(result: SoakResult, outputs: Iterable[EngineCoreOutput]) -> None:
+    """Tally one step's finished requests into `result`."""
+    for output in outputs:
+        if output.finish_reason is not None:
+            result.num_external_hit_tokens += output.num_external_cached_tokens
+        if output.finish_reason is FinishReason.ERROR:
+            result.num_no_fit += 1
+        elif output.finish_reason is not None:
+            result.num_finished += 1
+        if output.finish_reason is not None:
+            result.num_preemptions += output.num_preemptions
+
+
+def _count_tiers(result: SoakResult, connector: KVConnector, stores: list[CheckedStore],
+                 runner: ToyRunner) -> None:
+    """After the run: what the tiers stored, loaded and evicted, all checked."""
+    connector.flush(timeout_s=60)
+    for store in stores:  # what the copy thread stored after the last check
+        if store.violations and result.violation is None:
+            result.violation = f"after the run: {store.violations[0]}"
+    result.num_load_failures = runner.num_cut
+    result.num_positions_checked = runner.num_positions_checked
+    result.num_tier_stores_checked = sum(store.num_checked_stores for store in stores)
+    result.num_tier_loads_checked = sum(store.num_checked_loads for store in stores)
+    result.num_tier_evictions = sum(stats.evicted_blocks
+                                    for stats in connector.stats().values())
+
+
 def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResult:
     """The soak's operation loop: one seeded sequence of adds, steps, aborts, resets and faults,
     kept in one function so the order of operations a seed replays reads top to bottom."""
@@ -210,23 +256,13 @@ def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResul
         for index in range(config.num_ops):
             operation = rng.choices(OPERATIONS, WEIGHTS)[0]
             if operation == "add" and len(scheduler.waiting) < config.max_waiting:
-                prefix = prefixes[rng.randrange(len(prefixes))]
-                prompt = prefix[: rng.randrange(1, len(prefix))] + [
-                    rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randrange(0, 8))]
+                prompt = _random_prompt(rng, prefixes)
                 result.num_requests += 1
                 scheduler.add_request(Request(f"r{result.num_requests}", prompt, hashing,
                                               max_tokens=rng.randrange(1, 12)))
             elif operation == "step" and scheduler.has_unfinished_requests():
                 core.runner.num_accept = rng.randrange(0, num_spec + 1)
-                for output in core.step():
-                    if output.finish_reason is not None:
-                        result.num_external_hit_tokens += output.num_external_cached_tokens
-                    if output.finish_reason is FinishReason.ERROR:
-                        result.num_no_fit += 1
-                    elif output.finish_reason is not None:
-                        result.num_finished += 1
-                    if output.finish_reason is not None:
-                        result.num_preemptions += output.num_preemptions
+                _count_finished(result, core.step())
                 result.num_steps += 1
             elif operation == "abort" and scheduler.has_unfinished_requests():
                 victim = scheduler.requests[rng.choice(sorted(scheduler.requests))]
@@ -237,10 +273,7 @@ def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResul
                 result.num_resets += manager.reset_prefix_cache()
                 if connector is not None and rng.random() < 0.25:
                     result.num_tier_resets += connector.reset_cache()
-            manager.check_integrity()
-            for store in stores:
-                if store.violations:
-                    raise AssertionError(store.violations[0])
+            _check_integrity(manager, stores)
             result.num_ops = index + 1
             if index % 1024 == 0:
                 bar.update(index + 1 - bar.n)
@@ -252,16 +285,7 @@ def _run_soak(config: SoakConfig, progress: bool, stack: ExitStack) -> SoakResul
         bar.close()
     result.num_hit_tokens_checked = core.runner.num_hits_checked
     if connector is not None:
-        connector.flush(timeout_s=60)
-        for store in stores:  # what the copy thread stored after the last check
-            if store.violations and result.violation is None:
-                result.violation = f"after the run: {store.violations[0]}"
-        result.num_load_failures = core.runner.num_cut
-        result.num_positions_checked = core.runner.num_positions_checked
-        result.num_tier_stores_checked = sum(store.num_checked_stores for store in stores)
-        result.num_tier_loads_checked = sum(store.num_checked_loads for store in stores)
-        result.num_tier_evictions = sum(stats.evicted_blocks
-                                        for stats in connector.stats().values())
+        _count_tiers(result, connector, stores, core.runner)
     result.elapsed_s = time.perf_counter() - start
     return result
 

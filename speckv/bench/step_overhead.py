@@ -183,7 +183,7 @@ class SpeckvSide:
         timer.wrap(runner, "execute_model", "runner")
         timer.wrap(runner.model, "forward", "forward")
         timer.wrap(runner.model, "compute_logits", "forward")
-        timer.wrap(runner, "_sample", "sample")
+        timer.wrap(runner.sampler, "sample", "sample")
         timer.wrap(runner, "_propose", "propose")
         timer.wrap(scheduler, "update_from_output", "update")
         timer.wrap(engine.output_processor, "process", "output")
@@ -203,10 +203,39 @@ class SpeckvSide:
         self.engine.step()
 
 
+def _time_speckv(ours: SpeckvSide, steps: int, clock: Any,
+                 rounds: dict[str, list[float]]) -> None:
+    """One timed round of speckv's steps: seconds per step, in all and by phase."""
+    begin = clock()
+    for _ in range(steps):
+        ours.step()
+    elapsed = clock() - begin
+    totals = ours.timer.take()
+    rounds["step"].append(elapsed / steps)
+    for phase in ("schedule", "forward", "sample", "propose", "draft_fwd",
+                  "update", "output", "stats"):
+        rounds[phase].append(totals.get(phase, 0.0) / steps)
+    rounds["prepare"].append((totals.get("runner", 0.0) - totals.get(
+        "forward", 0.0) - totals.get("sample", 0.0) - totals.get(
+        "propose", 0.0)) / steps)
+    rounds["propose"][-1] -= totals.get("draft_fwd", 0.0) / steps
+
+
+def _time_vllm(peer: Any, steps: int, rounds: dict[str, list[float]]) -> None:
+    """One timed round of vLLM's scheduler: schedule and update seconds per step."""
+    schedule = update = 0.0
+    for _ in range(steps):
+        times = peer.step()
+        schedule += times.schedule_s
+        update += times.update_s
+    rounds["vllm_schedule"].append(schedule / steps)
+    rounds["vllm_update"].append(update / steps)
+
+
 def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[str, Any] | None,
              drafter_name: str, batch_size: int) -> Row:
     """One batch size: warm-up, then the timed rounds split by phase, speckv and vLLM's
-    scheduler alternated; kept in one function so the measurement order reads top to bottom."""
+    scheduler alternated (`_time_speckv`, `_time_vllm`)."""
     k = args.num_spec_tokens if drafter_name != "none" else 0
     total_steps = 4 + args.rounds * (args.steps + 1)
     max_tokens = (total_steps + 64) * (1 + k)
@@ -252,27 +281,9 @@ def _measure(args: argparse.Namespace, model: Any, tokenizer: Any, vllm: dict[st
                 gc.collect()
                 gc.disable()
                 if side == "speckv":
-                    begin = clock()
-                    for _ in range(args.steps):
-                        ours.step()
-                    elapsed = clock() - begin
-                    totals = ours.timer.take()
-                    rounds["step"].append(elapsed / args.steps)
-                    for phase in ("schedule", "forward", "sample", "propose", "draft_fwd",
-                                  "update", "output", "stats"):
-                        rounds[phase].append(totals.get(phase, 0.0) / args.steps)
-                    rounds["prepare"].append((totals.get("runner", 0.0) - totals.get(
-                        "forward", 0.0) - totals.get("sample", 0.0) - totals.get(
-                        "propose", 0.0)) / args.steps)
-                    rounds["propose"][-1] -= totals.get("draft_fwd", 0.0) / args.steps
+                    _time_speckv(ours, args.steps, clock, rounds)
                 elif peer is not None:
-                    schedule = update = 0.0
-                    for _ in range(args.steps):
-                        times = peer.step()
-                        schedule += times.schedule_s
-                        update += times.update_s
-                    rounds["vllm_schedule"].append(schedule / args.steps)
-                    rounds["vllm_update"].append(update / args.steps)
+                    _time_vllm(peer, args.steps, rounds)
                 gc.enable()
     finally:
         if not was_enabled:

@@ -27,6 +27,7 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -169,10 +170,45 @@ def measure(quick: bool, dtype: str = "auto", device: str = "auto",
         return _measure(quick, dtype, device, repeats, model_name, scratch)
 
 
+def _best_run_s(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                repeats: int, device: Any) -> float:
+    """The fastest of `repeats` runs of `prompts` to the end, seconds (every request makes
+    its `max_tokens`)."""
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        finals = _run_engine(engine, prompts, params)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+        assert sum(len(o.token_ids) for o in finals) == len(prompts) * params.max_tokens
+    return best
+
+
+def _ttft(model: Any, args: EngineArgs, rng: random.Random, repeats: int
+          ) -> tuple[float, float, int]:
+    """(c) TTFT: 1,024 cached prefix tokens + a fresh suffix vs the same prompt cold: the
+    fastest cold and cached TTFT, seconds, and the cached tokens."""
+    vocab = model.config.vocab_size
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    prefix = _random_tokens(rng, CACHED_PREFIX_TOKENS, vocab)
+    cold_times, cached_times, cached_tokens = [], [], 0
+    engine = LLMEngine(model, replace(args, max_num_batched_tokens=2048).create_engine_config())
+    _run_engine(engine, [_random_tokens(rng, 64, vocab)], one)  # warm up
+    for _ in range(repeats):
+        engine.manager.reset_prefix_cache()
+        cold = _run_engine(engine, [prefix + _random_tokens(rng, SUFFIX_TOKENS, vocab)], one)
+        warm = _run_engine(engine, [prefix + _random_tokens(rng, SUFFIX_TOKENS, vocab)], one)
+        cold_times.append(cold[0].ttft_s)
+        cached_times.append(warm[0].ttft_s)
+        cached_tokens = warm[0].num_cached_tokens
+    return min(cold_times), min(cached_times), cached_tokens
+
+
 def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_name: str,
              scratch: str) -> ThroughputResult:
-    """Every timed section of the bench in the order it runs (the peer's and ours alternated),
-    kept in one function so the measurement order reads top to bottom."""
+    """Every timed section of the bench in the order it runs (the peer's and ours
+    alternated; the cached TTFT in `_ttft`)."""
     args = EngineArgs(dtype=dtype, device=device)
     base = args.create_engine_config()
     torch_device = base.resolved_device()
@@ -212,23 +248,11 @@ def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_na
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
     engine = LLMEngine(model, replace(args, enable_prefix_caching=False).create_engine_config())
     _run_engine(engine, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(torch_device)
-        start = time.perf_counter()
-        finals = _run_engine(engine, prompts, params)
-        _sync(torch_device)
-        best = min(best, time.perf_counter() - start)
-        assert sum(len(o.token_ids) for o in finals) == NUM_DECODE_REQUESTS * output_tokens
+    best = _best_run_s(engine, prompts, params, repeats, torch_device)
     decode_ours = NUM_DECODE_REQUESTS * output_tokens / best
-    best1 = float("inf")
-    for _ in range(repeats):  # one request alone: per-token overhead vs HF's own loop
-        _sync(torch_device)
-        start = time.perf_counter()
-        _run_engine(engine, prompts[:1], params)
-        _sync(torch_device)
-        best1 = min(best1, time.perf_counter() - start)
-    decode1_ours = output_tokens / best1
+    # one request alone: per-token overhead vs HF's own loop
+    decode1_ours = output_tokens / _best_run_s(engine, prompts[:1], params, repeats,
+                                               torch_device)
     bar.update(1)
     _hf_generate(hf, prompts[0], 4, torch_device)  # warm up
     hf_time = 0.0
@@ -238,21 +262,9 @@ def _measure(quick: bool, dtype: str, device: str, repeats: int | None, model_na
     decode_hf = hf_requests * output_tokens / hf_time
     bar.update(1)
 
-    # (c) TTFT: 1,024 cached prefix tokens + a fresh suffix vs the same prompt cold
-    prefix = _random_tokens(rng, CACHED_PREFIX_TOKENS, vocab)
-    cold_times, cached_times, cached_tokens = [], [], 0
-    engine = LLMEngine(model, replace(args, max_num_batched_tokens=2048).create_engine_config())
-    _run_engine(engine, [_random_tokens(rng, 64, vocab)], one)  # warm up
-    for _ in range(repeats):
-        engine.manager.reset_prefix_cache()
-        cold = _run_engine(engine, [prefix + _random_tokens(rng, SUFFIX_TOKENS, vocab)], one)
-        warm = _run_engine(engine, [prefix + _random_tokens(rng, SUFFIX_TOKENS, vocab)], one)
-        cold_times.append(cold[0].ttft_s)
-        cached_times.append(warm[0].ttft_s)
-        cached_tokens = warm[0].num_cached_tokens
+    ttft_cold, ttft_cached, cached_tokens = _ttft(model, args, rng, repeats)
     bar.update(1)
     bar.close()
-    ttft_cold, ttft_cached = min(cold_times), min(cached_times)
     return ThroughputResult(
         device=str(torch_device), dtype=dtype_name,
         prefill_tokens=PREFILL_TOKENS, prefill_speckv_tok_s=prefill_ours,

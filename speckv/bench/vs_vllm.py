@@ -31,7 +31,6 @@ from typing import Any
 from speckv.bench.serve_client import (
     HttpTarget,
     http_get,
-    metric_totals,
     metrics_rates,
     run_http,
     summarize,
@@ -45,6 +44,7 @@ from speckv.bench.vs_vllm_report import (
     table_rows,
     write_png,
 )
+from speckv.measure.prometheus import metric_totals
 from speckv.workloads import PrefixRepetitionConfig, WorkloadRequest, prefix_repetition
 
 WORKLOAD_NAMES = ("batch1", "random", "random32", "prefix", "chat")

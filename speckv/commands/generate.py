@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
 def _generate(llm, args: argparse.Namespace, params, with_tiers: bool) -> int:
     if with_tiers:
         mode = llm.engine.hash_mode
-        print(f"[KV tiers {args.kv_connector}: {mode.label} ({mode.reason})]", file=sys.stderr)
+        print(f"[KV tiers {args.kv_connector}; block hashes {mode.label}: {mode.reason}]",
+              file=sys.stderr)
     prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
     start = time.perf_counter()
     last = None
@@ -102,8 +103,9 @@ def _generate(llm, args: argparse.Namespace, params, with_tiers: bool) -> int:
         if last.num_drafts_by_position:
             steps = last.num_drafts_by_position[0]
             accepted = (f", mean acceptance length {1 + last.num_accepted_tokens / steps:.2f}, "
-                        "draft j accepted " + " / ".join(
-                            f"{rate:.0%}" for rate in last.acceptance_by_position)
+                        "drafts accepted by position " + " / ".join(
+                            f"{j}: {rate:.0%}"
+                            for j, rate in enumerate(last.acceptance_by_position, 1))
                         + f" ({llm.engine.hash_mode.label})")
         stats = llm.engine.spec_decode_stats()
         if stats is not None:  # what the adaptive draft length chose

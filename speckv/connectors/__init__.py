@@ -24,8 +24,9 @@ or `speckv.speculation`.
 | `embedded_valkey.py` | the private valkey-server of `--kv-store-url embedded` |
 | `shared_store.py` | `StoreConnector`: the shared tier over Valkey/Redis (Cluster) |
 | `multi.py`      | `MultiConnector` |
-| `config.py`     | `ConnectorConfig`, the CLI flags, `make_connector` |
-| `nixl/`         | prefill/decode transfer over NIXL (`--kv-transfer-config`): `NixlConnector` |
+| `config.py`     | `ConnectorConfig` (each option spelled once), the CLI flags, `make_connector` |
+| `transfer_config.py` | `KVTransferConfig` (vLLM's `--kv-transfer-config`), the name registry |
+| `nixl/`         | prefill/decode over NIXL: `NixlConnector` (named only by the registry) |
 """
 
 from speckv.connectors.base import (

@@ -19,16 +19,21 @@ Owns the user-facing names:
     --kv-load-failure-policy recompute   a failed load: recompute from the first failed
                                     token, or "fail" the request with an error
 
-and `make_connector`, which builds one connector (a `MultiConnector` for several names). The
-disk and store tiers also need the engine's identity (`TierIdentity`: model fingerprint, hash
-algorithm, hash seed), which the engine supplies.
+Each option is spelled once, in its `ConnectorConfig` field's metadata (`_option`: flag,
+aliases, `EngineArgs` keyword, help); the flags (`add_connector_arguments`), their reading
+(`connector_config_from_args`), their echo (`connector_flags`) and `EngineArgs` follow it.
+What a failed load does is the engine's (`EngineConfig.kv_load_failure_policy`), not a
+connector config's. And `make_connector`, which builds one connector (a `MultiConnector`
+for several names). The disk and store tiers also need the engine's identity
+(`TierIdentity`: model fingerprint, hash algorithm, hash seed), which the engine supplies.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 from speckv.connectors.base import KVConnector
 from speckv.connectors.disk import DEFAULT_DISK_GIB, DiskConnector
@@ -59,19 +64,44 @@ def _positive_number(flag: str, value: object) -> float:
     return float(value)
 
 
+def _option(default: Any, flag: str, arg: str, help: str, *, dest: str | None = None,
+            aliases: tuple[str, ...] = (), metavar: str | None = None) -> Any:
+    """A `ConnectorConfig` field with its user-facing names, spelled here once: the CLI `flag`
+    (and `aliases`, its argparse `dest`: `arg` unless given) and the `EngineArgs` keyword
+    `arg` (`LLM(..., arg=...)`); `help` is the flag's."""
+    return field(default=default, metadata={
+        "flag": flag, "arg": arg, "dest": dest or arg, "help": help, "aliases": aliases,
+        "metavar": metavar})
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     names: tuple[str, ...]
-    offload_gib: float = DEFAULT_OFFLOAD_GIB
-    offload_dir: str | None = None
-    disk_gib: float = DEFAULT_DISK_GIB
+    offload_gib: float = _option(
+        DEFAULT_OFFLOAD_GIB, "--kv-offload-gib", "kv_offload_gib",
+        "CPU tier size in GiB (default %(default)s; --kv-offloading-size is vLLM's name for it)",
+        aliases=("--kv-offloading-size",))
+    offload_dir: str | None = _option(None, "--kv-offload-dir", "kv_offload_dir",
+                                      "disk tier directory (needed by --kv-connector disk)")
+    disk_gib: float = _option(DEFAULT_DISK_GIB, "--kv-offload-disk-gib", "kv_offload_disk_gib",
+                              "disk tier size bound in GiB (default %(default)s)")
     max_pending_blocks: int = DEFAULT_MAX_PENDING_BLOCKS  # snapshots queued per tier
-    store_url: str = EMBEDDED
-    store_gib: float = DEFAULT_STORE_GIB  # maxmemory of the embedded server
-    store_cluster: bool = False
-    store_optional: bool = False
-    store_timeout_s: float = DEFAULT_TIMEOUT_S  # per store call
-    load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY  # "recompute" or "fail"
+    store_url: str = _option(
+        EMBEDDED, "--kv-store-url", "kv_store_url",
+        "shared store of --kv-connector store: redis://[:password@]host:port[/db], rediss:// "
+        "(TLS), redis+cluster://host:port, or 'embedded' (default: a private valkey-server on "
+        "loopback)", metavar="URL")
+    store_gib: float = _option(DEFAULT_STORE_GIB, "--kv-store-gib", "kv_store_gib",
+                               "maxmemory of the embedded store in GiB (default %(default)s)")
+    store_cluster: bool = _option(False, "--kv-store-cluster", "kv_store_cluster",
+                                  "--kv-store-url names a Redis Cluster node")
+    store_optional: bool = _option(
+        False, "--kv-store-optional", "kv_store_optional",
+        "start without the store if it is unreachable (lookups miss until it answers)")
+    store_timeout_s: float = _option(
+        DEFAULT_TIMEOUT_S, "--kv-store-timeout", "kv_store_timeout_s",
+        "per store call; a slower call is a miss (default %(default)s)",
+        dest="kv_store_timeout", metavar="SECONDS")
 
     def __post_init__(self) -> None:
         names = tuple(self.names)
@@ -107,7 +137,6 @@ class ConnectorConfig:
         if self.store_cluster and self.store_url == EMBEDDED:
             raise ValueError("--kv-store-cluster needs --kv-store-url naming a cluster node "
                              "(redis://host:port or redis+cluster://host:port)")
-        check_load_failure_policy(self.load_failure_policy)
         if (
             isinstance(self.max_pending_blocks, bool)
             or not isinstance(self.max_pending_blocks, int)
@@ -171,19 +200,25 @@ class ConnectorEntry:
 
     build: Callable[[ConnectorConfig, TierIdentity | None], KVConnector]
     tier: str  # "cpu", "disk", "store"
+    needs_identity: bool = False  # shared beyond this process: keyed by the engine's identity
 
 
 # the user-facing table, fastest first
 CONNECTORS: dict[str, ConnectorEntry] = {
     "offload": ConnectorEntry(_offload, "cpu"),
-    "disk": ConnectorEntry(_disk, "disk"),
-    "store": ConnectorEntry(_store, "store"),
+    "disk": ConnectorEntry(_disk, "disk", needs_identity=True),
+    "store": ConnectorEntry(_store, "store", needs_identity=True),
 }
 
 
 def register_connector(name: str, entry: ConnectorEntry) -> None:
     """Add a `--kv-connector` name (tests add connectors built for them this way)."""
     CONNECTORS[name] = entry
+
+
+def needs_identity(config: ConnectorConfig) -> bool:
+    """Whether a tier of `config` needs the engine's `TierIdentity` (a persistent one)."""
+    return any(CONNECTORS[name].needs_identity for name in config.names)
 
 
 def make_connector(config: ConnectorConfig, identity: TierIdentity | None = None
@@ -193,34 +228,34 @@ def make_connector(config: ConnectorConfig, identity: TierIdentity | None = None
     return built[0] if len(built) == 1 else MultiConnector(built, name=",".join(config.names))
 
 
+def options() -> Iterator[Field]:
+    """The `ConnectorConfig` fields that users set (each with its flag and keyword)."""
+    return (f for f in fields(ConnectorConfig) if "flag" in f.metadata)
+
+
+def option_default(option: Field) -> Any:
+    return None if option.default is MISSING else option.default
+
+
 def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
-    """The connector flags, for `generate`, the benches and `serve`."""
+    """The connector flags, for `generate`, the benches and `serve`: `--kv-connector`, one
+    flag per `ConnectorConfig` option (`options()`), `--kv-load-failure-policy`."""
     group = parser.add_argument_group("KV connectors")
     group.add_argument("--kv-connector", default=None, metavar="NAMES",
                        help="KV tiers beyond the local prefix cache, fastest first, "
                             f"comma-separated: {', '.join(CONNECTORS)}")
-    group.add_argument("--kv-offload-gib", "--kv-offloading-size", type=float,
-                       default=DEFAULT_OFFLOAD_GIB, dest="kv_offload_gib",
-                       help="CPU tier size in GiB (default %(default)s; --kv-offloading-size "
-                            "is vLLM's name for it)")
-    group.add_argument("--kv-offload-dir", default=None,
-                       help="disk tier directory (needed by --kv-connector disk)")
-    group.add_argument("--kv-offload-disk-gib", type=float, default=DEFAULT_DISK_GIB,
-                       help="disk tier size bound in GiB (default %(default)s)")
-    group.add_argument("--kv-store-url", default=None, metavar="URL",
-                       help="shared store of --kv-connector store: redis://[:password@]host:"
-                            "port[/db], rediss:// (TLS), redis+cluster://host:port, or "
-                            "'embedded' (default: a private valkey-server on loopback)")
-    group.add_argument("--kv-store-gib", type=float, default=DEFAULT_STORE_GIB,
-                       help="maxmemory of the embedded store in GiB (default %(default)s)")
-    group.add_argument("--kv-store-cluster", action="store_true",
-                       help="--kv-store-url names a Redis Cluster node")
-    group.add_argument("--kv-store-optional", action="store_true",
-                       help="start without the store if it is unreachable (lookups miss until "
-                            "it answers)")
-    group.add_argument("--kv-store-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                       metavar="SECONDS",
-                       help="per store call; a slower call is a miss (default %(default)s)")
+    for option in options():
+        meta = option.metadata
+        names = (meta["flag"], *meta["aliases"])
+        if option.type in (bool, "bool"):
+            group.add_argument(*names, dest=meta["dest"], action="store_true",
+                               help=meta["help"])
+            continue
+        # a store URL left unset means "not given" (an error without --kv-connector store)
+        default = None if meta["flag"] == "--kv-store-url" else option_default(option)
+        kind = float if option.type in (float, "float") else None
+        group.add_argument(*names, dest=meta["dest"], default=default, type=kind,
+                           metavar=meta["metavar"], help=meta["help"])
     group.add_argument("--kv-load-failure-policy", choices=LOAD_FAILURE_POLICIES,
                        default=DEFAULT_LOAD_FAILURE_POLICY,
                        help="a KV load that fails: recompute the request from the first failed "
@@ -239,21 +274,43 @@ def connector_config_from_args(args: argparse.Namespace) -> ConnectorConfig | No
             raise ValueError("--kv-store-url / --kv-store-cluster / --kv-store-optional need "
                              "--kv-connector store")
         return None
-    config = ConnectorConfig.parse(
-        args.kv_connector,
-        offload_gib=args.kv_offload_gib,
-        offload_dir=args.kv_offload_dir,
-        disk_gib=args.kv_offload_disk_gib,
-        store_url=EMBEDDED if store_url is None else store_url,
-        store_gib=getattr(args, "kv_store_gib", DEFAULT_STORE_GIB),
-        store_cluster=store_cluster,
-        store_optional=store_optional,
-        store_timeout_s=getattr(args, "kv_store_timeout", DEFAULT_TIMEOUT_S),
-        load_failure_policy=getattr(args, "kv_load_failure_policy",
-                                    DEFAULT_LOAD_FAILURE_POLICY),
-    )
+    given = {option.name: getattr(args, option.metadata["dest"], option_default(option))
+             for option in options()}
+    given["store_url"] = EMBEDDED if store_url is None else store_url
+    config = ConnectorConfig.parse(args.kv_connector, **given)
     if "store" not in config.names and (store_url is not None or store_cluster
                                         or store_optional):
         raise ValueError("--kv-store-url / --kv-store-cluster / --kv-store-optional need "
                          "store in --kv-connector")
+    if config.offload_dir is not None:
+        check_writable_dir(config.offload_dir, "--kv-offload-dir")
     return config
+
+
+def connector_flags(config_args: argparse.Namespace) -> list[str]:
+    """The connector option flags a parsed command line set, as a command line (what
+    `engine_flags` repeats; only with `--kv-connector`)."""
+    flags: list[str] = []
+    for option in options():
+        meta = option.metadata
+        value = getattr(config_args, meta["dest"], None)
+        if option.type in (bool, "bool"):
+            flags += [meta["flag"]] * bool(value)
+        elif value is not None:
+            flags += [meta["flag"], str(value)]
+    return flags
+
+
+def check_writable_dir(directory: str, flag: str) -> None:
+    """ValueError naming `flag` unless `directory` is (or can be made) a directory this
+    process can write a file in: said before a model loads, not after."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {directory}: cannot write there "
+                         f"({error.strerror or type(error).__name__})") from None

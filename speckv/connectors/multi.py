@@ -37,6 +37,17 @@ from speckv.connectors.parts import PendingParts
 from speckv.connectors.rules import ConnectorMode, ConnectorRequest
 
 
+def combine(connectors: Sequence[KVConnector | None]) -> KVConnector | None:
+    """One connector of several, in order (a MultiConnector's children flattened into the
+    list; None entries skipped); None when there is none, the one when there is one."""
+    children = [child for connector in connectors if connector is not None
+                for child in (connector.children if isinstance(connector, MultiConnector)
+                              else (connector,))]
+    if len(children) <= 1:
+        return children[0] if children else None
+    return MultiConnector(children, name=",".join(child.name for child in children))
+
+
 class MultiConnector(KVConnector):
     def __init__(self, children: Sequence[KVConnector], name: str = "multi") -> None:
         names = [child.name for child in children]

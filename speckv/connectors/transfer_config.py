@@ -4,7 +4,10 @@ it names.
 Owns the generic part of the JSON and which connector class each `kv_connector` name builds:
 
     {"kv_connector": "nixl",              a registered name (TRANSFER_CONNECTORS; vLLM's class
-                                          names are aliases: "NixlConnector")
+                                          names are aliases: "NixlConnector"): "nixl", the
+                                          tiers "offload", "disk", "store", or
+                                          "MultiConnector" with
+                                          kv_connector_extra_config.connectors: [{...}, ...]
      "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
      "kv_load_failure_policy": "recompute" | "fail",   the engine's one policy (over
                                           --kv-load-failure-policy)
@@ -13,8 +16,11 @@ Owns the generic part of the JSON and which connector class each `kv_connector` 
 
 `KVTransferConfig.parse` checks the generic keys and hands the whole object to the named
 connector's `parse`, which returns its typed options (errors name the JSON key); `build` makes
-the connector. The engine, the API and the server only see `KVConnector`: they never name a
-concrete connector, and the request's `kv_transfer_params` reach only the connector.
+the connector. A tier's options are a `ConnectorConfig` from `kv_connector_extra_config` (its
+keys: the `EngineArgs` keywords, `kv_offload_gib`, ...): `tiers()` hands it to the engine,
+which builds tiers with its own identity, as it does for `--kv-connector`. The engine, the
+API and the server only see `KVConnector`: they never name a concrete connector, and the
+request's `kv_transfer_params` reach only the connector.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speckv.connectors.base import KVConnector
-from speckv.connectors.config import LOAD_FAILURE_POLICIES
+from speckv.connectors.config import LOAD_FAILURE_POLICIES, ConnectorConfig, options
 
 ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -54,10 +60,67 @@ def _nixl_build(options: Any, load_failure_policy: str, hash_algo: str,
     return NixlConnector(options, hash_algo, hash_seed, load_failure_policy)
 
 
+def _tier_parse(name: str) -> Callable[[dict[str, Any], str], Any]:
+    def parse(obj: dict[str, Any], host: str) -> ConnectorConfig:
+        extra = obj.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("--kv-transfer-config kv_connector_extra_config must be a JSON "
+                             "object")
+        by_arg = {option.metadata["arg"]: option.name for option in options()}
+        unknown = sorted(set(extra) - set(by_arg))
+        if unknown:
+            raise ValueError(f"--kv-transfer-config kv_connector_extra_config: unknown key(s) "
+                             f"{unknown} for {name}; known: {', '.join(by_arg)}")
+        try:
+            return ConnectorConfig((name,), **{by_arg[key]: value
+                                               for key, value in extra.items()})
+        except ValueError as error:
+            raise ValueError(f"--kv-transfer-config ({name}): {error}") from None
+    return parse
+
+
+def _tier_build(options: Any, load_failure_policy: str, hash_algo: str,
+                hash_seed: str | None) -> KVConnector:
+    raise ValueError("a KV tier is built by the engine (KVTransferConfig.tiers)")
+
+
+def _multi_parse(obj: dict[str, Any], host: str) -> tuple[KVTransferConfig, ...]:
+    extra = obj.get("kv_connector_extra_config") or {}
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    if not isinstance(children, list) or not children or set(extra) != {"connectors"}:
+        raise ValueError("--kv-transfer-config MultiConnector needs kv_connector_extra_config "
+                         "{\"connectors\": [{\"kv_connector\": ...}, ...]} (and nothing else)")
+    parsed = []
+    for child in children:
+        if not isinstance(child, dict):
+            raise ValueError("--kv-transfer-config MultiConnector: each connector is a JSON "
+                             "object")
+        parsed.append(KVTransferConfig.parse({"kv_role": obj["kv_role"], **child}, host))
+    if any(child.kv_connector == "MultiConnector" for child in parsed):
+        raise ValueError("--kv-transfer-config MultiConnector: connectors nest one level")
+    others = [child.kv_connector for child in parsed
+              if not isinstance(child.options, ConnectorConfig)]
+    if len(others) > 1:
+        raise ValueError(f"--kv-transfer-config MultiConnector: one transfer connector at "
+                         f"most, got {', '.join(others)}")
+    return tuple(parsed)
+
+
 _NIXL = TransferEntry(_nixl_parse, _nixl_build, (
     "prefill/decode over NIXL; also kv_port, kv_lease_s, kv_transfer_timeout_s, engine_id, "
     "kv_connector_extra_config kv_peers / kv_secret; its side channel binds --host"))
-TRANSFER_CONNECTORS: dict[str, TransferEntry] = {"nixl": _NIXL, "NixlConnector": _NIXL}
+_OFFLOAD = TransferEntry(_tier_parse("offload"), _tier_build, "the CPU tier (--kv-connector "
+                         "offload; extra config: kv_offload_gib)")
+TRANSFER_CONNECTORS: dict[str, TransferEntry] = {
+    "nixl": _NIXL, "NixlConnector": _NIXL,
+    "offload": _OFFLOAD, "OffloadingConnector": _OFFLOAD,
+    "disk": TransferEntry(_tier_parse("disk"), _tier_build, "the disk tier (extra config: "
+                          "kv_offload_dir, kv_offload_disk_gib)"),
+    "store": TransferEntry(_tier_parse("store"), _tier_build, "the shared store (extra "
+                           "config: kv_store_url, kv_store_gib, ...)"),
+    "MultiConnector": TransferEntry(_multi_parse, _tier_build, "several, in order "
+                                    "(extra config: connectors, a list of these objects)"),
+}
 
 
 def transfer_connectors_help() -> str:
@@ -116,6 +179,31 @@ class KVTransferConfig:
         rest = {key: value for key, value in obj.items() if key != "kv_load_failure_policy"}
         options = TRANSFER_CONNECTORS[name].parse(rest, host)
         return cls(name, obj["kv_role"], policy, options)
+
+    def parts(self) -> tuple[KVTransferConfig, ...]:
+        """The named connectors, in order (a MultiConnector's children; else itself)."""
+        return self.options if self.kv_connector == "MultiConnector" else (self,)
+
+    def tiers(self) -> ConnectorConfig | None:
+        """The KV tiers this JSON names, as one `ConnectorConfig` (None: none)."""
+        tiers = [part.options for part in self.parts()
+                 if isinstance(part.options, ConnectorConfig)]
+        if not tiers:
+            return None
+        merged = {option.name: getattr(tiers[0], option.name) for option in options()}
+        for tier in tiers[1:]:  # each tier's own options win for its own keys
+            merged.update({option.name: getattr(tier, option.name) for option in options()
+                           if getattr(tier, option.name) != option.default})
+        try:
+            return ConnectorConfig(tuple(name for tier in tiers for name in tier.names),
+                                   **merged)
+        except ValueError as error:
+            raise ValueError(f"--kv-transfer-config: {error}") from None
+
+    def transfer(self) -> KVTransferConfig | None:
+        """The one connector that is not a tier (None: none; `parse` allows one)."""
+        others = [part for part in self.parts() if not isinstance(part.options, ConnectorConfig)]
+        return others[0] if others else None
 
     def build(self, load_failure_policy: str, hash_algo: str, hash_seed: str | None
               ) -> KVConnector:

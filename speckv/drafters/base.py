@@ -288,33 +288,12 @@ class Drafter(nn.Module, ABC):
         which spares the attention and MLP of a prefill's rows) and w, the number of rows
         written from the front of avail[i].
 
-        Long because it is the drafter's per-step hot path: one batched forward over the
-        catch-up and proposal rows of every request.
+        The drafter's per-step hot path: one batched forward over the catch-up and proposal
+        rows of every request (gathered by `_module_rows`).
         """
         module = self.modules_chain[j - 1]
-        ids: list[int] = []
-        rows: list[torch.Tensor] = []
-        positions: list[int] = []
-        q_lens: list[int] = []
-        s_lens: list[int] = []
-        tables: list[Sequence[int]] = []
-        counts: list[int] = []
-        for i, a in enumerate(avail):
-            last_tok_pos = token_starts[i] + len(tokens[i])  # position of the last known token
-            end = min(a.start + a.rows.shape[0], last_tok_pos - j + 1)  # exclusive
-            if max_position is not None:
-                end = min(end, max_position[i] + 1)
-            w = max(0, end - a.start)
-            counts.append(w)
-            if w == 0:
-                continue
-            off = token_starts[i] + 1
-            ids.extend(tokens[i][a.start + j - off : a.start + j - off + w])
-            rows.append(a.rows[:w])
-            positions.extend(range(a.start, a.start + w))
-            q_lens.append(w)
-            s_lens.append(a.start + w)
-            tables.append(block_tables[i])
+        ids, rows, positions, q_lens, s_lens, tables, counts = _module_rows(
+            j, avail, tokens, token_starts, block_tables, max_position)
         if not q_lens:
             return [None] * len(avail), counts
         device = self.device
@@ -428,6 +407,40 @@ class Drafter(nn.Module, ABC):
         return draft_autoregressive(self.modules_chain[k - 1], drafts, h_last,
                                     np.asarray(last_real, dtype=np.int64) + (len(drafts) - k),
                                     num_spec_tokens, table, lens, kv_cache, device)
+
+
+def _module_rows(j: int, avail: list[_ModuleRows], tokens: list[list[int]],
+                 token_starts: list[int], block_tables: Sequence[Sequence[int]],
+                 max_position: list[int] | None
+                 ) -> tuple[list[int], list[torch.Tensor], list[int], list[int], list[int],
+                            list[Sequence[int]], list[int]]:
+    """Module j's batch: per request the rows it can write (p with t[p + j] known), as the
+    token ids, input rows, positions, query and sequence lengths and block tables of the
+    requests that write any, and the count w of every request (0: none)."""
+    ids: list[int] = []
+    rows: list[torch.Tensor] = []
+    positions: list[int] = []
+    q_lens: list[int] = []
+    s_lens: list[int] = []
+    tables: list[Sequence[int]] = []
+    counts: list[int] = []
+    for i, a in enumerate(avail):
+        last_tok_pos = token_starts[i] + len(tokens[i])  # position of the last known token
+        end = min(a.start + a.rows.shape[0], last_tok_pos - j + 1)  # exclusive
+        if max_position is not None:
+            end = min(end, max_position[i] + 1)
+        w = max(0, end - a.start)
+        counts.append(w)
+        if w == 0:
+            continue
+        off = token_starts[i] + 1
+        ids.extend(tokens[i][a.start + j - off : a.start + j - off + w])
+        rows.append(a.rows[:w])
+        positions.extend(range(a.start, a.start + w))
+        q_lens.append(w)
+        s_lens.append(a.start + w)
+        tables.append(block_tables[i])
+    return ids, rows, positions, q_lens, s_lens, tables, counts
 
 
 def _carried(carry: DraftCarry | None, j: int) -> _ModuleRows | None:

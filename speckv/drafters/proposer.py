@@ -209,24 +209,8 @@ class DrafterProposer:
         rows = batch.target_rows
         num_aux = len(self.aux_layers)
         sources = (rows.hidden_states, *rows.aux_hidden_states[:num_aux])
-        # rows that continue positions deferred before them (taken either way, as above; the
-        # spans that do not continue are dropped)
         store = self._deferred
-        joined: dict[int, DeferredSpan] = {}
-        if store:
-            for i in np.flatnonzero(live).tolist():
-                span = store.take(batch.request_ids[i])
-                if span is None:
-                    continue
-                if span.end == int(starts[i]):
-                    joined[i] = span
-                else:
-                    store.release(span)
-        first = starts
-        if joined:
-            first = starts.copy()
-            for i, span in joined.items():
-                first[i] = span.start
+        joined, first = self._join_deferred(batch, live)
         # Draft only for requests whose catch-up reaches their last real token.
         drafts = live & batch.wants_drafts & (batch.max_drafts > 0) & (ends == num_tokens - 1)
         block_size = self.kv_cache.block_size
@@ -282,6 +266,30 @@ class DrafterProposer:
         request_ids = batch.request_ids
         return {request_ids[i]: d[:m]
                 for i, d, m in zip(asked.tolist(), out, max_drafts.tolist())}
+
+    def _join_deferred(self, batch: ProposerBatch, live: np.ndarray
+                       ) -> tuple[dict[int, DeferredSpan], np.ndarray]:
+        """The rows that continue positions deferred before them (taken either way, as in
+        the per-request path; the spans that do not continue are dropped): the joined spans
+        by batch index, and each request's first catch-up position."""
+        store = self._deferred
+        starts = batch.start
+        joined: dict[int, DeferredSpan] = {}
+        if store:
+            for i in np.flatnonzero(live).tolist():
+                span = store.take(batch.request_ids[i])
+                if span is None:
+                    continue
+                if span.end == int(starts[i]):
+                    joined[i] = span
+                else:
+                    store.release(span)
+        first = starts
+        if joined:
+            first = starts.copy()
+            for i, span in joined.items():
+                first[i] = span.start
+        return joined, first
 
     def _joined_states(self, batch: ProposerBatch, keep: np.ndarray, first: np.ndarray,
                        counts: np.ndarray, joined: dict[int, DeferredSpan],

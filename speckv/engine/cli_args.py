@@ -14,11 +14,19 @@ import json
 import re
 from typing import Any
 
-from speckv.connectors.config import add_connector_arguments, connector_config_from_args
-from speckv.connectors.transfer_config import transfer_connectors_help
+from speckv.connectors.config import (
+    add_connector_arguments,
+    connector_config_from_args,
+    connector_flags,
+)
+from speckv.connectors.transfer_config import KVTransferConfig, transfer_connectors_help
 from speckv.engine.config import MAX_NUM_SPEC_TOKENS, SPECULATIVE_METHODS
 from speckv.engine.engine_args import EngineArgs
-from speckv.engine.speculation_choice import NO_SPECULATION, choose_speculation
+from speckv.engine.speculation_choice import (
+    NO_SPECULATION,
+    SpeculationChoice,
+    choose_speculation,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 SPECULATIVE_METHOD_WORDS: tuple[str, ...] = (NO_SPECULATION, *SPECULATIVE_METHODS)
@@ -31,6 +39,17 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 512M, 2G)")
     number, unit = float(match.group(1)), match.group(2).lower()
     return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object, or a one-line error saying why the text is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text[:80]!r}")
+    return value
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, seed_flag: bool = True) -> None:
@@ -97,7 +116,7 @@ def _add_speculation_arguments(group: Any) -> None:
                        "drafts fewer or none when that is faster)")
     group.add_argument("--no-adaptive-speculation", action="store_true",
                        help="always draft --num-spec-tokens tokens")
-    group.add_argument("--speculative-config", type=json.loads, default=None,
+    group.add_argument("--speculative-config", type=json_object, default=None,
                        help='vLLM style, e.g. \'{"method": "eagle", "model": "DIR", '
                        '"num_speculative_tokens": 3}\' (overrides --speculative-method and '
                        'friends)')
@@ -107,6 +126,19 @@ def speculative_kwargs(model: str, method: str | None, speculative_model: str | 
                        num_spec_tokens: int, speculative_config: dict[str, Any] | None
                        ) -> dict[str, Any]:
     """`EngineArgs` speculative fields from the flags ({}: no speculation)."""
+    choice, num_spec_tokens = speculation_choice(model, method, speculative_model,
+                                                 num_spec_tokens, speculative_config)
+    if choice.method is None:
+        return {}
+    return {"speculative_method": choice.method, "num_spec_tokens": num_spec_tokens,
+            "speculative_model": choice.speculative_model}
+
+
+def speculation_choice(model: str, method: str | None, speculative_model: str | None,
+                       num_spec_tokens: int, speculative_config: dict[str, Any] | None
+                       ) -> tuple[SpeculationChoice, int]:
+    """Which drafter the flags choose (`--speculative-config` over the single flags), with
+    its draft count; nothing is loaded."""
     if speculative_config is not None:
         if not isinstance(speculative_config, dict) or "method" not in speculative_config:
             raise ValueError('--speculative-config needs a JSON object with "method"')
@@ -119,17 +151,16 @@ def speculative_kwargs(model: str, method: str | None, speculative_model: str | 
         if method not in SPECULATIVE_METHOD_WORDS:
             raise ValueError(f"--speculative-config method must be one of "
                              f"{SPECULATIVE_METHOD_WORDS}")
-    choice = choose_speculation(model, method, speculative_model, num_spec_tokens)
-    if choice.method is None:
-        return {}
-    return {"speculative_method": choice.method, "num_spec_tokens": num_spec_tokens,
-            "speculative_model": choice.speculative_model}
+    return choose_speculation(model, method, speculative_model, num_spec_tokens), \
+        num_spec_tokens
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     """The `EngineArgs` the flags describe (ValueError in flag words before any loading)."""
     speculative = speculative_kwargs(args.model, args.speculative_method, args.speculative_model,
                                      args.num_spec_tokens, args.speculative_config)
+    if args.kv_transfer_config is not None:  # its errors too come before the model loads
+        KVTransferConfig.parse(args.kv_transfer_config)
     optional: dict[str, Any] = {}
     if args.kv_cache_memory_bytes is not None:
         optional["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
@@ -167,16 +198,10 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
                 "--kv-events-endpoint": args.kv_events_endpoint,
                 "--kv-events-replay-endpoint": args.kv_events_replay_endpoint,
                 "--hash-seed": args.hash_seed, "--kv-connector": args.kv_connector,
-                "--kv-offload-dir": args.kv_offload_dir, "--kv-store-url": args.kv_store_url,
                 "--kv-transfer-config": args.kv_transfer_config,
                 "--kv-load-failure-policy": args.kv_load_failure_policy}
     if args.kv_connector is not None:
-        optional.update({"--kv-offload-gib": args.kv_offload_gib,
-                         "--kv-offload-disk-gib": args.kv_offload_disk_gib,
-                         "--kv-store-gib": args.kv_store_gib,
-                         "--kv-store-timeout": args.kv_store_timeout})
-        flags += ["--kv-store-cluster"] * args.kv_store_cluster
-        flags += ["--kv-store-optional"] * args.kv_store_optional
+        flags += connector_flags(args)
     for flag, value in optional.items():
         if value is not None:
             flags += [flag, str(value)]

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, ConnectorConfig
+from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, ConnectorConfig, options
 from speckv.connectors.disk import DEFAULT_DISK_GIB
 from speckv.connectors.offload import DEFAULT_OFFLOAD_GIB
 from speckv.connectors.redis_store import DEFAULT_TIMEOUT_S
@@ -87,8 +87,16 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The nested `EngineConfig` (ValueError naming the field that is wrong)."""
-        transfer = (None if self.kv_transfer_config is None else
-                    KVTransferConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host))
+        parsed = (None if self.kv_transfer_config is None else
+                  KVTransferConfig.parse(self.kv_transfer_config, host=self.kv_transfer_host))
+        transfer = parsed.transfer() if parsed is not None else None
+        kv_connector = self._kv_connector()
+        tiers = parsed.tiers() if parsed is not None else None
+        if tiers is not None:  # vLLM's JSON naming a tier: as --kv-connector would
+            if kv_connector is not None:
+                raise ValueError("--kv-transfer-config names KV tiers and --kv-connector too; "
+                                 "name them in one of the two")
+            kv_connector = tiers
         return EngineConfig(
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_blocks,
@@ -100,12 +108,12 @@ class EngineArgs:
                 mamba_block_size=self.mamba_block_size),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             speculative=self._speculative(),
-            kv_connector=self._kv_connector(),
+            kv_connector=kv_connector,
             kv_transfer=transfer,
             events=self._events(),
             kv_load_failure_policy=(
-                transfer.kv_load_failure_policy  # the JSON's key, as vLLM's
-                if transfer is not None and transfer.kv_load_failure_policy is not None
+                parsed.kv_load_failure_policy  # the JSON's key, as vLLM's
+                if parsed is not None and parsed.kv_load_failure_policy is not None
                 else self.kv_load_failure_policy),
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             seed=self.seed,
@@ -148,14 +156,10 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.kv_connector must be a string like 'offload,disk', "
                              f"got {self.kv_connector!r}")
         try:
-            return ConnectorConfig.parse(
-                self.kv_connector, offload_gib=self.kv_offload_gib,
-                offload_dir=None if self.kv_offload_dir is None else str(self.kv_offload_dir),
-                disk_gib=self.kv_offload_disk_gib, store_url=self.kv_store_url,
-                store_gib=self.kv_store_gib, store_cluster=self.kv_store_cluster,
-                store_optional=self.kv_store_optional,
-                store_timeout_s=self.kv_store_timeout_s,
-                load_failure_policy=self.kv_load_failure_policy)
+            given = {option.name: getattr(self, option.metadata["arg"]) for option in options()}
+            if given["offload_dir"] is not None:  # a Path is fine
+                given["offload_dir"] = str(given["offload_dir"])
+            return ConnectorConfig.parse(self.kv_connector, **given)
         except ValueError as error:
             raise ValueError(f"EngineArgs.kv_connector: {error}") from None
 

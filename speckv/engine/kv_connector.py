@@ -53,7 +53,6 @@ from speckv.connectors import (
     GroupBlockIds,
     KVConnector,
     LoadFailure,
-    MultiConnector,
     RequestBlocks,
     StepMetadata,
     TierIdentity,
@@ -61,7 +60,11 @@ from speckv.connectors import (
     make_connector,
     persistent_hash_seed,
 )
-from speckv.connectors.config import DEFAULT_LOAD_FAILURE_POLICY, check_load_failure_policy
+from speckv.connectors.config import (
+    DEFAULT_LOAD_FAILURE_POLICY,
+    check_load_failure_policy,
+    needs_identity,
+)
 from speckv.connectors.layout import (
     DRAFT,
     TARGET,
@@ -69,6 +72,7 @@ from speckv.connectors.layout import (
     GroupedDeviceKV,
     KVSegment,
 )
+from speckv.connectors.multi import combine
 from speckv.connectors.rules import GroupMode
 
 if TYPE_CHECKING:
@@ -99,18 +103,14 @@ def build_connector(config: EngineConfig, model: TargetModel, drafter: Any | Non
     if connector_config is None:
         return transfer
     identity = None
-    if {"disk", "store"} & set(connector_config.names):
+    if needs_identity(connector_config):
         named = [(f"target.{name}", tensor) for name, tensor in model.named_parameters()]
         if drafter is not None:
             named += [(f"draft.{name}", tensor) for name, tensor in drafter.named_parameters()]
         identity = TierIdentity(fingerprint_tensors(named), config.cache.hash_algo,
                                 config.cache.hash_seed)
-    tiers = make_connector(connector_config, identity)
-    if transfer is None:
-        return tiers
     # the tiers first: a request they can serve locally pulls nothing from the prefill engine
-    children = [*(tiers.children if isinstance(tiers, MultiConnector) else (tiers,)), transfer]
-    return MultiConnector(children, name=",".join(child.name for child in children))
+    return combine([make_connector(connector_config, identity), transfer])
 
 
 def build_transfer_connector(config: EngineConfig) -> KVConnector | None:

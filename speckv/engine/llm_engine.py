@@ -51,7 +51,7 @@ from speckv.engine.kv_connector import (
     build_connector,
     initialize_connector,
 )
-from speckv.engine.kv_plan import plan_kv_cache
+from speckv.engine.kv_plan import KVCachePlan, plan_kv_cache
 from speckv.engine.messages import FinishReason
 from speckv.engine.model_runner import ModelRunner
 from speckv.engine.output_processor import OutputProcessor
@@ -109,8 +109,8 @@ class LLMEngine:
         device; tests pass a scripted one). `hash_mode`: used instead of the one resolved from the
         drafter and the connector (the negative control of `bench draft-kv`).
 
-        Long only by its signature and this docstring: the body is the start-up order, one
-        call per part (plan, budget, proposer, checks, connector, hash mode, parts)."""
+        The body is the start-up order, one call per part (plan and budget, proposer, checks,
+        connector, hash mode, parts)."""
         self.config = config = config or EngineConfig()
         cache = config.cache
         self.model = model
@@ -120,20 +120,8 @@ class LLMEngine:
         check_model_fits(model, config)
         # a drafter's KV layers share the target's blocks (same heads and head size)
         num_draft_layers = drafter.num_kv_layers if drafter is not None else 0
-        self.kv_plan = plan = plan_kv_cache(
-            model, block_size=cache.block_size, num_blocks=cache.num_blocks,
-            budget_bytes=cache.kv_cache_memory_bytes, state_block_size=cache.mamba_block_size,
-            num_draft_layers=num_draft_layers, layout=layout)
-        self.layout = plan.layout
-        self.kv_budget = plan_kv_budget(
-            model, plan.layout, plan.num_blocks, cache, config.scheduler,
-            num_draft_layers=num_draft_layers, retention_interval=retention_interval,
-            tail_widening=tail_widening,
-            speculates=drafter is not None or config.speculative is not None)
-        # rows of each group's tensors: one shared count, or one per group (per-group pools);
-        # `num_blocks` is the full-attention (drafter's) group's: what holds the context
-        self.group_num_blocks = tuple(group.num_blocks for group in self.kv_budget.groups)
-        self.num_blocks = self.group_num_blocks[plan.layout.draft_group or 0]
+        plan = self._plan_kv(num_draft_layers, layout, retention_interval, tail_widening,
+                             speculates=drafter is not None or config.speculative is not None)
         clock = spec_clock or default_clock(model.device.type)
         if proposer is None:
             proposer = make_proposer(config, drafter, self.num_blocks, clock)
@@ -141,14 +129,7 @@ class LLMEngine:
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
         check_engine(plan.layout, config, num_draft_layers=num_draft_layers, proposer=proposer,
                      connector=connector)
-        self.connector: KVConnector | None = (
-            connector if connector is not None else build_connector(config, model, drafter))
-        try:
-            check_connector_groups(self.connector, plan.layout, config)
-        except ValueError:
-            if connector is None and self.connector is not None:
-                self.connector.shutdown()  # built here: nothing else would stop its threads
-            raise
+        self.connector = self._own_connector(connector, drafter, plan.layout)
         self._closed = False
         # lookahead hashes or the legacy drop, from the drafter's policy and the connector
         self.hash_mode = hash_mode or resolve_connector_hash_mode(
@@ -169,6 +150,42 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos) or tuple(model.config.eos_token_ids)
         self._counter = itertools.count()
         self.last_stats: SchedulerStats | None = None  # the last step's, set by every step()
+
+    def _plan_kv(self, num_draft_layers: int, layout: KVCacheLayout | None,
+                 retention_interval: int | None, tail_widening: TailWidening, *,
+                 speculates: bool) -> KVCachePlan:
+        """The KV cache plan (layout, block ids) and the blocks of each group's pool."""
+        model, config = self.model, self.config
+        cache = config.cache
+        self.kv_plan = plan = plan_kv_cache(
+            model, block_size=cache.block_size, num_blocks=cache.num_blocks,
+            budget_bytes=cache.kv_cache_memory_bytes, state_block_size=cache.mamba_block_size,
+            num_draft_layers=num_draft_layers, layout=layout)
+        self.layout = plan.layout
+        self.kv_budget = plan_kv_budget(
+            model, plan.layout, plan.num_blocks, cache, config.scheduler,
+            num_draft_layers=num_draft_layers, retention_interval=retention_interval,
+            tail_widening=tail_widening,
+            speculates=speculates)
+        # rows of each group's tensors: one shared count, or one per group (per-group pools);
+        # `num_blocks` is the full-attention (drafter's) group's: what holds the context
+        self.group_num_blocks = tuple(group.num_blocks for group in self.kv_budget.groups)
+        self.num_blocks = self.group_num_blocks[plan.layout.draft_group or 0]
+        return plan
+
+    def _own_connector(self, connector: KVConnector | None, drafter: Drafter | None,
+                       layout: KVCacheLayout) -> KVConnector | None:
+        """`connector`, or the one the config names (built here, so shut down here if the
+        model's KV cache groups do not fit it)."""
+        own: KVConnector | None = (connector if connector is not None
+                                   else build_connector(self.config, self.model, drafter))
+        try:
+            check_connector_groups(own, layout, self.config)
+        except ValueError:
+            if connector is None and own is not None:
+                own.shutdown()  # built here: nothing else would stop its threads
+            raise
+        return own
 
     def _configured_publisher(self) -> EventPublisher | None:
         """The KV-event publisher `config.events` names (None: none); the engine owns it."""

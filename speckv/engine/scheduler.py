@@ -277,7 +277,8 @@ class Scheduler:
         else:
             batch.copies.extend(allocation.copies)
             self.stats.record_admission(request_id, request.num_tokens, num_hit,
-                                        request.num_preemptions > 0)
+                                        request.num_preemptions > 0,
+                                        None if self.connector is None else num_external)
             if self.connector is not None:
                 self.connector.after_alloc(request, allocation.new_block_ids, num_hit,
                                            num_external)

@@ -46,6 +46,12 @@ def choose_speculation(model: str, method: str | None, speculative_model: str | 
         speculative_model = "random-mtp"  # a random-init MTP drafter on the random hybrid
     if model == "hybrid-swa" and speculative_model is None and method == "mtp":
         speculative_model = "random-assistant"  # a random-init Gemma 4 MTP assistant
+    if speculative_model not in (None, "builtin", "random-mtp", "random-assistant"):
+        from pathlib import Path
+
+        if not Path(speculative_model).exists():
+            raise ValueError(f"--speculative-model {speculative_model}: no such file or "
+                             "directory (a drafter's directory or file, or builtin)")
     if method is None:
         if speculative_model in ("random-mtp", "random-assistant"):
             method = "mtp"

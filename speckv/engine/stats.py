@@ -53,6 +53,10 @@ class SchedulerStats:
     prefix_cache: PrefixCacheStats
     spec_decoding: SpecDecodingStats | None  # None: speculative decoding is off
     newly_admitted_request_ids: tuple[str, ...]  # first admission in the step
+    # first admissions under a KV connector (tiers, P/D transfer): their prompt tokens, and
+    # those the connector loaded (vLLM's external prefix cache queries / hits), tokens
+    num_external_query_tokens: int = 0
+    num_external_hit_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -75,17 +79,22 @@ class StatsCollector:
         self._num_accepted_tokens = 0
         self._per_pos = [0] * self.num_spec_tokens
         self._admitted: list[str] = []
+        self._external = [0, 0]  # query tokens, hit tokens
 
     # ---- filled during a step ------------------------------------------------------------------
     def record_admission(self, request_id: str, num_query_tokens: int, num_hit_tokens: int,
-                         preempted: bool) -> None:
-        """A waiting request was admitted with a prefix-cache hit of `num_hit_tokens`."""
+                         preempted: bool, num_external_tokens: int | None = None) -> None:
+        """A waiting request was admitted with a prefix-cache hit of `num_hit_tokens`, and
+        `num_external_tokens` a KV connector loads (None: the engine has no connector)."""
         offset = 3 if preempted else 0
         self._prefix[offset] += 1
         self._prefix[offset + 1] += num_query_tokens
         self._prefix[offset + 2] += num_hit_tokens
         if not preempted:
             self._admitted.append(request_id)
+            if num_external_tokens is not None:
+                self._external[0] += num_query_tokens
+                self._external[1] += num_external_tokens
 
     def record_preemption(self) -> None:
         self._num_preemptions += 1
@@ -141,6 +150,8 @@ class StatsCollector:
             prefix_cache=PrefixCacheStats(*self._prefix),
             spec_decoding=spec,
             newly_admitted_request_ids=tuple(self._admitted),
+            num_external_query_tokens=self._external[0],
+            num_external_hit_tokens=self._external[1],
         )
         self._reset()
         return stats

@@ -284,9 +284,47 @@ def _passthrough(response: httpx.Response, content: bytes, engine: str) -> Respo
 
 def build_app(router: Router) -> Starlette:
     """The Starlette app: every route is a closure over the one router state (config, fleet,
-    index, metrics), so they stay together here rather than in a class of handlers."""
+    index, metrics), built in two groups: the proxied generation routes (`_proxy_routes`)
+    and the router's own (`_service_routes`)."""
     config = router.config
     fleet = router.fleet
+
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unexpected error routing %s", request.url.path)
+        failure = APIError(500, f"Internal router error: {type(error).__name__}: {error}",
+                           "server_error")
+        return JSONResponse(failure.body(), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        total = config.max_inflight_requests + 16
+        router.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=total, max_keepalive_connections=total),
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
+        fleet.start()
+        health = asyncio.ensure_future(router.health_loop())
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await router.client.aclose()
+            fleet.stop()
+
+    return Starlette(
+        routes=[*_proxy_routes(router), *_service_routes(router)],
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            ClientDisconnect: client_gone_handler(logger),
+                            Exception: on_unexpected},
+        lifespan=lifespan,
+    )
+
+
+def _proxy_routes(router: Router) -> list[Route]:
+    """/v1/completions and /v1/chat/completions: routed to an engine (`_try_engine`), one
+    retry on another engine after an upstream failure."""
+    config = router.config
 
     async def forward(request: Request, kind: str, path: str) -> Any:
         _check_api_key(router, request)
@@ -306,53 +344,12 @@ def build_app(router: Router) -> Starlette:
             decision = router.choose(plans, tried)
             if decision is None:
                 break
-            engine = decision.engine
-            tried.add(engine)
-            link = fleet.links[engine]
-            plan = plans[engine]
-            router.metrics.requests.labels(engine, decision.reason).inc()
-            fleet.routed(engine, plan)
-            router.inflight += 1
-            settled = False
-
-            def done(engine: str = engine, plan: EnginePlan = plan) -> None:
-                router.inflight -= 1
-                fleet.finished(engine, plan)
-
-            try:
-                upstream = router.client.build_request(
-                    "POST", f"{link.spec.url}{path}", content=raw,
-                    headers={"content-type": "application/json", **link.headers()})
-                response = await router.client.send(upstream, stream=True)
-                if response.status_code >= 500:
-                    content = await response.aread()
-                    await response.aclose()
-                    router.metrics.upstream_errors.labels(engine).inc()
-                    last_error = _upstream_failed(engine, f"HTTP {response.status_code}: "
-                                                  f"{content[:200]!r}")
-                    if len(tried) < 2 and len(fleet.links) > 1:
-                        router.metrics.retries.labels(engine).inc()
-                        continue
-                    return _passthrough(response, content, engine)
-                if stream and response.status_code == 200:
-                    settled = True  # the stream's end settles it
-                    return _Stream(router, engine, response, plan, done)
-                content = await response.aread()
-                await response.aclose()
-                if response.status_code == 200:
-                    with contextlib.suppress(ValueError, AttributeError):
-                        router.metrics.report(engine, plan.predicted_cached_tokens,
-                                              json.loads(content).get("usage"),
-                                              plan.num_prompt_tokens)
-                return _passthrough(response, content, engine)
-            except httpx.HTTPError as error:
-                router.metrics.upstream_errors.labels(engine).inc()
-                fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
-                last_error = _upstream_failed(engine, f"{type(error).__name__}: {error}")
-                router.metrics.retries.labels(engine).inc()
-            finally:
-                if not settled:
-                    done()
+            tried.add(decision.engine)
+            response, error = await _try_engine(router, decision, plans, raw, path, stream,
+                                                tried)
+            if response is not None:
+                return response
+            last_error = error
         if last_error is not None:
             raise last_error
         raise _no_engine(config.retry_after_s)
@@ -362,6 +359,73 @@ def build_app(router: Router) -> Starlette:
 
     async def chat_completions(request: Request) -> Any:
         return await forward(request, "chat", "/v1/chat/completions")
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+
+
+async def _try_engine(router: Router, decision: Decision, plans: dict[str, EnginePlan], raw: bytes,
+                     path: str, stream: bool, tried: set[str]
+                     ) -> tuple[Response | None, APIError | None]:
+    """One try of a request on the engine `decision` chose: (the response to return, None),
+    or (None, the error) when the next engine should be tried."""
+    fleet = router.fleet
+    assert router.client is not None
+    last_error: APIError | None = None
+    engine = decision.engine
+    link = fleet.links[engine]
+    plan = plans[engine]
+    router.metrics.requests.labels(engine, decision.reason).inc()
+    fleet.routed(engine, plan)
+    router.inflight += 1
+    settled = False
+
+    def done(engine: str = engine, plan: EnginePlan = plan) -> None:
+        router.inflight -= 1
+        fleet.finished(engine, plan)
+
+    try:
+        upstream = router.client.build_request(
+            "POST", f"{link.spec.url}{path}", content=raw,
+            headers={"content-type": "application/json", **link.headers()})
+        response = await router.client.send(upstream, stream=True)
+        if response.status_code >= 500:
+            content = await response.aread()
+            await response.aclose()
+            router.metrics.upstream_errors.labels(engine).inc()
+            last_error = _upstream_failed(engine, f"HTTP {response.status_code}: "
+                                          f"{content[:200]!r}")
+            if len(tried) < 2 and len(fleet.links) > 1:
+                router.metrics.retries.labels(engine).inc()
+                return None, last_error
+            return _passthrough(response, content, engine), None
+        if stream and response.status_code == 200:
+            settled = True  # the stream's end settles it
+            return _Stream(router, engine, response, plan, done), None
+        content = await response.aread()
+        await response.aclose()
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                router.metrics.report(engine, plan.predicted_cached_tokens,
+                                      json.loads(content).get("usage"),
+                                      plan.num_prompt_tokens)
+        return _passthrough(response, content, engine), None
+    except httpx.HTTPError as error:
+        router.metrics.upstream_errors.labels(engine).inc()
+        fleet.mark_unhealthy(link, f"{type(error).__name__}: {error}")
+        last_error = _upstream_failed(engine, f"{type(error).__name__}: {error}")
+        router.metrics.retries.labels(engine).inc()
+    finally:
+        if not settled:
+            done()
+    return None, last_error
+
+
+def _service_routes(router: Router) -> list[Route]:
+    """Models, health, metrics, the router's state and the fleet-wide prefix-cache reset."""
+    fleet = router.fleet
 
     async def models(request: Request) -> JSONResponse:
         _check_api_key(router, request)
@@ -410,41 +474,10 @@ def build_app(router: Router) -> Starlette:
             fleet.cleared(link)
         return JSONResponse({"success": True, "engines": [link.name for link in links]})
 
-    async def on_unexpected(request: Request, error: Exception) -> Response:
-        logger.exception("unexpected error routing %s", request.url.path)
-        failure = APIError(500, f"Internal router error: {type(error).__name__}: {error}",
-                           "server_error")
-        return JSONResponse(failure.body(), status_code=500)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        total = config.max_inflight_requests + 16
-        router.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=total, max_keepalive_connections=total),
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
-        fleet.start()
-        health = asyncio.ensure_future(router.health_loop())
-        try:
-            yield
-        finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
-            await router.client.aclose()
-            fleet.stop()
-
-    return Starlette(
-        routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/router/state", state, methods=["GET"]),
-            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        ],
-        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                            ClientDisconnect: client_gone_handler(logger),
-                            Exception: on_unexpected},
-        lifespan=lifespan,
-    )
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/router/state", state, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+    ]

@@ -174,50 +174,9 @@ class _Stream:
 
 
 def build_pd_app(router: PDRouter) -> Starlette:
+    """The P/D router's app: the generation routes (`_pd_proxy_routes`: prefill on a prefill
+    engine, then decode with its `kv_transfer_params`) and the router's own."""
     config = router.config
-
-    async def forward(request: Request, path: str) -> Any:
-        check_bearer_key(request, config.api_key)
-        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
-        router.counts["requests"] += 1
-        prefill_name, params = await router.prefill(path, body)
-        decode_name, decode_url = next(router._decode)
-        sent = dict(body)
-        if isinstance(params, dict):
-            sent["kv_transfer_params"] = params
-            reason = "transferred"
-            header = f"prefill={prefill_name};decode={decode_name}"
-        else:
-            sent.pop("kv_transfer_params", None)
-            reason = "local_prefill"
-            header = f"decode={decode_name}"
-        router.counts[reason] += 1
-        router.metrics.requests.labels(decode_name, reason).inc()
-        assert router.client is not None
-        upstream = router.client.build_request("POST", f"{decode_url}{path}", json=sent,
-                                               headers=router.headers())
-        try:
-            response = await router.client.send(upstream, stream=True)
-        except httpx.HTTPError as error:
-            router.metrics.upstream_errors.labels(decode_name).inc()
-            raise APIError(502, f"The decode engine {decode_name} ({decode_url}) failed: "
-                           f"{type(error).__name__}: {error}", "server_error", None,
-                           "upstream_failed") from None
-        if response.status_code >= 500:
-            router.metrics.upstream_errors.labels(decode_name).inc()
-        if body.get("stream") and response.status_code == 200:
-            return _Stream(response, header, decode_name)
-        content = await response.aread()
-        await response.aclose()
-        return Response(content, status_code=response.status_code,
-                        headers={PD_HEADER: header, ENGINE_HEADER: decode_name},
-                        media_type=response.headers.get("content-type", "application/json"))
-
-    async def completions(request: Request) -> Any:
-        return await forward(request, "/v1/completions")
-
-    async def chat_completions(request: Request) -> Any:
-        return await forward(request, "/v1/chat/completions")
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
@@ -264,8 +223,7 @@ def build_pd_app(router: PDRouter) -> Starlette:
             await router.client.aclose()
 
     return Starlette(
-        routes=[Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        routes=[*_pd_proxy_routes(router),
                 Route("/v1/models", models, methods=["GET"]),
                 Route("/health", health, methods=["GET"]),
                 Route("/router/state", state, methods=["GET"]),
@@ -274,3 +232,55 @@ def build_pd_app(router: PDRouter) -> Starlette:
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error},
         lifespan=lifespan,
     )
+
+
+def _pd_proxy_routes(router: PDRouter) -> list[Route]:
+    """/v1/completions and /v1/chat/completions: the prompt prefilled on a prefill engine, the
+    request sent on to a decode engine with the KV transfer's params (or prefilled there)."""
+    config = router.config
+
+    async def forward(request: Request, path: str) -> Any:
+        check_bearer_key(request, config.api_key)
+        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
+        router.counts["requests"] += 1
+        prefill_name, params = await router.prefill(path, body)
+        decode_name, decode_url = next(router._decode)
+        sent = dict(body)
+        if isinstance(params, dict):
+            sent["kv_transfer_params"] = params
+            reason = "transferred"
+            header = f"prefill={prefill_name};decode={decode_name}"
+        else:
+            sent.pop("kv_transfer_params", None)
+            reason = "local_prefill"
+            header = f"decode={decode_name}"
+        router.counts[reason] += 1
+        router.metrics.requests.labels(decode_name, reason).inc()
+        assert router.client is not None
+        upstream = router.client.build_request("POST", f"{decode_url}{path}", json=sent,
+                                               headers=router.headers())
+        try:
+            response = await router.client.send(upstream, stream=True)
+        except httpx.HTTPError as error:
+            router.metrics.upstream_errors.labels(decode_name).inc()
+            raise APIError(502, f"The decode engine {decode_name} ({decode_url}) failed: "
+                           f"{type(error).__name__}: {error}", "server_error", None,
+                           "upstream_failed") from None
+        if response.status_code >= 500:
+            router.metrics.upstream_errors.labels(decode_name).inc()
+        if body.get("stream") and response.status_code == 200:
+            return _Stream(response, header, decode_name)
+        content = await response.aread()
+        await response.aclose()
+        return Response(content, status_code=response.status_code,
+                        headers={PD_HEADER: header, ENGINE_HEADER: decode_name},
+                        media_type=response.headers.get("content-type", "application/json"))
+
+    async def completions(request: Request) -> Any:
+        return await forward(request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Any:
+        return await forward(request, "/v1/chat/completions")
+
+    return [Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"])]

@@ -7,6 +7,7 @@
     POST /reset_prefix_cache                     forget cached blocks (409 while requests hold
                                                  blocks)
     GET  /version
+    POST /tokenize, /detokenize                  as vLLM serves them (`speckv.api.tokenize`)
     GET  /kv_cache_contract                      what a router needs to reproduce the block
                                                  hashes (`contract.py`); API key as for /v1
 
@@ -61,6 +62,7 @@ from speckv.api.protocol import (
     parse_completion,
     parse_json_object,
 )
+from speckv.api.tokenize import detokenize, tokenize
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.server.async_client import AsyncEngineClient, RequestStream
@@ -179,7 +181,32 @@ async def _last_output(stream: RequestStream) -> RequestOutput:
 # ---- the app ----------------------------------------------------------------------------------
 def build_app(server: OpenAIServer) -> Starlette:
     """The Starlette app: every route is a closure over the one server state (config, engine
-    client, limits, metrics), so they stay together here rather than in a class of handlers."""
+    client, limits, metrics), built in two groups: generation (`_generation_routes`) and the
+    rest (`_service_routes`)."""
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error_response(APIError(500, f"Internal server error: "
+                                        f"{type(error).__name__}: {error}", "server_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.client.start()
+        try:
+            yield
+        finally:
+            server.close()
+
+    return Starlette(
+        routes=[*_generation_routes(server), *_service_routes(server)],
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                            ClientDisconnect: client_gone_handler(logger),
+                            Exception: on_unexpected},
+        lifespan=lifespan,
+    )
+
+
+def _generation_routes(server: OpenAIServer) -> list[Route]:
+    """/v1/completions and /v1/chat/completions: one generation path, streamed or not."""
     config = server.config
     tokenizer = server.engine.tokenizer
 
@@ -217,6 +244,18 @@ def build_app(server: OpenAIServer) -> Starlette:
     async def chat_completions(request: Request) -> Any:
         return await generate(request, parse_chat, "chatcmpl")
 
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+
+
+def _service_routes(server: OpenAIServer) -> list[Route]:
+    """Models, health, metrics, the prefix-cache reset, version, tokenize / detokenize and
+    the KV cache contract."""
+    config = server.config
+    tokenizer = server.engine.tokenizer
+
     async def models(request: Request) -> JSONResponse:
         _check_api_key(server, request)
         return JSONResponse({"object": "list", "data": [{
@@ -246,6 +285,14 @@ def build_app(server: OpenAIServer) -> Starlette:
                            "prefix_cache_in_use")
         return JSONResponse({"success": True})
 
+    async def tokenize_route(request: Request) -> JSONResponse:
+        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
+        return JSONResponse(tokenize(body, server.limits, tokenizer))
+
+    async def detokenize_route(request: Request) -> JSONResponse:
+        body = parse_json_object(await read_body(request, config.max_request_body_bytes))
+        return JSONResponse(detokenize(body, server.limits, tokenizer))
+
     async def kv_cache_contract(request: Request) -> JSONResponse:
         _check_api_key(server, request)
         return JSONResponse(server.contract())
@@ -253,32 +300,13 @@ def build_app(server: OpenAIServer) -> Starlette:
     async def version_info(request: Request) -> JSONResponse:
         return JSONResponse({"version": speckv_version()})
 
-    async def on_unexpected(request: Request, error: Exception) -> Response:
-        logger.exception("unexpected error serving %s", request.url.path)
-        return error_response(APIError(500, f"Internal server error: "
-                                        f"{type(error).__name__}: {error}", "server_error"))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        server.client.start()
-        try:
-            yield
-        finally:
-            server.close()
-
-    return Starlette(
-        routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-            Route("/version", version_info, methods=["GET"]),
-            Route(CONTRACT_PATH, kv_cache_contract, methods=["GET"]),
-        ],
-        exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                            ClientDisconnect: client_gone_handler(logger),
-                            Exception: on_unexpected},
-        lifespan=lifespan,
-    )
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/version", version_info, methods=["GET"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+        Route(CONTRACT_PATH, kv_cache_contract, methods=["GET"]),
+    ]

@@ -72,6 +72,7 @@ def serve_threads(requested: int | None, torch_default: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from speckv.engine.cli_args import speculation_choice
     from speckv.engine.llm import random_init_note
     from speckv.server.launch import bind_socket, serve_forever
 
@@ -95,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
           + f", {torch.get_num_threads()} compute threads)", flush=True)
     print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
+    choice, _ = speculation_choice(args.model, args.speculative_method, args.speculative_model,
+                                   args.num_spec_tokens, args.speculative_config)
+    print(f"speckv serve: {choice.summary}", flush=True)
     for line in engine.connector.startup_lines() if engine.connector is not None else ():
         print(f"speckv serve: {line}", flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)

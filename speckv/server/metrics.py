@@ -5,6 +5,8 @@ Owns one `CollectorRegistry` per server (tests run several servers in one proces
 
     engine stats (`SchedulerStats`, one per step)
         vllm:prefix_cache_queries / vllm:prefix_cache_hits   prompt tokens looked up / found
+        vllm:external_prefix_cache_queries / _hits   the same under a KV connector: prompt
+            tokens of requests admitted with one / tokens it loaded (a tier or P/D transfer)
         vllm:num_preemptions, vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc
         vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens
         vllm:spec_decode_num_accepted_tokens_per_pos {position}
@@ -84,6 +86,14 @@ _LABELLED_METRICS: dict[str, _Metric] = {
     "hits": _Metric(
         Counter, "vllm:prefix_cache_hits",
         "Prefix cache hits, in terms of number of cached tokens."),
+    "external_queries": _Metric(
+        Counter, "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in "
+        "terms of number of queried tokens."),
+    "external_hits": _Metric(
+        Counter, "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms "
+        "of number of cached tokens."),
     "preemptions": _Metric(
         Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine."),
     "prompt_tokens": _Metric(
@@ -225,6 +235,8 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.queries.inc(stats.prefix_cache.num_query_tokens)
         self.hits.inc(stats.prefix_cache.num_hit_tokens)
+        self.external_queries.inc(stats.num_external_query_tokens)
+        self.external_hits.inc(stats.num_external_hit_tokens)
         self.preemptions.inc(stats.num_preemptions)
         for request_id in stats.newly_admitted_request_ids:
             timing = self._timings.get(request_id)

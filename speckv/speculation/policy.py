@@ -103,7 +103,11 @@ def resolve_hash_mode(
     with `speckv.connectors.capability.lookahead_blocker`). Pure."""
     lookahead = drafter.draft_kv_lookahead_tokens
     if lookahead == 0:
-        return HashMode.for_lookahead(0, f"{drafter.name} writes no draft KV from later tokens")
+        if drafter.name == NO_DRAFTER.name:
+            return HashMode.for_lookahead(0, "speculation is off, no draft KV to cover: vLLM's "
+                                             "plain block hashes")
+        return HashMode.for_lookahead(0, f"the {drafter.name} drafter writes no draft KV from "
+                                         "later tokens")
     if not enable_prefix_caching:
         return HashMode.for_lookahead(0, "prefix caching is off")
     if disable_lookahead_block_hashes:

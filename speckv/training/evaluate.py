@@ -47,16 +47,13 @@ def speculative_generate(
     """Greedy speculative decoding of one request; returns exactly the target's greedy tokens.
 
     `prefill_chunk_tokens` > 0 prefills in chunks (exercises carries across passes).
-    One function on purpose: the reference loop (prefill, draft, verify, roll back) the
-    engine's speculation is checked against, read top to bottom.
+    The reference loop (prefill, draft, verify, roll back) the engine's speculation is
+    checked against, read top to bottom.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
-    total = len(prompt_ids) + max_new_tokens + num_spec_tokens + 1
-    num_blocks = -(-total // block_size) + 1
-    table = list(range(1, num_blocks))  # NULL_BLOCK_ID (0) stays out of the table
-    if shuffle_blocks_seed is not None:
-        random.Random(shuffle_blocks_seed).shuffle(table)
+    num_blocks, table = _block_table(len(prompt_ids) + max_new_tokens + num_spec_tokens + 1,
+                                     block_size, shuffle_blocks_seed)
     kv = target.make_kv_cache(num_blocks, block_size)
     dkv = drafter.make_kv_cache(num_blocks, block_size)
     device = target.device
@@ -111,12 +108,27 @@ def speculative_generate(
             dkv,
         )
         carry = state.carries[0]
-    out = tokens[n_prompt:]
-    for i, t in enumerate(out):  # the target would have stopped at the first stop token
-        if t in stop_token_ids:
-            out = out[: i + 1]
-            break
-    return SpecResult(out[:max_new_tokens], accepted)
+    return SpecResult(_cut_at_stop(tokens[n_prompt:], stop)[:max_new_tokens], accepted)
+
+
+
+def _block_table(num_tokens: int, block_size: int, shuffle_seed: int | None
+                 ) -> tuple[int, list[int]]:
+    """Blocks for `num_tokens` (+ the null block) and one request's table over them, in
+    order or shuffled by `shuffle_seed`."""
+    num_blocks = -(-num_tokens // block_size) + 1
+    table = list(range(1, num_blocks))  # NULL_BLOCK_ID (0) stays out of the table
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(table)
+    return num_blocks, table
+
+
+def _cut_at_stop(out: list[int], stop: set[int]) -> list[int]:
+    """The target would have stopped at the first stop token: `out` up to it."""
+    for i, t in enumerate(out):
+        if t in stop:
+            return out[: i + 1]
+    return out
 
 
 def mean_acceptance_length(results: Sequence[SpecResult]) -> float:

@@ -370,6 +370,16 @@ def evaluate(model, tokenizer, drafter, args, log: Log) -> tuple[float, list[flo
 # ---- entry --------------------------------------------------------------------------------------
 
 
+def _command_line(args: argparse.Namespace) -> str:
+    """The `speckv train-draft` command line that repeats this run's recipe."""
+    return ("speckv train-draft " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
+        if k in ("data_minutes", "train_minutes", "draft_vocab", "ttt_steps", "lr",
+                 "batch_tokens", "seed", "init_from", "dtype", "threads") and v != "")
+        + (f" --prompts {args.prompts}" if args.prompts != "base" else "")
+        + (f" --max-prompts {args.max_prompts}" if args.max_prompts else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     from speckv.models.llama.builtin import load_builtin_model
 
@@ -435,12 +445,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(dtype).removeprefix("torch."),
         "safetensors_bytes": size,
         "wall_seconds": round(time.monotonic() - t0),
-        "command": "speckv train-draft " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
-            if k in ("data_minutes", "train_minutes", "draft_vocab", "ttt_steps", "lr",
-                     "batch_tokens", "seed", "init_from", "dtype", "threads") and v != "")
-            + (f" --prompts {args.prompts}" if args.prompts != "base" else "")
-            + (f" --max-prompts {args.max_prompts}" if args.max_prompts else ""),
+        "command": _command_line(args),
     }
     previous = Path(args.init_from) / "train_summary.json" if args.init_from else None
     if previous is not None and previous.is_file():

@@ -57,6 +57,34 @@ def test_cli_draft_kv_on_hybrid_gdn_prints_zero_diffs(capsys):
     assert hit["target_max_abs_diff"] == hit["draft_max_abs_diff"] == 0.0
     assert hit["state_max_abs_diff"] == 0.0
     assert control["draft_max_abs_diff"] > 0
+    assert hit["tier"] == "local" and hit["external_tokens"] == 0
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("tier", ["offload", "disk"])
+def test_cli_draft_kv_on_hybrid_gdn_through_a_tier_counts_its_tokens(tier, tmp_path, capsys,
+                                                                      monkeypatch):
+    """With a tier the hit is the tier's (the local cache reset): every hit token counted in
+    the "from tier" column, and still the cold run's bytes."""
+    from speckv.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # the table on one line per row
+    assert main(["bench", "draft-kv", "--model", "hybrid-gdn", "--drafters", "mtp",
+                 "--mtp-num-modules", "1", "--dtypes", "float32", "--kv-connector", tier,
+                 "--kv-offload-dir", str(tmp_path / "kv")]) == 0
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]]
+            for line in capsys.readouterr().out.splitlines() if "lookahead hit" in line]
+    assert rows and rows[0][3:6] == [tier, "128", "128"]  # tier, hit tokens, from tier
+    assert main(["bench", "draft-kv", "--model", "hybrid-gdn", "--drafters", "mtp",
+                 "--mtp-num-modules", "1", "--dtypes", "float32", "--kv-connector", tier,
+                 "--kv-offload-dir", str(tmp_path / "kv"), "--json"]) == 0
+    import json
+
+    hit, control = json.loads(capsys.readouterr().out)
+    assert (hit["tier"], hit["hit_tokens"], hit["external_tokens"]) == (tier, 128, 128)
+    assert hit["target_max_abs_diff"] == hit["draft_max_abs_diff"] == 0.0
+    assert hit["state_max_abs_diff"] == 0.0
+    assert control["external_tokens"] > 0 and control["draft_max_abs_diff"] > 0
 
 
 @pytest.mark.exactness

@@ -4,11 +4,11 @@ round-robin routers, the overhead probe; JSON, results file and chart."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests import patience
 from tests.router.fleet_utils import ENV, save_fleet_models
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_bench_route_runs_the_policies(tmp_path, tiny_chat_model):
     models = save_fleet_models(tmp_path / "models", tiny_chat_model)
     out = tmp_path / "out"
-    result = subprocess.run(
+    result = patience.run(
         [sys.executable, "-m", "speckv.cli", "bench", "route", "--model",
          str(models["model"]), "--speculative-method", "eagle", "--speculative-model",
          str(models["eagle"]), "--num-spec-tokens", "2", "--block-size", "4",
@@ -25,7 +25,7 @@ def test_bench_route_runs_the_policies(tmp_path, tiny_chat_model):
          "4", "--num-prompts", "12", "--output-len", "2", "--max-concurrency", "2",
          "--policies", "kv,round-robin", "--no-oracle", "--overhead-requests", "2",
          "--json", "--output-dir", str(out)],
-        env=ENV, capture_output=True, text=True, timeout=600)
+        cpu_budget_s=600, env=ENV)
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     kv, rr = payload["runs"]

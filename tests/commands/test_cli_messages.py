@@ -328,3 +328,62 @@ def test_source_cites_no_document_outside_the_repository():
              for number, line in enumerate(path.read_text().splitlines(), start=1)
              if any(reference in line for reference in INTERNAL_REFERENCES[:3])]
     assert not cited, cited
+
+
+# ---- issue 42: messages in the user's words, before anything loads ----------------------------
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if a command gets as far as loading a model."""
+    from speckv.engine import llm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(llm.LLM, "__init__", refuse)
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ('{"kv_connector": "lmcache", "kv_role": "kv_consumer"}', "kv_connector"),
+    ('{"kv_connector": "nixl", "kv_role": "kv_both", "kv_load_failure_policy": "x"}',
+     "kv_load_failure_policy"),
+])
+def test_kv_transfer_config_errors_name_its_json_keys(config, key, capsys, no_model_loading):
+    code, _, err = run(["serve", "hybrid-gdn", "--port", "0", "--kv-transfer-config", config],
+                       capsys)
+    assert code == 2 and f"--kv-transfer-config {key} must be" in err
+    assert "--kv-connector" not in err and "--kv-load-failure-policy" not in err
+    assert in_cli_words("--speculative-config num_spec_tokens bad", {"--num-spec-tokens"}) \
+        == "--speculative-config num_spec_tokens bad"
+
+
+def test_a_missing_drafter_or_unwritable_tier_dir_is_named_before_loading(
+        tmp_path, capsys, no_model_loading):
+    code, _, err = run(["serve", "builtin", "--port", "0", "--speculative-method", "eagle3",
+                        "--speculative-model", "/nope"], capsys)
+    assert code == 2 and "--speculative-model /nope: no such file or directory" in err
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for directory in (a_file, a_file / "sub"):
+        code, _, err = run(["serve", "builtin", "--port", "0", "--kv-connector", "disk",
+                            "--hash-seed", "0", "--kv-offload-dir", str(directory)], capsys)
+        assert code == 2 and f"--kv-offload-dir {directory}: cannot write there" in err, err
+
+
+@pytest.mark.parametrize("flags", [
+    ["--kv-cache-memory-bytes", "lots"], ["--speculative-config", '{"method": eagle}'],
+    ["--prefix-caching-hash-algo", "md5"]])
+def test_a_bad_flag_value_is_one_line(flags, capsys, no_model_loading):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "builtin", "--port", "0", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"speckv serve: error: argument {flags[0]}: ")
+    assert "usage:" not in err and "(see speckv serve --help)" in err
+
+
+def test_no_drafter_reads_as_speculation_off():
+    from speckv.speculation.policy import NO_DRAFTER, resolve_hash_mode
+
+    mode = resolve_hash_mode(NO_DRAFTER)
+    assert mode.label == "legacy" and mode.reason.startswith("speculation is off")
+    assert "none writes" not in mode.reason

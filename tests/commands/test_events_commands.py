@@ -13,6 +13,7 @@ from speckv import cli
 from speckv.bench import events as bench
 from speckv.commands import events
 from speckv.events.endpoints import loopback_endpoint
+from tests.patience import WATCHDOG_S
 
 
 def parse(add, argv: list[str]) -> argparse.Namespace:
@@ -36,7 +37,7 @@ def test_publish_sample_then_tail(capsys):
         ])
         assert events.run_tail(tail_args) == 0
     finally:
-        thread.join(timeout=15)
+        thread.join(timeout=WATCHDOG_S)
     assert codes == [0]
     lines = capsys.readouterr().out.splitlines()
     printed = [line for line in lines if line.startswith("seq=")]

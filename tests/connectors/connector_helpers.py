@@ -18,6 +18,7 @@ from speckv.hashing.extra_keys import NO_HASH_INPUTS, HashInputs
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import RequestBlockHasher
+from tests.patience import WATCHDOG_S
 
 BLOCK_SIZE = 4
 _ids = itertools.count()
@@ -179,7 +180,7 @@ def store_request(driver: Driver, tokens: Sequence[int], written: int | None = N
     driver.step([RequestBlocks(request, block_ids, written)])
     driver.finish(request, block_ids, written)
     if flush:
-        assert driver.connector.flush(timeout_s=30)
+        assert driver.connector.flush(timeout_s=WATCHDOG_S)
     return request, block_ids, driver.world.blocks(block_ids)
 
 

@@ -81,7 +81,7 @@ def test_no_connector_puts_no_restriction():
     ("eagle", 1, "n", "legacy+drop", "'offload-nolookahead' does not support"),
     ("mtp", 3, "[on]", "legacy+drop", "'offload-nolookahead' does not support"),
     ("eagle", 1, "[]", "legacy+drop", "has no connectors"),
-    ("none", 1, "n", "legacy", "writes no draft KV"),  # nothing to drop without draft KV
+    ("none", 1, "n", "legacy", "no draft KV to cover"),  # nothing to drop without draft KV
     ("ngram", 1, "[]", "legacy", "writes no draft KV"),
 ])
 def test_the_engine_hash_mode(drafter, modules, spec, label, reason_part, tmp_path):

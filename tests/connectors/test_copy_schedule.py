@@ -17,6 +17,7 @@ from speckv.connectors.copy_schedule import (
 )
 from speckv.simulation.tiers import tiers_of
 from tests.connectors.connector_helpers import Driver, KVWorld, Req, bit_equal, tier_gib
+from tests.patience import WATCHDOG_S
 
 
 def _driver(schedule, num_tier_blocks: int = 16) -> Driver:
@@ -55,7 +56,7 @@ def test_a_store_settled_between_two_saves_of_one_step_does_not_free_a_slot_a_lo
         driver.step([])
         assert not driver.outputs[-1].load_failures
         assert bit_equal(world.blocks(b_ids[:2]), cold_a)
-        assert driver.connector.flush(timeout_s=5)
+        assert driver.connector.flush(timeout_s=WATCHDOG_S)
     finally:
         driver.close()
 
@@ -82,7 +83,7 @@ def test_a_load_reads_blocks_in_flight_while_the_copy_thread_settles_them():
         assert bit_equal(world.blocks(b_ids[:2]), cold_a)
         assert driver.connector.stats()["offload"].saved_blocks == 2
         driver.finish(a, a_ids, 8)
-        assert driver.connector.flush(timeout_s=5)
+        assert driver.connector.flush(timeout_s=WATCHDOG_S)
     finally:
         driver.close()
 

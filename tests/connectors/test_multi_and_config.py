@@ -32,6 +32,7 @@ from tests.connectors.connector_helpers import (
     store_request,
     tier_gib,
 )
+from tests.patience import WATCHDOG_S
 
 B = BLOCK_SIZE
 IDENTITY = TierIdentity("model-a", "sha256", "0")
@@ -107,7 +108,7 @@ def test_a_sibling_never_saves_blocks_that_are_being_loaded_in_the_same_step(tmp
     assert bit_equal(world.blocks(ids[:3]), cold[:3])
     meta, _ = driver.step([RequestBlocks(reader, ids, 3 * B)])  # next step: now it saves
     assert [sum(len(s.blocks) for s in child.saves) for child in meta.children] == [0, 3]
-    assert driver.connector.flush(timeout_s=30)
+    assert driver.connector.flush(timeout_s=WATCHDOG_S)
     hashes = reader.get_block_hashes(1)
     for index in range(3):
         block = describe_block(reader, hashes, index, driver.mode)
@@ -140,7 +141,7 @@ def test_finished_saves_are_reported_once_every_child_settled(tmp_path):
     _, ids = driver.admit(request)
     world.write_cold_kv(ids)
     driver.finish(request, ids, 2 * B)
-    assert driver.connector.flush(timeout_s=30)
+    assert driver.connector.flush(timeout_s=WATCHDOG_S)
     output = driver.connector.get_finished()
     assert output.finished_saves == {request.request_id}
     assert driver.connector.get_finished().finished_saves == frozenset()

@@ -27,6 +27,7 @@ from tests.connectors.connector_helpers import (
     store_request,
     tier_gib,
 )
+from tests.patience import WATCHDOG_S
 
 B = BLOCK_SIZE
 
@@ -159,7 +160,7 @@ def test_the_block_the_last_token_completed_is_stored_at_finish():
     assert [len(save.blocks) for save in meta.saves] == [2]
     request.append([78])
     driver.finish(request, ids, 2 * B + 1)
-    assert driver.connector.flush(timeout_s=30)
+    assert driver.connector.flush(timeout_s=WATCHDOG_S)
     stats = driver.connector.stats()["offload"]
     assert stats.saved_blocks == 2
     driver.close()
@@ -226,7 +227,7 @@ def test_a_full_tier_never_evicts_blocks_being_loaded():
     # the other request's saves land while the load is planned: the tier is full of pinned
     # blocks, so they are dropped, not the blocks being loaded
     driver.finish(other, other_ids, 2 * B)
-    assert driver.connector.flush(timeout_s=30)
+    assert driver.connector.flush(timeout_s=WATCHDOG_S)
     world.zero(ids)
     _, output = driver.step([RequestBlocks(reader, ids, 0)])
     assert not output.load_failures

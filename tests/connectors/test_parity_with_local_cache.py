@@ -12,6 +12,7 @@ from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.connectors import ConnectorMode, OffloadConnector, RequestBlocks
 from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from tests.connectors.connector_helpers import BLOCK_SIZE, Driver, KVWorld, Req
+from tests.patience import WATCHDOG_S
 
 B = BLOCK_SIZE
 
@@ -71,7 +72,7 @@ def test_the_tier_hit_equals_the_local_hit(drafter, modules, legacy, seed):
         driver.finish(tiered, ids, tiered.num_tokens - 1)
         world.free(ids)
         stored.append(prompt + sampled)
-    assert connector.flush(timeout_s=30)
+    assert connector.flush(timeout_s=WATCHDOG_S)
     manager.check_integrity()
 
     hits = []

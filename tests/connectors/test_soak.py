@@ -29,6 +29,7 @@ from tests.connectors.connector_helpers import (
     Req,
     tier_gib,
 )
+from tests.patience import WATCHDOG_S
 
 B = BLOCK_SIZE
 
@@ -109,7 +110,7 @@ def _run(driver: Driver, seed: int, steps: int) -> None:
             driver.finish(item.request, item.block_ids, item.request.num_tokens - 1)
             world.free(item.block_ids)
     assert served > 0
-    assert driver.connector.flush(timeout_s=60)
+    assert driver.connector.flush(timeout_s=WATCHDOG_S)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from speckv.connectors import MEDIUM_STORE, RequestBlocks, StoreConnector
 from speckv.connectors.codec import MAGIC
 from speckv.connectors.embedded_valkey import EmbeddedValkey, free_loopback_port
 from speckv.connectors.redis_store import BACKOFF_MAX_S, block_key
+from tests import patience
 from tests.connectors.connector_helpers import (
     BLOCK_SIZE,
     Driver,
@@ -255,7 +255,7 @@ def test_a_password_in_the_url_is_used_and_kept_out_of_messages():
 # ---- faults --------------------------------------------------------------------------------
 def test_an_unreachable_store_at_start_is_a_clear_error():
     port = free_loopback_port()
-    connector = _connector(f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
+    connector = _connector(f"redis://127.0.0.1:{port}/0")
     with pytest.raises(ConnectionError, match="--kv-store-optional"):
         Driver(connector, KVWorld())
 
@@ -263,8 +263,7 @@ def test_an_unreachable_store_at_start_is_a_clear_error():
 def test_an_optional_store_starts_without_the_server_and_joins_when_it_appears(caplog):
     port = free_loopback_port()
     caplog.set_level(logging.WARNING, "speckv.connectors.store")
-    driver = Driver(_connector(f"redis://127.0.0.1:{port}/0", optional=True, timeout_s=0.5),
-                    KVWorld())
+    driver = Driver(_connector(f"redis://127.0.0.1:{port}/0", optional=True), KVWorld())
     prompt = list(range(3 * B + 1))
     assert _lookup(driver, prompt) == 0
     store_request(driver, prompt)  # its saves fail quietly: counted, not raised
@@ -286,7 +285,7 @@ def test_a_store_killed_mid_run_is_served_as_misses_then_reconnected(caplog):
     valkey = EmbeddedValkey(64 * MIB).start()
     try:
         world = KVWorld()
-        driver = Driver(_connector(valkey.url, timeout_s=0.5), world)
+        driver = Driver(_connector(valkey.url), world)
         prompt = list(range(3 * B + 1))
         _, ids, _ = store_request(driver, prompt)
         world.free(ids)
@@ -321,7 +320,7 @@ def test_a_slow_store_times_out_per_call_and_misses(url):
     writer = Driver(_connector(url), KVWorld())
     prompt = list(range(3 * B + 1))
     store_request(writer, prompt)
-    reader = Driver(_connector(url, timeout_s=0.2), KVWorld())
+    reader = Driver(_connector(url, timeout_s=0.2), KVWorld())  # not a wall limit: made to fire
     admin = redis.Redis.from_url(url)
     admin.client_pause(1500, all=True)  # every client's commands wait 1.5 s
     try:
@@ -389,8 +388,9 @@ def test_an_engine_in_another_process_gets_what_this_one_stored(url):
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(root)}
     prompt = list(range(4 * B + 1))
-    subprocess.run([sys.executable, "-c", _CHILD, url, str(len(prompt)), "4"], env=env,
-                   cwd=root, check=True, timeout=120)
+    child = patience.run([sys.executable, "-c", _CHILD, url, str(len(prompt)), "4"],
+                         cpu_budget_s=120, env=env, cwd=root)
+    assert child.returncode == 0, child.stderr
     expected = KVWorld()  # the child's cold KV: the same seeded values into the same blocks
     expected_ids = expected.allocate(-(-len(prompt) // B))
     expected.write_cold_kv(expected_ids)

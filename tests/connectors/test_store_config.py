@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import socket
-import time
 
 import pytest
 import redis
@@ -31,6 +30,7 @@ from tests.connectors.connector_helpers import (
     bit_equal,
     store_request,
 )
+from tests.patience import wait_until
 
 B = BLOCK_SIZE
 MIB = 1 << 20
@@ -145,15 +145,12 @@ def _start_cluster(num_nodes: int = 3) -> list[EmbeddedValkey]:
         client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
     for client in clients[1:]:
         client.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    def cluster_ok() -> bool:
         states = [c.execute_command("CLUSTER", "INFO") for c in clients]
-        if all(b"cluster_state:ok" in (s if isinstance(s, bytes) else s.encode())
-               for s in states):
-            break
-        time.sleep(0.1)
-    else:
-        raise RuntimeError("the test cluster did not reach cluster_state:ok")
+        return all(b"cluster_state:ok" in (s if isinstance(s, bytes) else s.encode())
+                   for s in states)
+
+    wait_until(cluster_ok, "the test cluster reaches cluster_state:ok", poll_s=0.1)
     for client in clients:
         client.close()
     return nodes

@@ -35,6 +35,7 @@ from speckv.engine.request import Request
 from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.simulation import PagedSymbolicKV, instrument_tiers, toy_core
 from speckv.speculation.policy import drafter_policy
+from tests.patience import WATCHDOG_S
 
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]
 
@@ -132,7 +133,7 @@ class _TierRules(RuleBasedStateMachine):
 
     @rule()
     def settle(self):
-        assert self.connector.flush(timeout_s=30)
+        assert self.connector.flush(timeout_s=WATCHDOG_S)
 
     @invariant()
     def sound(self):

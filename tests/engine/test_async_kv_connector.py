@@ -253,13 +253,16 @@ def test_kv_transfer_params_reach_the_connector():
 def test_the_load_failure_policy_is_a_validated_flag():
     import argparse
 
-    from speckv.connectors.config import add_connector_arguments, connector_config_from_args
+    from speckv.engine.cli_args import add_engine_arguments, engine_args_from_cli
     from speckv.engine.engine_args import engine_config
 
     parser = argparse.ArgumentParser()
-    add_connector_arguments(parser)
-    args = parser.parse_args(["--kv-connector", "offload", "--kv-load-failure-policy", "fail"])
-    assert connector_config_from_args(args).load_failure_policy == "fail"
+    parser.add_argument("model")
+    add_engine_arguments(parser)
+    args = parser.parse_args(["builtin", "--kv-connector", "offload",
+                              "--kv-load-failure-policy", "fail"])
+    # the engine's one policy (tiers and transfer alike), not a connector config's copy
+    assert engine_args_from_cli(args).create_engine_config().kv_load_failure_policy == "fail"
     config = engine_config(kv_connector="offload", kv_load_failure_policy="fail")
     assert config.kv_load_failure_policy == "fail"
     assert engine_config().kv_load_failure_policy == "recompute"  # no connector: the default

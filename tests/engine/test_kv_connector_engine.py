@@ -24,6 +24,7 @@ from speckv.engine.request import Request
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import speculative_args
 from speckv.simulation import instrument_tiers
+from tests.patience import WATCHDOG_S
 
 B = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -72,7 +73,7 @@ def _run(engine: LLMEngine, prompts, params=GREEDY):
 def _store_and_forget(engine: LLMEngine, prompt) -> None:
     """Run `prompt` cold, let the tiers settle, reset the local prefix cache."""
     _run(engine, [prompt])
-    assert engine.flush_kv_connector(timeout_s=30)
+    assert engine.flush_kv_connector(timeout_s=WATCHDOG_S)
     assert engine.reset_prefix_cache()
 
 
@@ -235,7 +236,7 @@ def test_a_disk_file_corrupted_midway_is_a_counted_miss_and_recomputed(tiny_mode
         victim.write_bytes(whole[:-10])  # truncated: block 4 of 7
         (output,) = _run(engine, [prompt])
         stats = engine.kv_connector_stats()["disk"]
-        assert engine.flush_kv_connector(timeout_s=30)
+        assert engine.flush_kv_connector(timeout_s=WATCHDOG_S)
         assert victim.read_bytes() == whole  # recomputed and stored again
     assert output.token_ids == expected.token_ids
     assert output.num_cached_tokens == output.num_external_cached_tokens == 4 * B
@@ -308,7 +309,7 @@ def test_tier_events_carry_their_medium(tiny_model, drafters, tmp_path):
     with LLMEngine(tiny_model, config, drafter=drafters["eagle"], detokenize=False,
                    event_publisher=Sink()) as engine:
         _run(engine, [_prompt(21)])
-        assert engine.flush_kv_connector(timeout_s=30)
+        assert engine.flush_kv_connector(timeout_s=WATCHDOG_S)
         engine.add_request(_prompt(5, seed=2), GREEDY)
         engine.step()  # the tiers' events of the flushed stores go out with this step
         saved = engine.kv_connector_stats()["offload"].saved_blocks
@@ -325,7 +326,7 @@ def test_reset_prefix_cache_can_clear_the_tiers_too(tiny_model, drafters, tmp_pa
         _store_and_forget(engine, prompt)
         (hit,) = _run(engine, [prompt])
         assert hit.num_external_cached_tokens == 20
-        assert engine.flush_kv_connector(timeout_s=30)
+        assert engine.flush_kv_connector(timeout_s=WATCHDOG_S)
         assert engine.reset_prefix_cache(reset_connector=True)
         (miss,) = _run(engine, [prompt])
         assert miss.num_cached_tokens == 0
@@ -337,7 +338,7 @@ def test_the_llm_api_with_a_tier(tiny_model):
     with LLM(tiny_model, block_size=B, num_blocks=64, hash_seed="0", kv_connector="offload",
              kv_offload_gib=0.01) as llm:
         (cold,) = llm.generate([prompt], GREEDY)
-        assert llm.engine.flush_kv_connector(timeout_s=30)
+        assert llm.engine.flush_kv_connector(timeout_s=WATCHDOG_S)
         assert llm.reset_prefix_cache()
         (warm,) = llm.generate([prompt], GREEDY)
     assert cold.num_cached_tokens == 0
@@ -391,7 +392,7 @@ def test_two_engines_share_one_store(tiny_model, drafters):
     try:
         with _engine(tiny_model, drafter, "store", kv_store_url=server.url) as first:
             expected = [o.token_ids for o in _run(first, prompts)]
-            assert first.flush_kv_connector(timeout_s=30)
+            assert first.flush_kv_connector(timeout_s=WATCHDOG_S)
         with _engine(tiny_model, drafter, "store", kv_store_url=server.url) as second:
             outputs = _run(second, prompts)
     finally:

@@ -21,6 +21,7 @@ from speckv.engine.request import RequestStatus
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import speculative_args
 from tests.doubles.remote import FakeRemoteConnector, RemoteBlocks
+from tests.patience import WATCHDOG_S
 
 B = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -73,7 +74,7 @@ def test_an_async_load_decodes_and_holds_what_a_tier_hit_does(tiny_model):
     num_hit = 28  # whole blocks before the last token, with lookahead L = 1
     with _engine(tiny_model, drafter, kv_connector="offload", kv_offload_gib=0.01) as tier:
         _run(tier, [prompt])
-        assert tier.flush_kv_connector(timeout_s=30) and tier.reset_prefix_cache()
+        assert tier.flush_kv_connector(timeout_s=WATCHDOG_S) and tier.reset_prefix_cache()
         (expected,), (tier_target, tier_draft) = _run(tier, [prompt], watch=_hit_kv(num_hit))
     with _engine(tiny_model, drafter) as plain:
         (cold,), _ = _run(plain, [prompt])

@@ -6,16 +6,27 @@ import time
 
 from speckv.events.schema import KVEventBatch
 from speckv.events.subscriber import EventSubscriber
+from tests.patience import wait_until
 
 
 def collect(
-    subscriber: EventSubscriber, count: int, timeout_s: float = 5.0
+    subscriber: EventSubscriber, count: int, quiet_s: float | None = None
 ) -> list[tuple[int, KVEventBatch]]:
-    """Poll until `count` batches arrived or the timeout passed."""
+    """Poll until `count` batches arrived (bounded in CPU time, `tests.patience`: a batch that
+    never comes fails the wait); with `quiet_s`, poll for that many seconds instead (a check
+    that nothing comes)."""
     got: list[tuple[int, KVEventBatch]] = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < count and time.monotonic() < deadline:
+    if quiet_s is not None:
+        until = time.monotonic() + quiet_s
+        while len(got) < count and time.monotonic() < until:
+            got.extend(subscriber.poll(0.1))
+        return got
+
+    def arrived() -> bool:
         got.extend(subscriber.poll(0.1))
+        return len(got) >= count
+
+    wait_until(arrived, f"{count} event batches arrive", poll_s=0)
     return got
 
 

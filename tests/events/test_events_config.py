@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from speckv.events.schema import BlockStored
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.models import LlamaForCausalLM, ModelConfig
 from tests.events.events_helpers import collect
+from tests.patience import WATCHDOG_S, wait_until
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -37,7 +36,7 @@ def test_engine_publishes_on_the_configured_endpoints(model):
         while engine.has_unfinished_requests():
             engine.step()
         publisher = engine.event_publisher
-        assert publisher is not None and publisher.wait_sent(5.0)
+        assert publisher is not None and publisher.wait_sent(WATCHDOG_S)
         # a late subscriber gets the history by replay from the configured replay endpoint
         with EventSubscriber(SubscriberConfig(endpoint=pub_ep, replay_endpoint=replay_ep)) as sub:
             batches = collect(sub, publisher.stats.sent_batches)
@@ -48,10 +47,8 @@ def test_engine_publishes_on_the_configured_endpoints(model):
         engine.close()
     # closed: the endpoint is free again (ZeroMQ's I/O thread releases it asynchronously)
     host, port = pub_ep.removeprefix("tcp://").split(":")
-    deadline = time.monotonic() + 5.0
-    while not port_is_free(host, int(port)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert port_is_free(host, int(port))
+    wait_until(lambda: port_is_free(host, int(port)), "the endpoint is free again",
+               poll_s=0.05)
 
 
 def test_bad_or_busy_endpoints_are_user_errors(model):

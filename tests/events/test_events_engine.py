@@ -13,6 +13,7 @@ from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from speckv.models.llama.tiny import tiny_model
 from speckv.router.index import EngineHashConfig, RouterIndex
 from tests.events.events_helpers import collect
+from tests.patience import WATCHDOG_S
 
 
 @pytest.mark.parametrize("legacy", [False, True])
@@ -32,7 +33,7 @@ def test_engine_events_reproduce_hashes_and_route(endpoints, make_publisher, leg
         engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert publisher.wait_sent(5.0)
+    assert publisher.wait_sent(WATCHDOG_S)
     router = RouterIndex({
         "engine-a": EngineHashConfig(seed="0", block_size=4, lookahead_tokens=lookahead),
         "engine-b": EngineHashConfig(seed="0", block_size=4, lookahead_tokens=lookahead),

@@ -14,6 +14,7 @@ from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.router.index import recompute_block_hashes
 from speckv.simulation.event_sample import SampleEngine, SampleEngineConfig
 from tests.events.events_helpers import collect
+from tests.patience import WATCHDOG_S
 
 B = 8
 LORA = LoRARef("adapter-a", "/srv/adapters/a")
@@ -89,7 +90,7 @@ def test_recompute_over_real_sockets(endpoints, make_publisher):
     engine = SampleEngine(SampleEngineConfig(block_size=B, lookahead_tokens=3, num_blocks=64))
     request = engine.request("r", PROMPT, max_tokens=6, inputs=INPUTS["all"])
     engine.run(request, publisher.publish)
-    assert publisher.wait_sent(5.0)
+    assert publisher.wait_sent(WATCHDOG_S)
     # joins late: catches up through replay
     with EventSubscriber(SubscriberConfig(endpoint=pub_ep, replay_endpoint=replay_ep)) as sub:
         got = collect(sub, publisher.stats.sent_batches)

@@ -13,6 +13,7 @@ from speckv.events.publisher import END_SEQ, PublisherConfig, ZmqEventPublisher
 from speckv.events.schema import encode_batch, to_wire_batch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig
 from tests.events.events_helpers import collect, wait_subscribed
+from tests.patience import WATCHDOG_S
 
 
 def removed(i: int) -> list[records.KVCacheEvent]:
@@ -28,7 +29,7 @@ def test_late_subscriber_recovers_history_by_replay(endpoints, make_publisher):
     publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep)
     for i in range(20):
         publisher.publish(removed(i))
-    assert publisher.wait_sent(5.0)
+    assert publisher.wait_sent(WATCHDOG_S)
     with EventSubscriber(SubscriberConfig(endpoint=pub_ep, replay_endpoint=replay_ep)) as sub:
         got = collect(sub, 20)
         assert [s for s, _ in got] == list(range(20))
@@ -54,7 +55,7 @@ def test_gap_in_live_stream_is_replayed(endpoints, make_publisher):
         time.sleep(0.2)
         for i in range(1, 10):
             publisher.publish(removed(i))
-        assert publisher.wait_sent(5.0)
+        assert publisher.wait_sent(WATCHDOG_S)
         sub._sub.setsockopt(zmq.SUBSCRIBE, b"")
         time.sleep(0.2)
         publisher.publish(removed(10))
@@ -78,7 +79,7 @@ def test_missed_end_of_a_burst_is_replayed_once_the_stream_is_quiet(endpoints, m
         time.sleep(0.2)
         for i in range(1, 5):
             publisher.publish(removed(i))
-        assert publisher.wait_sent(5.0)
+        assert publisher.wait_sent(WATCHDOG_S)
         sub._sub.setsockopt(zmq.SUBSCRIBE, b"")
         got = collect(sub, 4)
     assert [s for s, _ in got] == [1, 2, 3, 4]
@@ -94,8 +95,8 @@ def test_no_idle_resync_when_it_is_off(endpoints, make_publisher):
         sub._sub.setsockopt(zmq.UNSUBSCRIBE, b"")
         time.sleep(0.2)
         publisher.publish(removed(0))
-        assert publisher.wait_sent(5.0)
-        assert collect(sub, 1, timeout_s=1.0) == []
+        assert publisher.wait_sent(WATCHDOG_S)
+        assert collect(sub, 1, quiet_s=1.0) == []
     assert sub.stats.replay_requests == 1  # the catch-up at start only
 
 
@@ -104,7 +105,7 @@ def test_gap_beyond_the_replay_buffer_is_counted_lost(endpoints, make_publisher)
     publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep, buffer_steps=3)
     for i in range(10):
         publisher.publish(removed(i))
-    assert publisher.wait_sent(5.0)
+    assert publisher.wait_sent(WATCHDOG_S)
     with EventSubscriber(SubscriberConfig(endpoint=pub_ep, replay_endpoint=replay_ep)) as sub:
         got = collect(sub, 3)
     assert [s for s, _ in got] == [7, 8, 9]
@@ -116,7 +117,7 @@ def test_replay_protocol_is_vllms(endpoints, make_publisher):
     publisher = make_publisher(endpoint=pub_ep, replay_endpoint=replay_ep)
     for i in range(3):
         publisher.publish(removed(i))
-    assert publisher.wait_sent(5.0)
+    assert publisher.wait_sent(WATCHDOG_S)
     req = zmq.Context.instance().socket(zmq.REQ)  # a vLLM-style client: REQ, raw start seq
     req.setsockopt(zmq.LINGER, 0)
     req.connect(replay_ep)
@@ -152,7 +153,7 @@ def test_no_subscriber_never_blocks_the_engine(endpoints):
             publisher.publish(batch)
         elapsed = time.perf_counter() - start
         assert elapsed < 2.0, f"10k publish calls took {elapsed:.2f} s"
-        assert publisher.wait_sent(5.0)
+        assert publisher.wait_sent(WATCHDOG_S)
         stats = publisher.stats
         assert stats.published_batches == 10_000 and stats.next_seq == 10_000
         assert stats.sent_batches + stats.dropped_batches == 10_000
@@ -175,7 +176,7 @@ def test_dead_subscriber_does_not_stop_the_publisher(endpoints, make_publisher):
     start = time.perf_counter()
     for i in range(5_000):
         publisher.publish(removed(i))
-    assert publisher.wait_sent(10.0)
+    assert publisher.wait_sent(WATCHDOG_S)
     assert time.perf_counter() - start < 10.0
     assert publisher.stats.sent_batches == 5_000
     dead.close()

@@ -86,18 +86,20 @@ def test_greedy_outputs_are_the_same_with_and_without_the_plugin(runs):
     assert repeated == [run["output"] for run in runs["on"]["nospec_b32"]["prefix_repetition"]]
 
 
-def test_prefix_repetition_hits_more_than_vllms_drop(runs):
-    """Every repeat of a 256-token prefix: no speculation hits all 8 blocks; the plugin all
-    but the prefix's last block (its successor is each prompt's own suffix); vLLM's drop one
-    block less again."""
+def test_prefix_repetition_hits_as_much_as_without_speculation_less_one_token(runs):
+    """Every repeat of a 256-token prefix: without speculation it hits all 8 blocks; with the
+    plugin all but the draft KV of the prefix's last position (its successor is each prompt's
+    own suffix: the block is reused, that one position recomputed); vLLM's drop loses the
+    whole last block."""
     def hits(result):
-        return [run["cached"] for run in result["prefix_repetition"]]
+        return sum(run["cached"] for run in result["prefix_repetition"])
 
     repeats = REPETITION["num_prompts"] - REPETITION["num_prefixes"]
     prefix = REPETITION["prefix_len"]
-    assert sum(hits(runs["on"]["nospec_b32"])) == repeats * prefix
-    assert sum(hits(runs["on"]["eagle3_b32"])) == repeats * (prefix - 32)
-    assert sum(hits(runs["off"]["eagle3_b32"])) == repeats * (prefix - 32)
+    assert hits(runs["on"]["nospec_b32"]) == repeats * prefix
+    assert hits(runs["on"]["eagle3_b32"]) == repeats * (prefix - 1)
+    assert hits(runs["on"]["eagle3_b32"]) >= 0.95 * hits(runs["on"]["nospec_b32"])
+    assert hits(runs["off"]["eagle3_b32"]) == repeats * (prefix - 32)
 
 
 def test_kv_event_hashes_equal_speckvs_hasher(runs):
@@ -141,3 +143,14 @@ def test_draft_kv_of_a_hit_block_equals_a_cold_runs(runs):
     # legacy-hashed hit would read), the target KV the same
     assert check["stale_draft_max_diff"] > 0.0
     assert check["stale_target_max_diff"] == 0.0
+
+
+@pytest.mark.exactness
+def test_a_block_reused_at_a_divergence_equals_a_cold_runs_once_its_end_is_recomputed(runs):
+    check = runs["on"]["eagle3_b32"]["draft_kv"]
+    # `other` leaves `full` after block 2: blocks 0-1 hit, block 2 is copied from `full`'s and
+    # its last position recomputed with `other`'s successor
+    assert check["reused_cached"] == 3 * 32 - 1 and check["other_cold_cached"] == 0
+    assert check["reused_draft_max_diff"] == [0.0, 0.0, 0.0]
+    assert check["reused_target_max_diff"] == [0.0, 0.0, 0.0]
+    assert check["reused_outputs_equal"]

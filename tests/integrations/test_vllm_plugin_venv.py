@@ -41,7 +41,7 @@ print(json.dumps({"records": records, "unchanged": before == after}))
 def test_the_plugin_imports_nothing_of_speckvs_serving_side(tmp_path):
     python = vllm_venv.venv_python()
     done = vllm_venv.run_python(python, vllm_venv.venv_env(tmp_path, True), ["-c", IMPORTS],
-                                timeout_s=300)
+                                cpu_budget_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     modules = json.loads(done.stdout.strip().splitlines()[-1])
     loaded = [name for name in modules
@@ -53,7 +53,7 @@ def test_the_plugin_imports_nothing_of_speckvs_serving_side(tmp_path):
 def test_another_vllm_version_is_refused_in_one_line_and_left_unpatched(tmp_path):
     python = vllm_venv.venv_python()
     env = vllm_venv.venv_env(tmp_path, False)  # the entry point off: register() by hand
-    done = vllm_venv.run_python(python, env, ["-c", REFUSAL], timeout_s=300)
+    done = vllm_venv.run_python(python, env, ["-c", REFUSAL], cpu_budget_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["unchanged"]

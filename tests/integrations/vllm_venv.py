@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import patience
+
 VENV_ENV = "SPECKV_VLLM_VENV"
 CHECKOUT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("SPECKV_CACHE_DIR", Path.home() / ".cache" / "speckv")
@@ -69,20 +71,20 @@ def venv_env(tmp: Path, plugin: bool) -> dict[str, str]:
     return env
 
 
-def run_python(python: Path, env: dict[str, str], args: list[str], timeout_s: int
+def run_python(python: Path, env: dict[str, str], args: list[str], cpu_budget_s: float
                ) -> subprocess.CompletedProcess:
-    return subprocess.run([str(python), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout_s, cwd=str(CHECKOUT))
+    """`python args` to its end, bounded by the CPU seconds it spends (`tests.patience`)."""
+    return patience.run([str(python), *args], cpu_budget_s, env=env, cwd=str(CHECKOUT))
 
 
-def run_driver(python: Path, tmp: Path, plugin: bool, specs: list[dict], timeout_s: int = 900
+def run_driver(python: Path, tmp: Path, plugin: bool, specs: list[dict], cpu_budget_s: float = 1800
                ) -> tuple[dict, str]:
     """The driver's results per engine name, and its log (stdout + stderr)."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(specs))
     done = run_python(python, venv_env(tmp, plugin), [str(DRIVER), str(spec_path),
-                                                       str(out_path)], timeout_s)
+                                                       str(out_path)], cpu_budget_s)
     log = done.stdout + done.stderr
     if done.returncode != 0:
         sys.stderr.write(log[-6000:])

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import httpx
 from speckv.drafters.loaders import random_drafter, save_drafter
 from speckv.events.endpoints import LOOPBACK, free_port, loopback_endpoint
 from speckv.models import save_hf_dir
+from tests import patience
+from tests.patience import WATCHDOG_S, wait_until
 from tests.server.server_test_utils import TINY_CONFIG, TOKENIZER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,21 +37,19 @@ def save_fleet_models(path: Path, target) -> dict[str, Path]:
     return {"model": model, "eagle": eagle, "mtp2": mtp2}
 
 
-def wait_http(url: str, process: subprocess.Popen, timeout_s: float = 120.0,
+def wait_http(url: str, process: subprocess.Popen, cpu_budget_s: float = 120.0,
               path: str = "/health") -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Until `url + path` answers 200 (bounded by `process`'s CPU time: `tests.patience`)."""
+    def answers() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"{process.args[:5]} exited {process.returncode}: "
                                f"{process.stderr.read() if process.stderr else ''}")
         try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{url}{path}", timeout=WATCHDOG_S).status_code == 200
         except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not become healthy")
-        time.sleep(0.1)
+            return False
+
+    wait_until(answers, f"{url} becomes healthy", cpu_budget_s, (process.pid,), poll_s=0.1)
 
 
 @dataclass
@@ -88,16 +87,12 @@ class Engine:
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
-            self.process.wait(30)
+            self.process.wait(WATCHDOG_S)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(30)
+            patience.stop_process(self.process)
 
 
 @dataclass
@@ -116,10 +111,9 @@ class RouterProcess:
         return self.flags[self.flags.index("--api-key") + 1] if "--api-key" in self.flags \
             else None
 
-    def run(self, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    def run(self, cpu_budget_s: float = 60) -> subprocess.CompletedProcess:
         """Run to completion (a router expected to refuse its engines)."""
-        return subprocess.run(self.command(), env=ENV, capture_output=True, text=True,
-                              timeout=timeout_s)
+        return patience.run(self.command(), cpu_budget_s, env=ENV)
 
     def command(self) -> list[str]:
         engines = [f"--engine={n}={e.url}" for n, e in self.engines.items()]
@@ -130,22 +124,24 @@ class RouterProcess:
         self.process = subprocess.Popen(self.command(), env=ENV, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True)
         assert self.process is not None
-        wait_http(self.url, self.process, 60)
+        wait_http(self.url, self.process)
         return self
 
     def state(self) -> dict:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return httpx.get(f"{self.url}/router/state", headers=headers,
-                         timeout=10).json()["engines"]
+                         timeout=WATCHDOG_S).json()["engines"]
 
-    def wait_state(self, predicate, timeout_s: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
+    def wait_state(self, predicate, cpu_budget_s: float = 60.0) -> dict:
+        """The router's state once `predicate` holds (bounded by the CPU time of this process,
+        the router and its engines)."""
+        pids = [self.process.pid] + [e.process.pid for e in self.engines.values() if e.process]
+
+        def matched() -> dict | None:
             state = self.state()
-            if predicate(state):
-                return state
-            assert time.monotonic() < deadline, f"router state never matched: {state}"
-            time.sleep(0.05)
+            return state if predicate(state) else None
+
+        return wait_until(matched, "the router state matches", cpu_budget_s, pids, poll_s=0.05)
 
     def stop(self) -> tuple[str, str]:
         if self.process is None:
@@ -153,10 +149,10 @@ class RouterProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
         try:
-            out, err = self.process.communicate(timeout=30)
+            out, err = self.process.communicate(timeout=WATCHDOG_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            out, err = self.process.communicate(timeout=30)
+            out, err = self.process.communicate(timeout=WATCHDOG_S)
         return out, err
 
 

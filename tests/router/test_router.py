@@ -4,7 +4,6 @@ on BlockRemoved / AllBlocksCleared, verifies hashes, and serves POST /route over
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ from speckv.hashing.extra_keys import HashInputs, LoRARef
 from speckv.router.index import EngineHashConfig, RouterIndex
 from speckv.router.service import EngineEndpoint, RouterService, make_app
 from speckv.simulation.event_sample import SampleEngine, SampleEngineConfig
+from tests.patience import WATCHDOG_S, wait_until
 
 B = 8
 LORA = LoRARef("ad", "/srv/ad")
@@ -118,7 +118,7 @@ def test_http_route_over_real_sockets(make_publisher):
                   for name, (pub, replay) in endpoints.items()}
     for name, eng in engines.items():
         eng.run(eng.requests[0], publishers[name].publish)
-        assert publishers[name].wait_sent(5.0)
+        assert publishers[name].wait_sent(WATCHDOG_S)
     # the router starts after the engines published: it catches up through replay
     service = RouterService([EngineEndpoint(n, p, r, HASHING) for n, (p, r) in endpoints.items()])
     service.start()
@@ -129,26 +129,28 @@ def test_http_route_over_real_sockets(make_publisher):
     thread.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        body = None
-        while time.monotonic() < deadline:
+
+        def routed() -> dict | None:
             try:
-                body = httpx.post(f"{url}/route", json={"token_ids": PROMPT_A}, timeout=2).json()
-                if body["per_engine"]["b"] > 0 and body["matched_tokens"] >= 6 * B:
-                    break
+                body = httpx.post(f"{url}/route", json={"token_ids": PROMPT_A},
+                                  timeout=WATCHDOG_S).json()
             except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+                return None
+            done = body["per_engine"]["b"] > 0 and body["matched_tokens"] >= 6 * B
+            return body if done else None
+
+        body = wait_until(routed, "the router indexed both engines' events", poll_s=0.1)
         assert body is not None and body["engine"] == "a"
         assert body["per_engine"] == {"a": 6 * B, "b": 1 * B}
-        stats = httpx.get(f"{url}/stats", timeout=2).json()
+        stats = httpx.get(f"{url}/stats", timeout=WATCHDOG_S).json()
         assert stats["a"]["index"]["verified_blocks"] > 0
         assert stats["a"]["subscriber"]["lost_batches"] == 0
-        bad = httpx.post(f"{url}/route", json={"token_ids": []}, timeout=2)
+        bad = httpx.post(f"{url}/route", json={"token_ids": []}, timeout=WATCHDOG_S)
         assert bad.status_code == 422
-        bad = httpx.post(f"{url}/route", json={"token_ids": [1], "lora_name": "nope"}, timeout=2)
+        bad = httpx.post(f"{url}/route", json={"token_ids": [1], "lora_name": "nope"},
+                         timeout=WATCHDOG_S)
         assert bad.status_code == 422
     finally:
         server.should_exit = True
-        thread.join(timeout=5)
+        thread.join(timeout=WATCHDOG_S)
         service.stop()

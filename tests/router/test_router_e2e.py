@@ -20,6 +20,7 @@ from speckv.engine.engine_args import engine_config
 from speckv.router.contract import ContractError
 from speckv.router.engine_probe import fetch_contracts
 from speckv.router.fleet import EngineSpec
+from tests.patience import WATCHDOG_S
 from tests.router.fleet_utils import (
     BLOCK,
     MODEL_NAME,
@@ -41,7 +42,7 @@ def tokens(seed: int, n: int) -> list[int]:
 def complete(router: RouterProcess, prompt, headers=None, **extra) -> httpx.Response:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "temperature": 0, **extra}
     response = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers,
-                          timeout=60)
+                          timeout=WATCHDOG_S)
     assert response.status_code == 200, response.text
     return response
 
@@ -98,7 +99,7 @@ def fleet(models):
 def pair(fleet):
     """Engines a and b behind a router started after engine a served one prompt."""
     engines = {name: fleet[name] for name in ("a", "b")}
-    early = httpx.post(f"{engines['a'].url}/v1/completions", timeout=60, json={
+    early = httpx.post(f"{engines['a'].url}/v1/completions", timeout=WATCHDOG_S, json={
         "model": MODEL_NAME, "prompt": tokens(0, 30), "max_tokens": 2})
     assert early.status_code == 200
     routers = [RouterProcess(engines, ["--max-request-body-bytes", "65536"]).start()]
@@ -174,7 +175,7 @@ def test_the_openai_client_against_the_router(pair):
         assert raised.value.status_code == 413
     assert total(router_metrics(router), "speckv_router:prediction_mismatches_total") == 0
     # the reset goes to every engine; their AllBlocksCleared events empty the index
-    reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=30)
+    reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=WATCHDOG_S)
     assert reset.status_code == 200 and reset.json()["engines"] == ["a", "b"]
     state = router.wait_state(lambda s: all(e["index"]["cached_blocks"] == 0
                                             for e in s.values()))
@@ -233,7 +234,7 @@ def test_an_engine_down_at_the_routers_start_joins_when_its_health_passes(pair, 
         late.start().wait()
         router.wait_state(lambda s: s["late"]["healthy"] and s["late"]["epochs_seen"] == 1)
         prompt = tokens(12, 41)  # served by `late` alone first: only it holds the prefix
-        assert httpx.post(f"{late.url}/v1/completions", timeout=60, json={
+        assert httpx.post(f"{late.url}/v1/completions", timeout=WATCHDOG_S, json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}).status_code == 200
         router.wait_state(lambda s: s["late"]["index"]["cached_blocks"] >= 10)
         response = complete(router, prompt)
@@ -271,7 +272,8 @@ def test_an_engine_killed_and_restarted(pair):
     body = {"model": MODEL_NAME, "prompt": tokens(8, 20), "max_tokens": 400,
             "temperature": 0, "ignore_eos": True, "stream": True}
     events: list[str] = []
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as stream:
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body,
+                      timeout=WATCHDOG_S) as stream:
         streaming = stream.headers["x-speckv-engine"]
         for line in stream.iter_lines():
             if line.startswith("data:"):

@@ -24,6 +24,7 @@ from speckv.router.contract import ContractError
 from speckv.router.engine_probe import fetch_contracts
 from speckv.router.fleet import EngineSpec
 from speckv.router.vllm_engine import VLLMFlags
+from tests.patience import WATCHDOG_S
 from tests.router.fleet_utils import ENV, RouterProcess, wait_http
 from tests.server.server_test_utils import scrape
 
@@ -58,12 +59,12 @@ class SpeckvEngine:
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
-            self.process.wait(30)
+            self.process.wait(WATCHDOG_S)
 
 
 def wait_vllm(engine: VLLMEngine, log: Path) -> None:
     try:
-        wait_http(engine.url, engine.process, timeout_s=600)
+        wait_http(engine.url, engine.process, cpu_budget_s=600)
     except RuntimeError as error:
         raise RuntimeError(f"{error}\n{log.read_text()[-3000:]}") from None
 
@@ -82,7 +83,7 @@ def engines(tmp_path_factory):
         with ThreadPoolExecutor(3) as pool:  # they load side by side
             list(pool.map(lambda item: wait_vllm(item[1], logs / f"{item[0]}.log"),
                           vllm.items()))
-            wait_http(speckv.url, speckv.process, timeout_s=300)
+            wait_http(speckv.url, speckv.process, cpu_budget_s=300)
         yield {**vllm, "speckv": speckv, "logs": logs}
     finally:
         for engine in (*vllm.values(), speckv):
@@ -108,11 +109,11 @@ def prompts(seed: int, num_prefixes: int, rounds: int) -> list[list[int]]:
 
 
 def send(router: RouterProcess, prompt: list[int]) -> httpx.Response:
-    response = httpx.post(f"{router.url}/v1/completions", timeout=300, json={
+    response = httpx.post(f"{router.url}/v1/completions", timeout=WATCHDOG_S, json={
         "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
     assert response.status_code == 200, response.text
     router.wait_state(lambda s: all(e["index"]["pending_blocks"] == 0 for e in s.values()),
-                      timeout_s=60)
+                      cpu_budget_s=60)
     return response
 
 
@@ -128,7 +129,7 @@ def run_policy(engines: dict, names: list[str], policy: str, workload) -> tuple[
     router's metric totals."""
     router = router_over(engines, names, "--policy", policy)
     try:
-        reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=60)
+        reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=WATCHDOG_S)
         assert reset.status_code == 200, reset.text
         router.wait_state(lambda s: all(e["index"]["cached_blocks"] == 0 for e in s.values()))
         cached = prompt_tokens = 0
@@ -189,7 +190,7 @@ def test_flags_the_engine_contradicts_are_refused(engines):
     plain, eagle = engines["plain"], engines["eagle"]
     events = plain.kv_events_config()
     # a block stored from the root, for the events to say which seed and lookahead it hashes with
-    assert httpx.post(f"{plain.url}/v1/completions", timeout=300, json={
+    assert httpx.post(f"{plain.url}/v1/completions", timeout=WATCHDOG_S, json={
         "model": MODEL, "prompt": prompts(5, 1, 1)[0], "max_tokens": 1}).status_code == 200
     with pytest.raises(ContractError, match=r"'hash_seed'.*--vllm-hash-seed '7'.*seed '0' "
                        "reproduces them"):
@@ -217,12 +218,12 @@ def test_a_vllm_engine_killed_and_restarted(engines):
         first = send(router, prompt).headers["x-speckv-engine"]
         epoch = router.state()["plain"]["epoch"]
         plain.stop()
-        router.wait_state(lambda s: not s["plain"]["healthy"], timeout_s=60)
+        router.wait_state(lambda s: not s["plain"]["healthy"], cpu_budget_s=60)
         assert send(router, prompt).headers["x-speckv-engine"] == "eagle"
         plain.start(engines["logs"] / "plain-restarted.log")
         wait_vllm(plain, engines["logs"] / "plain-restarted.log")
         state = router.wait_state(lambda s: s["plain"]["healthy"]
-                                  and s["plain"]["epochs_seen"] == 2, timeout_s=120)
+                                  and s["plain"]["epochs_seen"] == 2, cpu_budget_s=120)
         assert state["plain"]["epoch"] != epoch and state["plain"]["index_resets"] >= 1
         assert first in ("plain", "eagle")
         for other in prompts(4, 2, 2):  # both engines serve again, predictions exact

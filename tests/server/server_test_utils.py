@@ -4,7 +4,6 @@ calls into its engine loop, and reading /metrics."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import httpx
@@ -20,6 +19,7 @@ from speckv.models.common.tokenizer import Tokenizer
 from speckv.models.llama.tiny import tiny_model_config
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
+from tests.patience import WATCHDOG_S, wait_until
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -59,21 +59,15 @@ def make_server(model: LlamaForCausalLM, engine_config: EngineConfig | None = No
     return ServerThread(OpenAIServer(engine, config, model_path="tiny-random")).start()
 
 
-def engine_call(thread: ServerThread, fn: Callable[[LLMEngine], object],
-                timeout_s: float = 30.0) -> object:
+def engine_call(thread: ServerThread, fn: Callable[[LLMEngine], object]) -> object:
     """Run `fn(engine)` in the server's engine loop thread (between steps) and return it."""
-    return thread.server.client.loop.call(fn).result(timeout_s)
+    return thread.server.client.loop.call(fn).result(WATCHDOG_S)
 
 
-def wait_idle_and_check(thread: ServerThread, timeout_s: float = 30.0) -> int:
+def wait_idle_and_check(thread: ServerThread) -> int:
     """Wait until the engine holds no request, check the pool, return its free blocks."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        busy = engine_call(thread, lambda engine: engine.has_unfinished_requests())
-        if not busy:
-            break
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.02)
+    wait_until(lambda: not engine_call(thread, lambda engine: engine.has_unfinished_requests()),
+               "the engine goes idle", poll_s=0.02)
 
     def check(engine: LLMEngine) -> int:
         engine.manager.check_integrity()
@@ -84,7 +78,7 @@ def wait_idle_and_check(thread: ServerThread, timeout_s: float = 30.0) -> int:
 
 def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of GET /metrics: (name, sorted labels) -> value."""
-    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    response = httpx.get(f"{base_url}/metrics", timeout=WATCHDOG_S)
     assert response.status_code == 200
     samples = {}
     for family in text_string_to_metric_families(response.text):

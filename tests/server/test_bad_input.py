@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from tests.patience import WATCHDOG_S, wait_until
 from tests.server.server_test_utils import MODEL_NAME, TINY_CONFIG, wait_idle_and_check
 
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
@@ -124,7 +125,7 @@ def test_the_server_is_untouched_by_bad_input(http, shared_server):
 
 def test_body_over_the_limit_is_413(start_server):
     server = start_server(max_request_body_bytes=2048)
-    with httpx.Client(base_url=server.url, timeout=30) as http:
+    with httpx.Client(base_url=server.url, timeout=WATCHDOG_S) as http:
         error = _error(http.post("/v1/completions",
                                  json={**GOOD, "prompt": "x" * 4096}), 413)
         assert error["code"] == "request_too_large" and "2048" in error["message"]
@@ -136,13 +137,13 @@ def test_body_over_the_limit_is_413(start_server):
 
         error = _error(http.post("/v1/completions", content=chunked(),
                                  headers={"content-type": "application/json"}), 413)
-    with httpx.Client(base_url=server.url, timeout=30) as http:
+    with httpx.Client(base_url=server.url, timeout=WATCHDOG_S) as http:
         assert http.post("/v1/completions", json=GOOD).status_code == 200
 
 
 def test_api_key_is_required_on_v1_routes(start_server):
     server = start_server(api_key="s3cret")
-    with httpx.Client(base_url=server.url, timeout=30) as http:
+    with httpx.Client(base_url=server.url, timeout=WATCHDOG_S) as http:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             error = _error(http.post("/v1/completions", json=GOOD, headers=headers), 401)
             assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
@@ -162,19 +163,17 @@ def test_full_waiting_queue_is_503_with_retry_after(start_server):
     loop = server.server.client.loop
     # a long engine step: the loop thread is busy, so new requests wait
     gate = threading.Event()
-    busy = loop.call(lambda engine: gate.wait(60))
+    busy = loop.call(lambda engine: gate.wait(WATCHDOG_S))
     while not busy.running():
         time.sleep(0.005)
 
     def post(body):
-        with httpx.Client(base_url=server.url, timeout=60) as http:
+        with httpx.Client(base_url=server.url, timeout=WATCHDOG_S) as http:
             return http.post("/v1/completions", json=body)
 
     with ThreadPoolExecutor(2) as pool:
         waiting = [pool.submit(post, GOOD) for _ in range(2)]
-        deadline = time.monotonic() + 30
-        while loop.num_waiting_requests < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: loop.num_waiting_requests >= 2, "two requests wait", poll_s=0.005)
         refused = post(GOOD)
         gate.set()
         assert [w.result().status_code for w in waiting] == [200, 200]

@@ -11,6 +11,7 @@ import httpx
 import openai
 
 from speckv.engine.engine_args import engine_config
+from tests.patience import WATCHDOG_S
 from tests.server.server_test_utils import (
     MODEL_NAME,
     engine_call,
@@ -51,8 +52,8 @@ def test_100_requests_with_20_disconnecting_mid_stream_free_every_block(start_se
 
     async def main() -> list[int]:
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x",
-                                      max_retries=0, timeout=120) as client, \
-                httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                                      max_retries=0, timeout=WATCHDOG_S) as client, \
+                httpx.AsyncClient(base_url=server.url, timeout=WATCHDOG_S) as http:
             jobs = [leave(http, i) if i % 5 == 0 else finish(client, i) for i in range(100)]
             return await asyncio.gather(*jobs)
 
@@ -85,8 +86,8 @@ def test_a_non_streaming_client_that_times_out_is_aborted(start_server):
         while not engine_call(server, lambda engine: engine.has_unfinished_requests()):
             time.sleep(0.005)
         # a long engine step: the request cannot finish before its client gives up
-        loop.call(lambda engine: gate.wait(60))
-        assert isinstance(request.exception(timeout=30), httpx.ReadTimeout)
+        loop.call(lambda engine: gate.wait(WATCHDOG_S))
+        assert isinstance(request.exception(timeout=WATCHDOG_S), httpx.ReadTimeout)
         time.sleep(0.2)  # the server's event loop (not blocked) sees the disconnect
         gate.set()
     assert wait_idle_and_check(server) == 511

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 
 from speckv.engine.sampling_params import SamplingParams
+from tests.patience import WATCHDOG_S
 from tests.server.server_test_utils import (
     MODEL_NAME,
     TOKENIZER,
@@ -160,7 +161,7 @@ def test_side_endpoints(http, shared_server):
 
 
 def test_reset_is_refused_while_a_request_holds_blocks(shared_server):
-    with httpx.Client(base_url=shared_server.url, timeout=60) as http, http.stream(
+    with httpx.Client(base_url=shared_server.url, timeout=WATCHDOG_S) as http, http.stream(
             "POST", "/v1/completions",
             json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 300, "stream": True,
                   "ignore_eos": True}) as response:

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.patience import WATCHDOG_S
 from tests.server.server_test_utils import MODEL_NAME, engine_call
 
 
@@ -22,13 +23,13 @@ def test_engine_death_fails_in_flight_requests_and_health(start_server, monkeypa
     long = {"model": MODEL_NAME, "prompt": "in flight", "max_tokens": 480, "ignore_eos": True}
 
     def non_streaming() -> httpx.Response:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
+        with httpx.Client(base_url=server.url, timeout=WATCHDOG_S) as http:
             return http.post("/v1/completions", json=long)
 
     gate = threading.Event()
-    with httpx.Client(base_url=server.url, timeout=60) as http, \
+    with httpx.Client(base_url=server.url, timeout=WATCHDOG_S) as http, \
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
-                          timeout=60) as client, ThreadPoolExecutor(1) as pool:
+                          timeout=WATCHDOG_S) as client, ThreadPoolExecutor(1) as pool:
         plain = pool.submit(non_streaming)
         sdk_stream = client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=400,
@@ -40,7 +41,7 @@ def test_engine_death_fails_in_flight_requests_and_health(start_server, monkeypa
             next(line for line in lines if line.startswith("data:"))
             while engine_call(server, lambda engine: engine.num_unfinished_requests) < 3:
                 time.sleep(0.005)
-            busy = loop.call(lambda engine: gate.wait(60))  # hold the loop between steps
+            busy = loop.call(lambda engine: gate.wait(WATCHDOG_S))  # hold the loop between steps
             while not busy.running():
                 time.sleep(0.005)
 
@@ -58,7 +59,7 @@ def test_engine_death_fails_in_flight_requests_and_health(start_server, monkeypa
         with pytest.raises(openai.APIError, match="injected fault"):
             for _ in sdk_chunks:
                 pass
-        failed = plain.result(timeout=30)
+        failed = plain.result(timeout=WATCHDOG_S)
         assert failed.status_code == 500
         assert failed.json()["error"]["code"] == "engine_error"
         health = http.get("/health")

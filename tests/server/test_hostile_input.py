@@ -118,3 +118,9 @@ def test_dropped_connections_log_one_short_line_each(start_server):
     assert len(lines.lines) == drops, lines.lines[:40]
     assert all("left before sending its whole body (POST /v1/completions)" in line
                and len(line) < 120 for line in lines.lines)
+
+
+def test_an_unknown_huge_model_name_is_not_echoed_back(http):
+    response = http.post("/v1/completions", json={**GOOD, "model": "m" * 100_000})
+    assert response.status_code == 404 and len(response.content) < 400
+    assert "(100000 characters)" in response.json()["error"]["message"]

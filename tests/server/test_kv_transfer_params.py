@@ -12,6 +12,7 @@ import openai
 
 from speckv.engine.engine_args import engine_config
 from tests.doubles.remote import FakeRemoteConnector, RemoteBlocks
+from tests.patience import WATCHDOG_S
 from tests.server.server_test_utils import MODEL_NAME, make_server
 
 CONFIG = engine_config(block_size=4, num_blocks=64, max_num_seqs=4, hash_seed="0")
@@ -24,7 +25,7 @@ def test_kv_transfer_params_travel_both_ways(tiny_chat_model):
     prefill = make_server(tiny_chat_model, CONFIG, connector=prefill_connector)
     try:
         with openai.OpenAI(base_url=f"{prefill.url}/v1", api_key="unused", max_retries=0,
-                           timeout=60) as client:
+                           timeout=WATCHDOG_S) as client:
             response = client.completions.create(
                 model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0,
                 extra_body={"kv_transfer_params": {"do_remote_decode": True}})
@@ -39,7 +40,7 @@ def test_kv_transfer_params_travel_both_ways(tiny_chat_model):
     try:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0,
                 "kv_transfer_params": {"remote_engine": params["remote_engine"]}}
-        reply = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60).json()
+        reply = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=WATCHDOG_S).json()
     finally:
         decode.stop()
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 20

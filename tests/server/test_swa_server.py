@@ -13,6 +13,7 @@ from speckv.engine.llm_engine import LLMEngine
 from speckv.models.gemma.gemma3 import GemmaForCausalLM, tiny_gemma_config
 from speckv.server.app import OpenAIServer, ServerConfig
 from speckv.server.launch import ServerThread
+from tests.patience import WATCHDOG_S
 from tests.server.server_test_utils import TOKENIZER
 
 
@@ -27,7 +28,7 @@ def test_repeated_chat_on_a_sliding_window_model_hits():
     thread = ServerThread(OpenAIServer(engine, ServerConfig(served_model_name="swa"))).start()
     try:
         with openai.OpenAI(base_url=f"{thread.url}/v1", api_key="unused", max_retries=0,
-                           timeout=60) as client:
+                           timeout=WATCHDOG_S) as client:
             messages = [{"role": "user", "content": "A long shared system prompt, past the "
                          "sliding window of the local layers. " * 2}]
             first, second = (client.chat.completions.create(

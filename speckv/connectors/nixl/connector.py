@@ -69,7 +69,6 @@ from speckv.connectors.nixl.pulls import (
 )
 from speckv.connectors.nixl.side_channel import (
     LeaseService,
-    SideChannelError,
     SideChannelServer,
     Welcome,
 )
@@ -93,8 +92,7 @@ class NixlConnector(KVConnector):
                  load_failure_policy: str = "recompute") -> None:
         self.config = config
         self.load_failure_policy = load_failure_policy  # the engine's one policy
-        self.hash_algo = hash_algo
-        self.hash_seed = hash_seed
+        self.hash_algo, self.hash_seed = hash_algo, hash_seed
         self.epoch = ""
         self._kv: DeviceKV | GroupedDeviceKV | None = None
         self._mode: ConnectorMode | None = None
@@ -110,7 +108,7 @@ class NixlConnector(KVConnector):
         self._planned: list[str] = []  # request ids whose load the next metadata carries
         self._failures: list[LoadFailure] = []
         self._recved: set[str] = set()  # asynchronous loads settled since the last report
-        self._inflight: dict[str, ReadInFlight] = {}  # READs on the wire, by request id
+        self._inflight: dict[str, ReadInFlight] = {}  # admissions and READs, by request id
         self._finished_pulls: dict[str, Pull] = {}  # finished while their READ runs
         self._control: ControlSender | None = None
         self._caller: Caller | None = None
@@ -201,10 +199,11 @@ class NixlConnector(KVConnector):
         if not (self.config.is_consumer and wants_remote_prefill(params)):
             return
         try:
-            self.check_transfer_params(params)
+            self.config.policy.check(params)
+            parsed = parse_transfer_params(params)
         except ParamsError:
             return  # never contact an address the engine would not pull from
-        self._release(Pull(parse_transfer_params(params)))
+        self._release(Pull(parsed))
 
     @property
     def _fails(self) -> bool:
@@ -402,12 +401,15 @@ class NixlConnector(KVConnector):
         """Whether the flight's READ runs; a failed, refused or overdue admission fails the
         load (the thread still waiting on a hung peer is left to its own timeout)."""
         if flight.admission.done():
-            try:
-                self._start_read(flight)
-                return True
-            except (ParamsError, SideChannelError, ValueError, IndexError,
-                    RuntimeError) as error:
-                reason = str(error)
+            failed = flight.admission.exception()  # any error of the peer's thread
+            if failed is not None:
+                reason = str(failed) or type(failed).__name__
+            else:
+                try:
+                    self._start_read(flight)
+                    return True
+                except (ValueError, IndexError, RuntimeError) as error:
+                    reason = str(error)
         elif now < flight.deadline:
             return False
         else:

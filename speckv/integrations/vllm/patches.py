@@ -4,12 +4,13 @@ Owns the list of vLLM functions the plugin wraps and the check that each exists 
 parameters the wrapper expects. `resolve_targets` finds every one first; `apply` wraps them
 only after all were found, so a vLLM that changed any of them is left untouched. Each wrapper
 behaves exactly as the original unless its engine was switched on at start (an attribute the
-patched `EngineCore.__init__` sets on that engine's objects; the wrappers are wrappers.py):
+patched `Scheduler.__init__` sets on that engine's objects; the wrappers are wrappers.py):
 
 | wrapped                              | with lookahead hashes on                                |
 |--------------------------------------|---------------------------------------------------------|
-| EngineCore.__init__                  | decides (decision.py); sets disable_eagle_block_drop    |
-|                                      | before the scheduler exists; installs speckv's hasher   |
+| Scheduler.__init__                   | decides (decision.py); sets disable_eagle_block_drop    |
+|                                      | before its KV cache manager exists                      |
+| core.get_request_block_hasher        | speckv's lookahead hasher for that engine's requests    |
 | KVCacheCoordinator.cache_blocks      | caches a block only once its hash exists                |
 | Scheduler._free_request              | caches what the last token completed, then frees        |
 | BlockPool._build_block_stored_event  | BlockStored gets lookahead_token_ids and E(s, e + L)    |
@@ -58,6 +59,7 @@ class Targets:
 
 _EXPECTED_PARAMS = {
     ("engine_core", "__init__"): ("self", "vllm_config"),
+    ("scheduler", "__init__"): ("self", "vllm_config", "kv_cache_config"),
     ("coordinator", "cache_blocks"): ("self", "request", "num_computed_tokens"),
     ("scheduler", "_free_request"): ("self", "request", "delay_free_blocks"),
     ("block_pool", "_build_block_stored_event"): (
@@ -123,6 +125,12 @@ def resolve_targets() -> Targets:
         params = tuple(inspect.signature(function).parameters)[: len(expected)]
         if params != expected:
             raise PatchTargetMissing(f"{cls.__name__}.{method}{params}, expected {expected}")
+    hasher = getattr(importlib.import_module("vllm.v1.engine.core"), "get_request_block_hasher",
+                     None)
+    hasher = getattr(hasher, _PATCHED, hasher)
+    if hasher is None or tuple(inspect.signature(hasher).parameters)[:2] != (
+            "hash_block_size", "caching_hash_fn"):
+        raise PatchTargetMissing("vllm.v1.engine.core.get_request_block_hasher")
     spec_config = _attr("vllm.config.speculative", "SpeculativeConfig")
     if "disable_eagle_block_drop" not in getattr(spec_config, "__dataclass_fields__", {}):
         raise PatchTargetMissing("SpeculativeConfig.disable_eagle_block_drop")
@@ -145,7 +153,12 @@ def apply(targets: Targets) -> None:
     classes (idempotent)."""
     from speckv.integrations.vllm import wrappers
 
-    _wrap(targets.engine_core, "__init__", wrappers.engine_init(targets))
+    core = importlib.import_module("vllm.v1.engine.core")
+    original = getattr(core.get_request_block_hasher, _PATCHED, core.get_request_block_hasher)
+    factory = wrappers.block_hasher_factory(targets, original)
+    setattr(factory, _PATCHED, original)
+    core.get_request_block_hasher = factory
+    _wrap(targets.scheduler, "__init__", wrappers.scheduler_init(targets))
     _wrap(targets.kv_cache_manager, "get_computed_blocks", wrappers.computed_blocks)
     _wrap(targets.block_pool, "cache_full_blocks", wrappers.cache_full)
     _wrap(targets.coordinator, "cache_blocks", wrappers.cache_blocks)

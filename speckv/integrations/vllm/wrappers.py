@@ -2,12 +2,15 @@
 
 Owns what each patched function does differently on an engine the plugin switched on: the
 flags `_switch_on` sets on that engine's scheduler, coordinator, block pool and manager are the
-only state, so every other engine in the process runs vLLM's code unchanged.
+only state, so every other engine in the process runs vLLM's code unchanged. The switch is
+made in `Scheduler.__init__`, not `EngineCore.__init__`: vLLM loads general plugins at the top
+of `EngineCore.__init__` in its engine-core process, so that call is never a wrapped one.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,16 +38,26 @@ def engine_decision(vllm_config: Any, targets: Any) -> PluginDecision:
     )
 
 
-def _switch_on(engine: Any, vllm_config: Any, decision: PluginDecision,
+# what the Scheduler wrapper leaves for the hasher factory EngineCore.__init__ calls next
+_pending_hasher: dict[str, Any] = {}
+
+
+def _inside_engine_core_init(targets: Any) -> bool:
+    """Whether the caller chain has vLLM's EngineCore.__init__, which builds the request
+    hasher right after the scheduler: a scheduler built anywhere else (vLLM's own tests) gets
+    no lookahead hashes, so it must keep vLLM's drop too."""
+    code = getattr(targets.engine_core.__init__, "__code__", None)
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _switch_on(scheduler: Any, vllm_config: Any, decision: PluginDecision,
                targets: Any) -> None:
-    scheduler = engine.scheduler
     lookahead = decision.lookahead_tokens
-    engine.request_block_hasher = LookaheadBlockHasher(
-        vllm_config.cache_config.prefix_caching_hash_algo,
-        targets.kv_cache_utils.NONE_HASH,
-        scheduler.hash_block_size,
-        lookahead,
-    )
     manager = scheduler.kv_cache_manager
     coordinator = manager.coordinator
     for owner in (scheduler, coordinator, coordinator.block_pool):
@@ -54,29 +67,49 @@ def _switch_on(engine: Any, vllm_config: Any, decision: PluginDecision,
              and groups[0].block_size == scheduler.hash_block_size
              and lookahead < groups[0].block_size)
     if reuse:
-        setting = (groups[0].block_size, lookahead, targets.kv_cache_utils.NONE_HASH)
+        setting = (groups[0].block_size, lookahead, targets.kv_cache_utils)
         setattr(manager, _REUSE, setting)
         setattr(coordinator.block_pool, _REUSE, setting)
+    _pending_hasher.update(algo=vllm_config.cache_config.prefix_caching_hash_algo,
+                           lookahead=lookahead)
     logger.info("speckv: lookahead block hashes with L=%d replace vLLM's EAGLE block drop (%s); "
                 "block reuse at divergence points %s", lookahead, decision.reason,
                 "on" if reuse else "off (needs one full-attention group)")
 
 
-def engine_init(targets: Any) -> Callable[[Callable], Callable]:
+def scheduler_init(targets: Any) -> Callable[[Callable], Callable]:
     def make(original):
-        def __init__(self, vllm_config, *args, **kwargs):
+        def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+            _pending_hasher.clear()
             decision = engine_decision(vllm_config, targets)
+            if decision.active and not _inside_engine_core_init(targets):
+                decision = PluginDecision(0, "the scheduler is not built by vLLM's EngineCore")
             if decision.active:
-                # vLLM's own switch: every drop site (hit lookup, replay boundaries, group
-                # annotation) reads it; lookahead hashes make the kept block's KV right
+                # vLLM's own switch (hit lookup, replay boundaries); the groups were annotated
+                # for the drop before the scheduler exists: lookahead hashes make it needless
                 vllm_config.speculative_config.disable_eagle_block_drop = True
-            original(self, vllm_config, *args, **kwargs)
-            if decision.active and self.request_block_hasher is not None:
+                for group in kv_cache_config.kv_cache_groups:
+                    group.is_eagle_group = False
+            original(self, vllm_config, kv_cache_config, *args, **kwargs)
+            if decision.active:
                 _switch_on(self, vllm_config, decision, targets)
             elif vllm_config.speculative_config is not None:
                 logger.info("speckv: plugin off for this engine: %s", decision.reason)
         return __init__
     return make
+
+
+def block_hasher_factory(targets: Any, original: Callable) -> Callable:
+    """vLLM's `get_request_block_hasher` as EngineCore.__init__ calls it: speckv's lookahead
+    hasher right after a scheduler the plugin switched on, vLLM's own otherwise."""
+    def get_request_block_hasher(hash_block_size, caching_hash_fn, *args, **kwargs):
+        pending = dict(_pending_hasher)
+        _pending_hasher.clear()
+        if not pending:
+            return original(hash_block_size, caching_hash_fn, *args, **kwargs)
+        return LookaheadBlockHasher(pending["algo"], targets.kv_cache_utils.NONE_HASH,
+                                    hash_block_size, pending["lookahead"])
+    return get_request_block_hasher
 
 
 def stored_event(targets: Any) -> Callable[[Callable], Callable]:

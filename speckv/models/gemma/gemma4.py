@@ -121,24 +121,9 @@ class Gemma4Config:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> Gemma4Config:
-        """Validated from an HF config.json: one check per field, in the file's order (long,
-        flat: each check reads on its own)."""
-        model_type = str(cfg.get("model_type", "")).lower()
-        archs = [str(a) for a in cfg.get("architectures") or []]
-        for key, layer in _REFUSED.items():
-            if cfg.get(key):
-                raise ValueError(f"{key}: this model needs a {layer} layer, which speckv does "
-                                 "not have (Gemma text decoders only)")
-        if model_type == "gemma4" or "Gemma4ForConditionalGeneration" in archs:
-            raise ValueError("Gemma4ForConditionalGeneration: the vision / audio towers "
-                             "(multimodal) are not supported; use the text model")
-        if model_type not in GEMMA4_MODEL_TYPES and "Gemma4ForCausalLM" not in archs:
-            raise ValueError(f"model_type {model_type!r}: not a Gemma 4 text model")
-        if cfg.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention: only causal attention is supported")
-        if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh",
-                                                                      "gelu_tanh"):
-            raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported")
+        """Validated from an HF config.json: one check per field, in the file's order (what
+        speckv refuses: `_check_supported`; the RoPE parameters: `_rope_parameters`)."""
+        _check_supported(cfg)
         n = int(cfg["num_hidden_layers"])
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else
                                            "full_attention" for i in range(n)]
@@ -168,17 +153,7 @@ class Gemma4Config:
             if len(shapes) != 1:
                 raise ValueError("per_layer_config: every global layer must share one shape")
             global_head_dim, global_kv = shapes.pop()
-        rope = cfg.get("rope_parameters") or {}
-        full = dict(rope.get("full_attention") or {"rope_type": "proportional",
-                                                   "partial_rotary_factor": 0.25,
-                                                   "rope_theta": 1_000_000.0})
-        local = dict(rope.get("sliding_attention") or {"rope_theta": 10_000.0})
-        if local.get("rope_type", "default") != "default":
-            raise ValueError("rope_parameters.sliding_attention: only default RoPE is supported")
-        full_type = full.get("rope_type", "default")
-        if full_type not in ("default", "proportional"):
-            raise ValueError(f"rope_parameters.full_attention: rope_type {full_type!r} is not "
-                             "supported (default, proportional)")
+        full, local, full_type = _rope_parameters(cfg)
         base = ModelConfig(
             vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=n,
@@ -209,6 +184,42 @@ class Gemma4Config:
             use_double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
             pad_token_id=int(cfg.get("pad_token_id") or 0),
         )
+
+
+def _check_supported(cfg: Mapping[str, Any]) -> None:
+    """ValueError naming the config field of a Gemma 4 that speckv cannot run."""
+    model_type = str(cfg.get("model_type", "")).lower()
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    for key, layer in _REFUSED.items():
+        if cfg.get(key):
+            raise ValueError(f"{key}: this model needs a {layer} layer, which speckv does "
+                             "not have (Gemma text decoders only)")
+    if model_type == "gemma4" or "Gemma4ForConditionalGeneration" in archs:
+        raise ValueError("Gemma4ForConditionalGeneration: the vision / audio towers "
+                         "(multimodal) are not supported; use the text model")
+    if model_type not in GEMMA4_MODEL_TYPES and "Gemma4ForCausalLM" not in archs:
+        raise ValueError(f"model_type {model_type!r}: not a Gemma 4 text model")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: only causal attention is supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh",
+                                                                  "gelu_tanh"):
+        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported")
+
+
+def _rope_parameters(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The global layers' RoPE parameters, the sliding layers', and the global rope type."""
+    rope = cfg.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {"rope_type": "proportional",
+                                               "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1_000_000.0})
+    local = dict(rope.get("sliding_attention") or {"rope_theta": 10_000.0})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError("rope_parameters.sliding_attention: only default RoPE is supported")
+    full_type = full.get("rope_type", "default")
+    if full_type not in ("default", "proportional"):
+        raise ValueError(f"rope_parameters.full_attention: rope_type {full_type!r} is not "
+                         "supported (default, proportional)")
+    return full, local, full_type
 
 
 def _proportional_inv_freq(head_dim: int, theta: float, proportion: float,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import speculative_args
+from tests.patience import wait_until
 
 B = 4
 
@@ -80,27 +80,34 @@ def decode(engine: LLMEngine, prompt, params: dict, max_tokens: int = 8) -> Requ
                                               kv_transfer_params=params))
 
 
-def step_until(engine: LLMEngine, done, timeout_s: float = 60.0) -> int:
+def step_until(engine: LLMEngine, done, cpu_budget_s: float = 60.0) -> int:
     """Step (checking the pools) until `done()`; the steps it took. The transfer's handshake
     and admission run on threads: steps yield a millisecond so they run on a busy machine.
-    `timeout_s` only guards against a hang."""
-    deadline = time.monotonic() + timeout_s
+    The CPU budget (`tests.patience`) only guards against a hang."""
     steps = 0
-    while not done():
-        assert time.monotonic() < deadline, "the condition never held"
+
+    def stepped() -> bool:
+        nonlocal steps
+        if done():
+            return True
         engine.step()
         engine.manager.check_integrity()
         steps += 1
-        time.sleep(0.001)
+        return False
+
+    wait_until(stepped, "the condition holds", cpu_budget_s, poll_s=0.001)
     return steps
 
 
-def settle(engine: LLMEngine, timeout_s: float = 20.0) -> None:
+def settle(engine: LLMEngine, cpu_budget_s: float = 60.0) -> None:
     """Step until the engine holds nothing (its leases released or expired)."""
-    deadline = time.monotonic() + timeout_s
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the prefill engine kept its blocks"
+    def idle() -> bool:
+        if not engine.has_unfinished_requests():
+            return True
         engine.step()
+        return False
+
+    wait_until(idle, "the prefill engine lets go of its blocks", cpu_budget_s, poll_s=0.001)
     engine.manager.check_integrity()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from speckv.connectors.nixl.layout_desc import describe_layout
 from speckv.connectors.nixl.params import HashContract
 from speckv.connectors.nixl.side_channel import LeaseService, SideChannelServer, Welcome
 from speckv.connectors.nixl.transport import NixlTransport
+from tests.patience import WATCHDOG_S, wait_until
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def _serve(shape: KVShape, contract: HashContract, lease_s: float, commands: mp.
             for request_id in leases.take_ended():
                 answers.put(("ended", request_id))
             try:
-                command = commands.get(timeout=0.01)
+                command = commands.get(timeout=0.01)  # not a wall limit: a poll
             except queue.Empty:
                 continue
             if command[0] == "issue":
@@ -95,12 +95,16 @@ class PrefillPeer:
         self.process.start()
         _, self.port, self.epoch = self.expect("ready")
 
-    def expect(self, kind: str, timeout_s: float = 60.0) -> tuple:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            answer = self.answers.get(timeout=max(0.1, deadline - time.monotonic()))
-            if answer[0] == kind:
-                return answer
+    def expect(self, kind: str, cpu_budget_s: float = 60.0) -> tuple:
+        def answer() -> tuple | None:
+            try:
+                got = self.answers.get_nowait()
+            except queue.Empty:
+                return None
+            return got if got[0] == kind else None
+
+        return wait_until(answer, f"the peer answers {kind!r}", cpu_budget_s,
+                          (self.process.pid,))
 
     def issue(self, request_id: str, block_ids: list[list[int]],
               lease_s: float | None = None) -> str:
@@ -114,7 +118,7 @@ class PrefillPeer:
     def close(self) -> None:
         if self.process.is_alive():
             self.commands.put(("stop",))
-            self.process.join(timeout=10)
+            self.process.join(timeout=WATCHDOG_S)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()

@@ -27,6 +27,7 @@ from tests.connectors.nixl.pd_helpers import (
     run,
     settle,
 )
+from tests.patience import WATCHDOG_S
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs nixl-cu12")
 DRAFTERS = {"none": None, "eagle3": ("eagle3", {"aux_layers": (0, 1, 1)}),
@@ -211,7 +212,7 @@ def test_the_decode_engine_composes_with_the_cpu_tier(tiny_model, drafters):
         assert got.token_ids == expected.token_ids
         assert got.num_external_cached_tokens == params["num_tokens"]
         # the transferred blocks became ordinary blocks: the CPU tier stored them
-        assert d.flush_kv_connector(timeout_s=30) and d.reset_prefix_cache()
+        assert d.flush_kv_connector(timeout_s=WATCHDOG_S) and d.reset_prefix_cache()
         again = run(d, prompt, GREEDY)
         assert again.token_ids == expected.token_ids
         assert again.num_external_cached_tokens == params["num_tokens"]

@@ -36,6 +36,7 @@ from tests.connectors.nixl.pd_helpers import (
     settle,
     step_until,
 )
+from tests.patience import WATCHDOG_S
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs nixl-cu12")
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -241,7 +242,7 @@ def test_the_nixl_connector_carries_every_group_and_composes_with_the_cpu_tier(h
         settle(p)
         assert got.token_ids == expected.token_ids
         assert got.num_external_cached_tokens == params["num_tokens"]
-        assert d.flush_kv_connector(timeout_s=30) and d.reset_prefix_cache()
+        assert d.flush_kv_connector(timeout_s=WATCHDOG_S) and d.reset_prefix_cache()
         again = run(d, prompt, GREEDY)
         assert again.token_ids == expected.token_ids
         assert d.kv_connector_stats()["nixl"].loaded_blocks == blocks_read(

@@ -34,6 +34,7 @@ from tests.connectors.nixl.pd_helpers import (
     settle,
     step_until,
 )
+from tests.patience import WATCHDOG_S
 from tests.router.fleet_utils import MODEL_NAME
 from tests.server.server_test_utils import make_server
 
@@ -85,7 +86,7 @@ def _runs_beside(engine, hung_id: str) -> int:
     """Run a plain request next to `hung_id`; its steps, with `hung_id` still waiting for its
     KV when it finished (the engine never waited on that request's peer)."""
     plain = engine.add_request(prompt_of(9, seed=40), GREEDY)
-    steps = step_until(engine, lambda: _finished(engine, plain), timeout_s=3 * HANG_S)
+    steps = step_until(engine, lambda: _finished(engine, plain), cpu_budget_s=3 * HANG_S)
     assert _waiting(engine, hung_id), "the hung transfer resolved: a step waited on its peer"
     return steps
 
@@ -236,7 +237,7 @@ def test_the_api_answers_a_forged_host_with_a_400_naming_it(decode_server):
               "first_token_id": 1, "manifest": [["00"]], "hash_contract": {
                   "hash_algo": "sha256", "hash_seed": "0", "block_size": 4,
                   "lookahead_tokens": 1, "drops_last_unit": False}}
-    reply = httpx.post(f"{decode_server.url}/v1/completions", timeout=30, json={
+    reply = httpx.post(f"{decode_server.url}/v1/completions", timeout=WATCHDOG_S, json={
         "model": MODEL_NAME, "prompt": "alpha beta", "max_tokens": 2,
         "kv_transfer_params": params})
     assert reply.status_code == 400, reply.text
