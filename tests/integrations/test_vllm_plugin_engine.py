@@ -66,9 +66,8 @@ def test_a_prompt_sent_twice_hits_all_its_blocks_with_the_plugin_one_less_withou
 
 
 def test_the_plugin_loads_only_where_asked(runs):
-    assert "speckv: lookahead block hashes with L=1" in runs["on_log"]
-    # no speculation: the plugin says why it leaves that engine alone
-    assert "speckv: plugin off for this engine: no speculative decoding" in runs["on_log"]
+    # the two EAGLE3 engines, not the one without speculation
+    assert runs["on_log"].count("speckv: lookahead block hashes with L=1") == 2
     assert "speckv:" not in runs["off_log"]  # VLLM_PLUGINS= left it out
 
 
