@@ -268,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each round sends every workload to both servers, turn about")
     parser.add_argument("--threads", type=int, default=None,
                         help="compute threads of both (speckv --threads, vLLM's "
-                        "VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); default: each server's default")
+                        "VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); unset: each server picks its own")
     parser.add_argument("--kv-gib", type=int, default=2,
                         help="KV cache memory of both (GiB)")
     parser.add_argument("--num-spec", type=int, default=3, help="most drafts per step, both")
