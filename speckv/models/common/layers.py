@@ -12,14 +12,26 @@ from torch import nn
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state-dict names) that computes fp32 CPU inputs of
-    the row counts in `transposed_rows` as (W @ x^T)^T: on some CPUs the faster kernel for the
-    2..4-row steps of speculative verification and small-batch decode. Empty (the plain form)
-    until a loader measures this machine (`speckv.models.common.small_rows`)."""
+    """`nn.Linear` (same parameters and state-dict names) that computes fp32 CPU inputs in the
+    form a loader measured fastest on this machine (`speckv.models.common.small_rows`,
+    `speckv.models.common.packed_linear`): through oneDNN with its weight packed once
+    (`packed`), or the row counts in `transposed_rows` as (W @ x^T)^T. Both stay off (the plain
+    form) until a loader measures; the packed form steps aside where autograd needs the
+    product or the weight changed after packing (training, a test that edits weights)."""
 
     transposed_rows: frozenset[int] = frozenset()
+    # (the weight it was packed from, that weight's version then, the oneDNN-packed weight)
+    packed: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    packed_min_rows = 2  # inputs of fewer rows keep the other forms (measured per machine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] (any leading dims)
+        packed = self.packed
+        if (packed is not None and packed[0] is self.weight
+                and packed[1] == self.weight._version and x.device.type == "cpu"
+                and x.dtype == torch.float32 and x.numel() >= self.packed_min_rows * x.shape[-1]
+                and not (torch.is_grad_enabled()
+                         and (x.requires_grad or self.weight.requires_grad))):
+            return torch.ops.mkldnn._linear_pointwise(x, packed[2], self.bias, "none", [], "")
         if (x.dim() == 2 and x.shape[0] in self.transposed_rows and x.device.type == "cpu"
                 and x.dtype == torch.float32 and self.weight.dtype == torch.float32):
             y = torch.mm(self.weight, x.t()).t().contiguous()  # [n, out]

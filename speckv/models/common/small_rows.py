@@ -115,7 +115,7 @@ def time_forms(weights: Sequence[torch.Tensor], rows: Sequence[int] = SMALL_ROWS
     return timings
 
 
-def _cpu_fp32_linears(model: nn.Module) -> list[Linear]:
+def cpu_fp32_linears(model: nn.Module) -> list[Linear]:
     if not isinstance(model, nn.Module):
         return []
     return [m for m in model.modules() if isinstance(m, Linear)
@@ -128,7 +128,7 @@ def measure_small_row_form(model: nn.Module) -> frozenset[int]:
     default (`DEFAULT_TRANSPOSED_ROWS`) where the measurement is not clear. Empty where
     they are fewer than that: such a model stays in the cache, a regime not measured, and tiny
     models (tests) keep the one plain form."""
-    return _measure(_cpu_fp32_linears(model))
+    return _measure(cpu_fp32_linears(model))
 
 
 def _measure(linears: list[Linear]) -> frozenset[int]:
@@ -152,7 +152,7 @@ def _measure(linears: list[Linear]) -> frozenset[int]:
 def set_small_row_form(model: nn.Module, transposed_rows: frozenset[int]) -> None:
     """Compute `transposed_rows`-row inputs of `model`'s fp32 CPU `Linear` modules as
     W @ x^T (the rest as x @ W^T)."""
-    _set(_cpu_fp32_linears(model), transposed_rows)
+    _set(cpu_fp32_linears(model), transposed_rows)
 
 
 def _set(linears: list[Linear], transposed_rows: frozenset[int]) -> None:
@@ -164,13 +164,13 @@ def small_row_form_of(model: nn.Module) -> frozenset[int]:
     """What `set_small_row_form` set on `model` (empty: the plain form, or no such module).
     A drafter takes its target's: it runs right after the target's forward has streamed the
     cache clean, so its weights are read from memory as the target's are."""
-    return next((m.transposed_rows for m in _cpu_fp32_linears(model)), frozenset())
+    return next((m.transposed_rows for m in cpu_fp32_linears(model)), frozenset())
 
 
 def use_fastest_small_row_form(model: nn.Module) -> frozenset[int]:
     """`set_small_row_form(model, measure_small_row_form(model))` over one walk of its
     modules; returns the rows."""
-    linears = _cpu_fp32_linears(model)
+    linears = cpu_fp32_linears(model)
     rows = _measure(linears)
     _set(linears, rows)
     return rows
