@@ -51,6 +51,7 @@ from speckv.measure.prefix_repetition import (
     RunOptions,
     modes_for,
     run_modes,
+    write_chart,
 )
 from speckv.workloads import (
     PrefixRepetitionConfig,
@@ -110,27 +111,6 @@ def render(results: list[ModeResult], title: str) -> Table:
     return table
 
 
-def write_chart(results: list[ModeResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r.mode for r in results]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    left.bar(names, [100 * r.hit_rate for r in results], color="#4c72b0")
-    left.axhline(100 * results[0].oracle_hit_rate, color="gray", linestyle="--",
-                 label="oracle")
-    left.set_ylabel("prefix-cache hit rate (%)")
-    for axis in (left, right):
-        axis.tick_params(axis="x", labelrotation=15, labelsize=8)
-    left.legend(loc="lower right")
-    right.bar(names, [r.output_tokens_per_s for r in results], color="#55a868")
-    right.set_ylabel("output tokens/s")
-    fig.suptitle("prefix_repetition: " + " / ".join(names))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                          for r in results]}
     (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2))
     chart = args.output_dir / "chart.png"
-    write_chart(results, chart)
+    write_chart(results, chart, f"prefix_repetition: {shape}; B={args.block_size}")
     if args.json:
         print(json.dumps(payload))
         return 0

@@ -325,26 +325,16 @@ def render(results: list[PolicyResult], title: str) -> Table:
     return table
 
 
-def write_png(results: list[PolicyResult], oracle: float, path: Path) -> None:
-    import matplotlib
+def write_png(results: list[PolicyResult], oracle: float, path: Path, workload: str) -> None:
+    from speckv.measure.charts import BarPanel, bar_pair_figure, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (hits, ttft) = plt.subplots(1, 2, figsize=(9, 3.6))
-    names = [r.name for r in results]
-    hits.bar(names, [100 * r.hit_rate for r in results], color="tab:blue")
-    hits.axhline(100 * oracle, linestyle="--", color="grey", label="unbounded-cache oracle")
-    hits.set_ylabel("prefix-cache hit rate (%)")
-    hits.legend(fontsize=8)
-    ttft.bar(names, [r.ttft_median_ms or 0 for r in results], color="tab:orange")
-    ttft.set_ylabel("median TTFT (ms)")
-    for axis in (hits, ttft):
-        axis.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.suptitle("speckv bench route")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(bar_pair_figure(
+        [r.name for r in results],
+        BarPanel([100 * r.hit_rate for r in results], "prefix-cache hit rate (%)", "{:.0f}%",
+                 "tab:blue"),
+        BarPanel([r.ttft_median_ms or 0 for r in results], "median TTFT (ms)", "{:.0f}",
+                 "tab:orange"),
+        "speckv bench route", workload, 100 * oracle, "unbounded-cache oracle"), path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -441,7 +431,7 @@ def report(args: argparse.Namespace, results: list[PolicyResult], description: s
                "router_overhead": overhead}
     (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2))
     chart = args.output_dir / "route.png"
-    write_png(results, unbounded, chart)
+    write_png(results, unbounded, chart, description)
     if args.json:
         print(json.dumps(payload))
         return 0

@@ -36,7 +36,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -204,26 +203,11 @@ def render(summaries: list[Summary], title: str) -> Table:
     return table
 
 
-def write_ttft_png(summaries: list[Summary], path: Path) -> None:
-    import matplotlib
+def write_ttft_png(summaries: list[Summary], path: Path, workload: str) -> None:
+    from speckv.measure.charts import save, ttft_histogram_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    every = [t for s in summaries for t in s.ttfts_ms]
-    bins = np.linspace(0, max(every) if every else 1.0, 40)
-    for summary in summaries:
-        if summary.ttfts_ms:
-            ax.hist(summary.ttfts_ms, bins=bins, alpha=0.55, label=summary.name)
-            ax.axvline(summary.ttft_median_ms or 0.0, linestyle="--", linewidth=1)
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("requests")
-    ax.set_title("TTFT distribution (dashed: median)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(ttft_histogram_figure([(s.name, s.ttfts_ms, s.ttft_median_ms) for s in summaries],
+                               workload), path)
 
 
 # ---- command -------------------------------------------------------------------------------
@@ -482,7 +466,7 @@ def report(args: argparse.Namespace, summaries: list[Summary], description: str,
     payload["server_errors"] = errors[:10]
     (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2))
     chart = args.output_dir / "ttft.png"
-    write_ttft_png(summaries, chart)
+    write_ttft_png(summaries, chart, f"{description}; concurrency {args.max_concurrency}")
     if args.json:
         print(json.dumps(payload))
         return 0

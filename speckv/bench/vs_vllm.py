@@ -232,6 +232,23 @@ def measure(server: Server, workload: Workload, method: str, round_index: int) -
                     num_failed=summary.num_failed)
 
 
+def measure_or_fail(server: Server, workload: Workload, method: str,
+                    round_index: int) -> RunPoint:
+    """`measure`, or a point with every request failed when the server cannot be reached
+    (a vLLM whose worker was killed mid-run): the run goes on, unpaired rounds drop out."""
+    import httpx
+
+    try:
+        return measure(server, workload, method, round_index)
+    except (httpx.HTTPError, OSError) as error:
+        print(f"  {server.name} {workload.name}: unreachable ({type(error).__name__}: {error})",
+              file=sys.stderr)
+        return RunPoint(method=method, workload=workload.name, server=server.name,
+                        round=round_index, output_tok_s=0.0, ttft_median_ms=None,
+                        ttft_p99_ms=None, tpot_median_ms=None, tpot_p99_ms=None, hit_rate=None,
+                        acceptance_length=None, num_failed=len(workload.requests))
+
+
 # ---- command --------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
@@ -251,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each round sends every workload to both servers, turn about")
     parser.add_argument("--threads", type=int, default=None,
                         help="compute threads of both (speckv --threads, vLLM's "
-                        "VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); default: each server's default")
+                        "VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); unset: each server picks its own")
     parser.add_argument("--kv-gib", type=int, default=2,
                         help="KV cache memory of both (GiB)")
     parser.add_argument("--num-spec", type=int, default=3, help="most drafts per step, both")
@@ -333,7 +350,7 @@ def run_method(args: argparse.Namespace, method: str, workloads: list[Workload],
                 # the first server alternates per round and per workload
                 order = servers if (round_index + index) % 2 == 0 else servers[::-1]
                 for server in order:
-                    point = measure(server, workload, method, round_index)
+                    point = measure_or_fail(server, workload, method, round_index)
                     points.append(point)
                     if not args.json:
                         print(f"  {method} {workload.name} round {round_index + 1} "

@@ -96,8 +96,9 @@ def aggregate(points: Sequence[RunPoint]) -> list[Row]:
     rows = []
     for method, workload in keys:
         mine = [p for p in points if (p.method, p.workload) == (method, workload)]
+        # a run with failed requests counts nowhere (its rates are not the server's)
         median = {server: {field: _median([getattr(p, field) for p in mine
-                                           if p.server == server])
+                                           if p.server == server and p.num_failed == 0])
                            for field in _FIELDS}
                   for server in SERVERS if any(p.server == server for p in mine)}
         rows.append(Row(method, workload, median,

@@ -2,13 +2,16 @@
 
 Shows what lookahead block hashes buy (hit lengths with and without them, on the real cache
 manager), what they cost (block-hash CPU time per format), the built-in model (EAGLE3
-speculation where it pays), a short end-to-end prefix_repetition run in three modes, and the same
+speculation where it pays), a short end-to-end prefix_repetition run in three modes (with its
+chart, prefix_repetition.png in --output-dir), and the same
 chat request sent twice to `speckv serve` (cached_tokens of both).
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from rich.console import Console
 
@@ -46,13 +49,18 @@ def _hashing_cost(console: Console) -> None:
     console.print(f"[dim]{DEMO.description}; full table: speckv bench hash[/dim]")
 
 
-def _prefix_repetition(console: Console) -> None:
+def _prefix_repetition(console: Console, output_dir: Path) -> None:
     """A short end-to-end run of vLLM's prefix_repetition workload, three modes."""
     import torch
 
     from speckv.engine.llm import load_model
     from speckv.engine.speculative import load_drafter_model
-    from speckv.measure.prefix_repetition import RunOptions, render_compact, run_modes
+    from speckv.measure.prefix_repetition import (
+        RunOptions,
+        render_compact,
+        run_modes,
+        write_chart,
+    )
     from speckv.workloads import PrefixRepetitionConfig, prefix_repetition
 
     torch.set_num_threads(1)  # small matmuls on a shared 2-core CPU stall with 2 threads
@@ -65,11 +73,15 @@ def _prefix_repetition(console: Console) -> None:
     results = run_modes(model, drafter, workload,
                         RunOptions(block_size=block_size, max_concurrency=4,
                                    num_spec_tokens=3))
-    console.print(render_compact(
-        results, f"prefix_repetition: {config.num_prefixes} prefixes of {config.prefix_len} "
-                 f"tokens x {config.num_prompts // config.num_prefixes} prompts, "
-                 f"{config.suffix_len}-token suffixes, {config.output_len} output tokens, "
-                 f"block size {block_size}"))
+    workload_text = (f"prefix_repetition: {config.num_prefixes} prefixes of "
+                     f"{config.prefix_len} tokens x {config.num_prompts // config.num_prefixes} "
+                     f"prompts, {config.suffix_len}-token suffixes, {config.output_len} output "
+                     f"tokens, block size {block_size}")
+    console.print(render_compact(results, workload_text))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    chart = output_dir / "prefix_repetition.png"
+    write_chart(results, chart, workload_text)
+    console.print(f"chart: {chart}")
     # the prefix is not block aligned, so its last whole block's successor is still shared
     shared = config.prefix_len // block_size * block_size
     console.print(
@@ -87,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the hashing-cost table")
     parser.add_argument("--skip-model", action="store_true",
                         help="skip the built-in model (cache tables only)")
+    parser.add_argument("--output-dir", type=Path,
+                        default=Path(tempfile.gettempdir()) / "speckv-demo",
+                        help="where the demo writes its chart (prefix_repetition.png)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         from speckv.commands.demo_model import run_model_demo
 
         run_model_demo(console)
-        _prefix_repetition(console)
+        _prefix_repetition(console, args.output_dir)
         from speckv.commands.demo_server import run_server_demo
 
         if not run_server_demo(console):

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -247,3 +248,17 @@ def render_compact(results: list[ModeResult], title: str) -> Table:
                       f"{100 * r.oracle_hit_rate:.1f}%", f"{r.requests_per_s:.2f}",
                       f"{r.output_tokens_per_s:.1f}", f"{r.ttft_mean_ms:.0f}", accept)
     return table
+
+
+def write_chart(results: list[ModeResult], path: Path, workload: str) -> None:
+    """Hit rate (with the oracle line) and output tokens/s per mode, as a PNG."""
+    from speckv.measure.charts import BarPanel, bar_pair_figure, save
+
+    save(bar_pair_figure(
+        [r.mode for r in results],
+        BarPanel([100 * r.hit_rate for r in results], "prefix-cache hit rate (%)", "{:.0f}%",
+                 "#4c72b0"),
+        BarPanel([r.output_tokens_per_s for r in results], "output tokens/s", "{:.1f}",
+                 "#55a868"),
+        "prefix-cache hit rate and throughput per hash mode", workload,
+        100 * results[0].oracle_hit_rate), path)

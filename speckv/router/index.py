@@ -61,6 +61,10 @@ class EngineHashConfig:
     lora_paths: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path
     route_group: int = 0  # the KV cache group whose hashes decide a prefix match
     verify: bool = True  # recompute every BlockStored's hashes
+    # the engine may hold several blocks under one hash (vLLM: two requests computing the same
+    # block at once, or EAGLE's dropped last block recomputed), storing and removing each: a
+    # hash is held until as many BlockRemoved as BlockStored have come
+    counts_copies: bool = False
 
     def __post_init__(self) -> None:
         get_hash_algo(self.algo)  # raises with the allowed names
@@ -95,6 +99,8 @@ class EngineState:
 
     # (group_idx, low64 hash) -> media holding it
     blocks: dict[tuple[int, int], set[str]] = field(default_factory=dict)
+    # (group_idx, low64 hash, medium) -> blocks holding it, past the first (counts_copies)
+    extra_copies: dict[tuple[int, int, str], int] = field(default_factory=dict)
     # low64 -> full hash, for verifying children of int-hash events
     full_hashes: dict[int, bytes] = field(default_factory=dict)
     stored_blocks: int = 0
@@ -228,6 +234,15 @@ class RouterIndex:
                 media = state.blocks.get(key)
                 if media is None:
                     continue
+                copy = (*key, medium)
+                extra = state.extra_copies.get(copy)
+                if extra:  # another block still holds this hash
+                    if extra > 1:
+                        state.extra_copies[copy] = extra - 1
+                    else:
+                        del state.extra_copies[copy]
+                    state.removed_blocks += 1
+                    continue
                 media.discard(medium)
                 if not media:
                     del state.blocks[key]
@@ -241,6 +256,7 @@ class RouterIndex:
         """Forget every block of the engine (its cache was reset), counters kept. Mutates."""
         state = self.state[engine]
         state.blocks.clear()
+        state.extra_copies.clear()
         state.full_hashes.clear()
         state.successors.clear()
         state.pending_successors.clear()
@@ -249,8 +265,13 @@ class RouterIndex:
         group = event.group_idx or 0
         medium = event.medium or ""
         keys = [low64(block_hash) for block_hash in event.block_hashes]
+        counts_copies = self.configs[engine].counts_copies
         for key in keys:
-            state.blocks.setdefault((group, key), set()).add(medium)
+            media = state.blocks.setdefault((group, key), set())
+            if counts_copies and medium in media:
+                copy = (group, key, medium)
+                state.extra_copies[copy] = state.extra_copies.get(copy, 0) + 1
+            media.add(medium)
             state.pending.pop(key, None)
         lookahead = event.lookahead_token_ids
         if lookahead and len(lookahead) == len(keys):

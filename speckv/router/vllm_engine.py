@@ -171,7 +171,8 @@ def vllm_contract(engine: str, url: str, metrics_text: str, models_body: Any,
     root = str(model.get("root") or model["id"])
     lookahead = flags.lookahead_tokens
     hashing = EngineHashConfig(algo=algo, seed=_seed(engine, algo, flags),
-                               block_size=block_size, lookahead_tokens=lookahead)
+                               block_size=block_size, lookahead_tokens=lookahead,
+                               counts_copies=True)
     drops = flags.drops_last_block
     start = samples.get("process_start_time_seconds", [({}, math.nan)])[0][1]
     label = (f"lookahead L={lookahead} (speckv plugin)" if lookahead

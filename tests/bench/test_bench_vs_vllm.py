@@ -62,6 +62,16 @@ def test_a_round_with_failures_or_one_server_is_not_paired() -> None:
     (row,) = aggregate(points)
     assert row.throughput_ratio is not None and row.throughput_ratio.count == 1
     assert row.throughput_ratio.text() == "2.00x"
+    assert row.median["speckv"]["output_tok_s"] == 40.0  # the failed run's 10 is left out
+
+
+def test_an_unreachable_server_gives_a_failed_point() -> None:
+    from speckv.events.endpoints import free_port
+
+    server = vs_vllm.Server("vllm", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    workload = vs_vllm.build_workload("batch1", _Tokens(), quick=True, scale=1.0)
+    point = vs_vllm.measure_or_fail(server, workload, "none", 0)
+    assert point.num_failed == len(workload.requests) and point.output_tok_s == 0.0
 
 
 def test_speculation_speedup_is_each_servers_own_ratio() -> None:

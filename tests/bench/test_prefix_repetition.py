@@ -41,7 +41,7 @@ def test_four_modes_hit_rates_and_identical_outputs(model_and_drafter, tmp_path)
     assert outputs_identical([no_spec, legacy, lookahead, reuse])
     assert all(len(tokens) == 6 for tokens in no_spec.outputs)
     assert lookahead.acceptance_rate is not None and no_spec.acceptance_rate is None
-    write_chart([no_spec, legacy, lookahead, reuse], tmp_path / "chart.png")
+    write_chart([no_spec, legacy, lookahead, reuse], tmp_path / "chart.png", "4 modes")
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
 

