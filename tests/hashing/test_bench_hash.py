@@ -8,6 +8,7 @@ import json
 from rich.console import Console
 
 from speckv.bench import hash_cost
+from speckv.measure import hash_cost as hash_inputs
 
 TINY = hash_cost.Plan((2 * 1024 + 1,), (16, 128), ("text", "mm"), 2, 1, "tiny")
 
@@ -29,7 +30,7 @@ def test_measure_tiny_plan_and_render() -> None:
 
 
 def test_mm_inputs_every_1024_tokens() -> None:
-    inputs = hash_cost.make_inputs("mm", 4097)
+    inputs = hash_inputs.make_inputs("mm", 4097)
     assert [item.offset for item in inputs.mm_items] == [0, 1024, 2048, 3072]
     assert all(item.length == 512 for item in inputs.mm_items)
 
