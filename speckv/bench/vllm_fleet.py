@@ -18,24 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from speckv.events.endpoints import LOOPBACK, free_port
+from speckv.integrations.vllm.entry_point import write_entry_point_dir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 EAGLE3_HEAD = CHECKOUT / "speckv" / "assets" / "smollm2-eagle3"
 
 
 def _entry_point_dir() -> Path:
-    """A folder holding only speckv's `vllm.general_plugins` entry point (a metadata-only
-    dist-info), for a vLLM venv without speckv installed."""
+    """A folder holding only speckv's `vllm.general_plugins` entry point, for a vLLM venv
+    without speckv installed."""
     import tempfile
 
-    root = Path(tempfile.gettempdir()) / "speckv-vllm-entry-point"
-    info = root / "speckv-0.1.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: speckv\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nspeckv_lookahead = speckv.integrations.vllm:register\n")
-    (info / "RECORD").write_text("")
-    return root
+    return write_entry_point_dir(Path(tempfile.gettempdir()) / "speckv-vllm-entry-point")
 
 
 def builtin_model_dir() -> Path:
