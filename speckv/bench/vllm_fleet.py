@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speckv.bench.health import wait_healthy
 from speckv.events.endpoints import LOOPBACK, free_port
 from speckv.integrations.vllm.entry_point import write_entry_point_dir
 
@@ -138,22 +139,8 @@ class VLLMEngine:
 
     def wait_ready(self, timeout_s: float = 900.0) -> None:
         """Until its /health answers 200; RuntimeError if it exits or takes too long."""
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve on port {self.port} exited "
-                                   f"{self.process.returncode}{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vllm serve on port {self.port} did not become healthy")
+        wait_healthy(self.url, self.process, timeout_s, f"vllm serve on port {self.port}",
+                     exit_detail=self._log_tail)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the engine's process group (its engine core too), SIGKILL after."""
