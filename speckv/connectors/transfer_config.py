@@ -34,6 +34,8 @@ from speckv.connectors.base import KVConnector
 from speckv.connectors.config import LOAD_FAILURE_POLICIES, ConnectorConfig, options
 
 ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
+PRODUCER_ROLES = frozenset({"kv_producer", "kv_both"})  # an engine that sends its KV
+CONSUMER_ROLES = frozenset({"kv_consumer", "kv_both"})  # an engine that receives KV
 EXTRA_CONFIG = "kv_connector_extra_config"
 
 
@@ -187,11 +189,11 @@ class KVTransferConfig:
 
     @property
     def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role in PRODUCER_ROLES
 
     @property
     def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in CONSUMER_ROLES
 
     @classmethod
     def parse(cls, text: str | dict[str, Any], host: str = "127.0.0.1") -> KVTransferConfig:

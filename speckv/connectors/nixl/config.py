@@ -26,6 +26,8 @@ from typing import Any
 from speckv.connectors.nixl.lease import DEFAULT_LEASE_S
 from speckv.connectors.nixl.trust import PeerPolicy
 from speckv.connectors.transfer_config import (
+    CONSUMER_ROLES,
+    PRODUCER_ROLES,
     check_role,
     extra_config,
     json_object,
@@ -65,11 +67,11 @@ class NixlConfig:
 
     @property
     def is_producer(self) -> bool:
-        return self.role in ("kv_producer", "kv_both")
+        return self.role in PRODUCER_ROLES
 
     @property
     def is_consumer(self) -> bool:
-        return self.role in ("kv_consumer", "kv_both")
+        return self.role in CONSUMER_ROLES
 
     @classmethod
     def parse(cls, text: str | dict[str, Any], host: str = "127.0.0.1") -> NixlConfig:
