@@ -23,11 +23,11 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speckv.bench.health import wait_healthy
 from speckv.bench.serve_client import (
     HttpTarget,
     http_get,
@@ -124,21 +124,9 @@ class Server:
                                                 env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout_s: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                tail = self.log.read_text()[-2000:]
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; its log "
-                                   f"({self.log}) ends:\n{tail}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not become healthy in {timeout_s:.0f} s")
+        wait_healthy(self.base_url, self.process, timeout_s, self.name,
+                     exit_detail=lambda: f"; its log ({self.log}) ends:\n"
+                                         f"{self.log.read_text()[-2000:]}")
 
     def version(self) -> str:
         try:
