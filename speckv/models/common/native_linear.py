@@ -25,15 +25,15 @@ a hit still reads what a cold run wrote).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from speckv.models.common.form_timing import STREAMED_BYTES, streamed_weights, time_two_forms
 from speckv.models.common.layers import Linear
-from speckv.models.common.small_rows import STREAMED_BYTES, cpu_fp32_linears
+from speckv.models.common.small_rows import cpu_fp32_linears
 
 try:
     from speckv.models.common import _rowdot
@@ -67,27 +67,17 @@ def time_native(linears: Sequence[Linear], rows: Sequence[int] = MEASURED_ROWS,
     moment hits both."""
     saved = [m.native_max_rows for m in linears]
 
-    def one_pass(n: int, native: bool) -> float:
-        inputs = {m.in_features: torch.randn(n, m.in_features) for m in linears}  # [n, in]
-        for m in linears:
-            m.native_max_rows = n if native else 0
-        start = clock()
-        with torch.no_grad():
-            for m in linears:
-                m(inputs[m.in_features])
-        return clock() - start
+    def other(index: int, x: torch.Tensor) -> object:
+        linears[index].native_max_rows = 0
+        return linears[index](x)
+
+    def native(index: int, x: torch.Tensor) -> object:
+        linears[index].native_max_rows = x.shape[0]
+        return linears[index](x)
 
     try:
-        timings = {}
-        for n in rows:
-            one_pass(n, False)  # warm-up: first-touch allocations
-            one_pass(n, True)
-            passes: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(num_reps):
-                for native in (False, True):
-                    passes[native].append(one_pass(n, native))
-            timings[n] = (statistics.median(passes[False]), statistics.median(passes[True]))
-        return timings
+        return time_two_forms([m.weight for m in linears], rows, num_reps, clock,
+                              (other, native))
     finally:
         for m, value in zip(linears, saved):
             m.native_max_rows = value
@@ -118,13 +108,8 @@ def use_native_where_faster(model: nn.Module) -> int:
            torch.backends.cpu.get_cpu_capability(),
            tuple((m.packed is not None, m.packed_min_rows, m.transposed_rows) for m in linears))
     if key not in _CHOSEN:
-        streamed, num_bytes = [], 0
-        for m in linears:
-            if num_bytes >= STREAMED_BYTES:
-                break
-            streamed.append(m)
-            num_bytes += m.weight.numel() * 4
-        _CHOSEN[key] = choose_native_max_rows(time_native(streamed))
+        num_streamed = len(streamed_weights([m.weight for m in linears], STREAMED_BYTES))
+        _CHOSEN[key] = choose_native_max_rows(time_native(linears[:num_streamed]))
     set_native_max_rows(linears, _CHOSEN[key])
     return _CHOSEN[key]
 
