@@ -31,7 +31,20 @@ typedef float v16 __attribute__((vector_size(64)));
 
 #define LOAD16(dst, src) memcpy(&(dst), (src), sizeof(v16))
 
-/* the 16 lanes summed pairwise in a fixed order */
+/* the 16 lanes summed pairwise in a fixed order: lane t + lane t + 8, then t + t + 4, ...
+ * (the vector halving and the scalar loop give the same bits) */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+#define HSUM16(v, out)                                                               \
+    do {                                                                             \
+        v8 h8_ = __builtin_shufflevector((v), (v), 0, 1, 2, 3, 4, 5, 6, 7) +         \
+                 __builtin_shufflevector((v), (v), 8, 9, 10, 11, 12, 13, 14, 15);    \
+        v4 h4_ = __builtin_shufflevector(h8_, h8_, 0, 1, 2, 3) +                     \
+                 __builtin_shufflevector(h8_, h8_, 4, 5, 6, 7);                      \
+        (out) = (h4_[0] + h4_[2]) + (h4_[1] + h4_[3]);                               \
+    } while (0)
+#else
 #define HSUM16(v, out)                                                               \
     do {                                                                             \
         float l_[16];                                                                \
@@ -40,6 +53,7 @@ typedef float v16 __attribute__((vector_size(64)));
             for (int t_ = 0; t_ < s_; t_++) l_[t_] += l_[t_ + s_];                   \
         (out) = l_[0];                                                               \
     } while (0)
+#endif
 
 /* rows i0 .. i0 + NB - 1 of x against row j of W (pointer wj) */
 #define CHUNK(NB)                                                                    \
