@@ -125,3 +125,22 @@ def set_native_max_rows(linears: Sequence[Linear], max_rows: int) -> None:
 def native_max_rows_of(model: nn.Module) -> int:
     """What `set_native_max_rows` set on `model`'s projections (0: none, or no projection)."""
     return next((m.native_max_rows for m in cpu_fp32_linears(model)), 0)
+
+
+def linear_forms_summary(model: nn.Module) -> str:
+    """What computes `model`'s fp32 CPU projections, by row count, in a user's words."""
+    linears = cpu_fp32_linears(model)
+    if not linears:
+        return "torch's kernels"
+    first = linears[0]
+    parts = []
+    if first.native_max_rows:
+        parts.append(f"speckv's kernel ({rowdot_instruction_set()}) up to "
+                     f"{first.native_max_rows} rows")
+    if first.packed is not None:
+        parts.append(f"oneDNN packed weights from "
+                     f"{max(first.packed_min_rows, first.native_max_rows + 1)} rows")
+    if first.transposed_rows:
+        parts.append("W @ x^T for " + ", ".join(map(str, sorted(first.transposed_rows)))
+                     + " rows")
+    return "; ".join(parts) + ("; torch's kernels otherwise" if parts else "torch's kernels")

@@ -117,3 +117,16 @@ def test_empty_inputs_give_empty_or_bias_only_products():
         width_zero = _layer(0, 5, bias=True)
         set_native_max_rows([width_zero], 4)
         assert torch.equal(width_zero(torch.empty(2, 0)), width_zero.bias.expand(2, 5))
+
+
+@needs_kernel
+def test_the_summary_names_the_forms_by_row_count():
+    from speckv.models.common.native_linear import linear_forms_summary
+
+    model = torch.nn.Sequential(_layer(32, 32, bias=False), _layer(32, 32, bias=False))
+    assert linear_forms_summary(model) == "torch's kernels"
+    set_native_max_rows(list(model), 3)
+    summary = linear_forms_summary(model)
+    assert summary.startswith(f"speckv's kernel ({rowdot_instruction_set()}) up to 3 rows")
+    assert summary.endswith("torch's kernels otherwise")
+    assert linear_forms_summary(torch.nn.ReLU()) == "torch's kernels"
