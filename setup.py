@@ -1,9 +1,10 @@
 """Build hook for the optional native extensions: the block-hash chain
-(speckv/hashing/_chainhash.c) and the few-row fp32 product (speckv/models/common/_rowdot.c).
+(speckv/hashing/_chainhash.c), the few-row fp32 product (speckv/models/common/_rowdot.c) and
+the paged attention of few-token queries (speckv/attention/_decode_attn.c).
 
 Everything else is configured in pyproject.toml. Both are optional: when one cannot be built,
 speckv installs without it and hashes with the numpy path (same hashes, slower) or computes
-its few-row products with torch's kernels.
+its few-row products and attention with torch's kernels.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +15,12 @@ setup(
             "speckv.hashing._chainhash",
             sources=["speckv/hashing/_chainhash.c"],
             extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
+            "speckv.attention._decode_attn",
+            sources=["speckv/attention/_decode_attn.c"],
+            extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(

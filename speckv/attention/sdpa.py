@@ -18,6 +18,13 @@ import torch.nn.functional as F
 
 from speckv.attention.kv_cache import LayerKVCache
 from speckv.attention.metadata import AttentionMetadata
+from speckv.attention.native_decode import (
+    NATIVE_MAX_QUERY_LEN,
+    NativeRequests,
+    attend,
+    native_requests,
+    shapes_fit,
+)
 
 # Requests with more new tokens than this get their own SDPA call (a prefill chunk dominates
 # its own cost; padding decodes up to its length would waste more).
@@ -38,12 +45,13 @@ class _GroupPlan:
     all_valid: bool
 
 
-def _split_groups(query_lens: tuple[int, ...], seq_lens: tuple[int, ...]) -> list[list[int]]:
+def _split_groups(query_lens: tuple[int, ...], seq_lens: tuple[int, ...],
+                  skip: frozenset[int] = frozenset()) -> list[list[int]]:
     order = sorted(range(len(query_lens)), key=lambda r: (query_lens[r], seq_lens[r]))
     groups: list[list[int]] = []
     for r in order:
         q, s = query_lens[r], seq_lens[r]
-        if q == 0:
+        if q == 0 or r in skip:
             continue
         if groups:
             head = groups[-1][0]
@@ -57,7 +65,8 @@ def _split_groups(query_lens: tuple[int, ...], seq_lens: tuple[int, ...]) -> lis
 
 
 def _plan(
-    metadata: AttentionMetadata, sliding_window: int | None, rep: int, device: torch.device
+    metadata: AttentionMetadata, sliding_window: int | None, rep: int, device: torch.device,
+    skip: frozenset[int] = frozenset(),
 ) -> list[_GroupPlan]:
     assert metadata.query_lens_host is not None and metadata.seq_lens_host is not None
     qlens, slens = metadata.query_lens_host, metadata.seq_lens_host
@@ -66,7 +75,7 @@ def _plan(
     for q in qlens:
         starts.append(starts[-1] + q)
     plans: list[_GroupPlan] = []
-    for reqs in _split_groups(qlens, slens):
+    for reqs in _split_groups(qlens, slens, skip):
         max_q = max(qlens[r] for r in reqs)
         max_s = max(slens[r] for r in reqs)
         # With a window, skip the blocks that no query of the group can see.
@@ -115,9 +124,14 @@ def _plan(
 
 
 class SDPABackend:
-    """Reference backend: gather paged K/V per group, one masked SDPA call per group."""
+    """Reference backend: gather paged K/V per group, one masked SDPA call per group; requests
+    of up to `native_max_query_len` new tokens through speckv's own paged kernel where it is
+    built and takes the shapes (`native_decode`; 0 turns it off)."""
 
     name = "sdpa"
+
+    def __init__(self, native_max_query_len: int = NATIVE_MAX_QUERY_LEN) -> None:
+        self.native_max_query_len = native_max_query_len
 
     def write_kv(
         self,
@@ -146,12 +160,17 @@ class SDPABackend:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         rep = num_heads // num_kv_heads
-        key = ("sdpa", sliding_window, rep, q.device)
+        native = (None if not shapes_fit(q, k_cache, v_cache)
+                  else self._native_requests(metadata, num_heads))
+        key = ("sdpa", sliding_window, rep, q.device, native is not None)
         plans = metadata.plans.get(key)
         if plans is None:
-            plans = _plan(metadata, sliding_window, rep, q.device)
+            plans = _plan(metadata, sliding_window, rep, q.device,
+                          native.native if native is not None else frozenset())
             metadata.plans[key] = plans
         out = q.new_empty((num_tokens, num_heads, head_dim))
+        if native is not None:
+            attend(native, q, k_cache, v_cache, out, scale, sliding_window)
         for p in plans:
             g, max_q = p.token_index.shape
             kv_len = p.block_ids.shape[1] * k_cache.shape[1]
@@ -183,3 +202,11 @@ class SDPABackend:
             # all rows valid: o[p.valid] is o.flatten(0, 1) without the boolean-mask gather
             out.index_copy_(0, p.out_index, o.flatten(0, 1) if p.all_valid else o[p.valid])
         return out
+
+    def _native_requests(self, metadata: AttentionMetadata, num_heads: int
+                         ) -> NativeRequests | None:
+        key = ("native", num_heads, self.native_max_query_len)
+        if key not in metadata.plans:  # once per forward, shared by every layer
+            metadata.plans[key] = native_requests(metadata, num_heads,
+                                                  self.native_max_query_len)
+        return metadata.plans[key]

@@ -49,6 +49,8 @@ def _run_case(
     sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    head_dim: int = HEAD_DIM,
+    backend: SDPABackend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill a shuffled paged cache with each request's context, run the backend on the new
     tokens; return (paged output, dense reference), both [num_tokens, num_heads, head_dim]."""
@@ -59,14 +61,14 @@ def _run_case(
     free = list(range(1, num_blocks))  # block 0 is the null block
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
-    cache = PagedKVCache(1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    backend = SDPABackend()
+    cache = PagedKVCache(1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype=dtype)
+    backend = backend or SDPABackend()
     layer = cache.layer(0)
     ks, vs, qs = [], [], []
     for (num_new, seq_len), table in zip(reqs, tables):
-        k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        q = torch.randn(num_new, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        k = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        q = torch.randn(num_new, NUM_HEADS, head_dim, generator=gen).to(dtype)
         # The context before the new tokens was written by earlier steps.
         old = seq_len - num_new
         if old:
@@ -79,7 +81,7 @@ def _run_case(
     k_new = torch.cat([k[s - n :] for k, (n, s) in zip(ks, reqs)])
     v_new = torch.cat([v[s - n :] for v, (n, s) in zip(vs, reqs)])
     backend.write_kv(layer, k_new, v_new, md.slot_mapping)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     out = backend.forward(torch.cat(qs), layer.key, layer.value, md, scale, sliding_window)
     ref = torch.cat(
         [_dense_reference(q, k, v, scale, sliding_window) for q, k, v in zip(qs, ks, vs)]
@@ -141,9 +143,9 @@ def test_plans_are_cached_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     planned: list[int | None] = []
     original = sdpa._plan
 
-    def spy(metadata, sliding_window, rep, device):  # type: ignore[no-untyped-def]
+    def spy(metadata, sliding_window, rep, device, *rest):  # type: ignore[no-untyped-def]
         planned.append(sliding_window)
-        return original(metadata, sliding_window, rep, device)
+        return original(metadata, sliding_window, rep, device, *rest)
 
     monkeypatch.setattr(sdpa, "_plan", spy)
     md = AttentionMetadata.build([2, 1], [5, 3], [[1, 2], [3]], BLOCK_SIZE)
