@@ -152,23 +152,21 @@ def test_the_vllm_cli_flags():
             with_vllm_flags(parse_engines(args.engine, []), args)
 
 
-def test_a_hybrid_vllm_engine_is_refused_from_its_metrics_or_its_events():
+def test_a_vllm_group_the_router_cannot_predict_is_refused_from_its_events():
+    """A hybrid vLLM engine is predicted from the groups its events name
+    (tests/router/test_vllm_hybrid.py); a kind the router does not know is refused at start
+    and, at run time, takes the engine out of rotation until it restarts."""
     text = metrics().replace('sliding_window="None"', 'sliding_window="4096"')
-    with pytest.raises(ContractError, match=r"cache_config_info\.sliding_window.*hybrid"):
-        vllm_contract("v", URL, text, MODELS, VLLMFlags(EVENTS, "0"))
-    contract = vllm_contract("v", URL, metrics(), MODELS, VLLMFlags(EVENTS, "0"))
+    contract = vllm_contract("v", URL, text, MODELS, VLLMFlags(EVENTS, "0"))
     batch = root_event(list(range(1000, 1100)), "0")
-    swa = replace(batch.events[0], group_idx=1, kv_cache_spec_kind="sliding_window",
-                  kv_cache_spec_sliding_window=128)
-    with pytest.raises(ContractError, match=r"group 1 of kind 'sliding_window' \(sliding "
-                       r"window 128\)"):
-        check_events(contract, VLLMFlags(EVENTS, "0"), [batch, KVEventBatch(0.0, [swa])])
-    # at run time: out of rotation until the engine restarts, whatever its polls say
+    local = replace(batch.events[0], group_idx=1, kv_cache_spec_kind="chunked_local_attention")
+    with pytest.raises(ContractError, match=r"group 1 of kind 'chunked_local_attention'"):
+        check_events(contract, VLLMFlags(EVENTS, "0"), [batch, KVEventBatch(0.0, [local])])
     link = EngineLink(EngineSpec("v", URL), contract)
     fleet = Fleet([link], TokenizerCache("builtin"))  # --tokenizer: the model is elsewhere
     fleet.apply(link, 0, 0, batch)
     assert link.in_rotation
-    fleet.apply(link, 0, 1, KVEventBatch(0.0, [swa]))
+    fleet.apply(link, 0, 1, KVEventBatch(0.0, [local]))
     assert not link.in_rotation and "kv_groups" in fleet.state()["v"]["refused"]
     fleet.engine_healthy(link, contract, {})
     assert not link.in_rotation
