@@ -440,6 +440,10 @@ class Fleet:
                 "divergent_block_reuse": bool(
                     link.contract and link.contract.hit_rule.reuses_divergent_blocks),
                 "block_size": link.contract.hashing.block_size if link.contract else None,
+                # a hybrid vLLM engine's groups as its events named them
+                "kv_groups": [{"group_idx": g.group_idx, "kind": g.kind,
+                               "block_size": g.block_size, "sliding_window": g.sliding_window}
+                              for g in link.vllm_rule.groups] if link.vllm_rule else None,
                 "running": link.running, "waiting": link.waiting, "kv_usage": link.kv_usage,
                 "inflight": link.inflight, "events_applied": link.events_applied,
                 "apply_errors": link.apply_errors, "generation": link.generation,

@@ -73,6 +73,8 @@ def test_a_sliding_window_group_serves_the_window_before_the_hit():
     fleet.apply(link, 0, 1, swa)
     assert link.in_rotation and link.vllm_rule is not None
     assert link.vllm_rule.alignment_tokens == BLOCK
+    assert [g["kind"] for g in fleet.state()["v"]["kv_groups"]] == ["full_attention",
+                                                                   "sliding_window"]
     assert hit(fleet) == 96
     # the request freed the blocks below its window; they were evicted: 3, 4, 5 still serve 96
     fleet.apply(link, 0, 2, removed(swa, 1, 0, 1, 2))
