@@ -1,7 +1,9 @@
-"""Build hook for the optional native block-hash chain (speckv/hashing/_chainhash.c).
+"""Build hook for the optional native extensions: the block-hash chain
+(speckv/hashing/_chainhash.c) and the few-row fp32 product (speckv/models/common/_rowdot.c).
 
-Everything else is configured in pyproject.toml. The extension is optional: when it cannot be
-built, speckv installs without it and hashes with the numpy path (same hashes, slower).
+Everything else is configured in pyproject.toml. Both are optional: when one cannot be built,
+speckv installs without it and hashes with the numpy path (same hashes, slower) or computes
+its few-row products with torch's kernels.
 """
 
 from setuptools import Extension, setup
@@ -13,6 +15,12 @@ setup(
             sources=["speckv/hashing/_chainhash.c"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "speckv.models.common._rowdot",
+            sources=["speckv/models/common/_rowdot.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

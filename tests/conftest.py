@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.events import KVEventSink
 from speckv.cache.hit_check import hit_check_for
 from speckv.connectors.config import ConnectorEntry, register_connector
@@ -27,7 +28,6 @@ from speckv.models.common.decoder import ModelOutput
 from speckv.models.llama.model import LlamaForCausalLM
 from speckv.models.llama.tiny import tiny_model as build_tiny_model
 from speckv.server.launch import ServerThread
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from tests.patience import WATCHDOG_S
 
 # a CPU tier that declares no lookahead capability: the connector tests' fallback case

@@ -36,9 +36,9 @@ from speckv.bench.vllm_peer import (
     vllm_request,
 )
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.specs import parse_group_specs
 from speckv.engine.request import Request
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 
 def measure(prompt_len: int, groups: str, num_rounds: int) -> dict:

@@ -40,11 +40,11 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.bench.kv_probe import DRAFTERS, StaleHashesEngine, kv_at
+from speckv.cache.drafter_policy import DrafterPolicy, drafter_policy
 from speckv.cache.specs import SlidingWindowSpec
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
 from speckv.connectors.shared_store import EMBEDDED
 from speckv.engine.llm_engine import LLMEngine
-from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.bench.kv_probe import DRAFTERS, StaleHashesEngine, kv_at
+from speckv.cache.drafter_policy import drafter_policy
 from speckv.connectors.embedded_valkey import GIB, EmbeddedValkey
 from speckv.connectors.shared_store import EMBEDDED
 from speckv.engine.llm_engine import LLMEngine
-from speckv.speculation.policy import drafter_policy
 
 
 @dataclass(frozen=True)

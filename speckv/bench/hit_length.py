@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 from rich.console import Console
 
+from speckv.cache.drafter_policy import DRAFTER_NAMES, drafter_policy
 from speckv.cache.specs import parse_group_specs
 from speckv.measure.hit_length import (
     MODES,
@@ -27,7 +28,6 @@ from speckv.measure.hit_length import (
     measure_hit_length,
     print_table,
 )
-from speckv.speculation.policy import DRAFTER_NAMES, drafter_policy
 
 
 def full_table(block_size: int, diverge: bool = False) -> list[HitLengthResult]:

@@ -33,11 +33,11 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.cache import KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.retention import TailWidening
 from speckv.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from speckv.engine.request import Request
 from speckv.simulation import run_to_completion, toy_core
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from speckv.bench.health import wait_healthy
 from speckv.bench.serve_client import HttpTarget, run_http, summarize
 from speckv.events.endpoints import LOOPBACK, free_port, loopback_endpoint
 from speckv.measure.prometheus import metric_totals
@@ -122,18 +123,8 @@ class Process:
                                         stderr=subprocess.PIPE, text=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.process.args[3]} exited "
-                                   f"{self.process.returncode}: {self.process.stderr.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.url} did not become healthy")
+        wait_healthy(self.url, self.process, timeout_s, f"{self.process.args[3]} at {self.url}",
+                     exit_detail=lambda: f": {self.process.stderr.read()}", poll_s=0.2)
 
     def stop(self) -> None:
         if self.process.poll() is None:

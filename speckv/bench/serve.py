@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from speckv.bench.health import wait_healthy
 from speckv.bench.serve_client import (
     ENDPOINTS,
     HttpTarget,
@@ -283,19 +284,7 @@ class LaunchedServer:
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"speckv serve exited with {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("speckv serve did not become healthy")
+        wait_healthy(self.base_url, self.process, timeout_s, "speckv serve", poll_s=0.2)
 
     def stop(self) -> None:
         self.process.terminate()

@@ -43,6 +43,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from speckv.cache import KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.specs import parse_group_specs
 from speckv.connectors import ConnectorConfig, KVConnector, TierIdentity, make_connector
 from speckv.connectors.copy_schedule import COPY_MODES
@@ -53,7 +54,6 @@ from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.simulation import HitMismatch, PagedSymbolicKV, SymbolicKV, instrument_tiers, toy_core
 from speckv.simulation.tiers import CheckedStore
 from speckv.simulation.toy_runner import ToyRunner
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 VOCAB_SIZE = 50  # small: drafts from the toy model are often right, prefixes repeat
 OPERATIONS = ("add", "step", "abort", "reset")

@@ -17,25 +17,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speckv.bench.health import wait_healthy
 from speckv.events.endpoints import LOOPBACK, free_port
+from speckv.integrations.vllm.entry_point import write_entry_point_dir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 EAGLE3_HEAD = CHECKOUT / "speckv" / "assets" / "smollm2-eagle3"
 
 
 def _entry_point_dir() -> Path:
-    """A folder holding only speckv's `vllm.general_plugins` entry point (a metadata-only
-    dist-info), for a vLLM venv without speckv installed."""
+    """A folder holding only speckv's `vllm.general_plugins` entry point, for a vLLM venv
+    without speckv installed."""
     import tempfile
 
-    root = Path(tempfile.gettempdir()) / "speckv-vllm-entry-point"
-    info = root / "speckv-0.1.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: speckv\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nspeckv_lookahead = speckv.integrations.vllm:register\n")
-    (info / "RECORD").write_text("")
-    return root
+    return write_entry_point_dir(Path(tempfile.gettempdir()) / "speckv-vllm-entry-point")
 
 
 def builtin_model_dir() -> Path:
@@ -144,22 +139,8 @@ class VLLMEngine:
 
     def wait_ready(self, timeout_s: float = 900.0) -> None:
         """Until its /health answers 200; RuntimeError if it exits or takes too long."""
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve on port {self.port} exited "
-                                   f"{self.process.returncode}{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vllm serve on port {self.port} did not become healthy")
+        wait_healthy(self.url, self.process, timeout_s, f"vllm serve on port {self.port}",
+                     exit_detail=self._log_tail)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the engine's process group (its engine core too), SIGKILL after."""

@@ -23,11 +23,11 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speckv.bench.health import wait_healthy
 from speckv.bench.serve_client import (
     HttpTarget,
     http_get,
@@ -114,31 +114,25 @@ class Server:
 
     def __init__(self, name: str, base_url: str, command: list[str] | None = None,
                  env: dict[str, str] | None = None, log: Path | None = None) -> None:
-        self.name, self.base_url, self.command = name, base_url, command
+        self.name, self.base_url, self.command, self.env = name, base_url, command, env
         self.process: subprocess.Popen | None = None
         if command is not None:
             assert log is not None
             self.log = log
-            with log.open("w") as sink:
-                self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
-                                                env={**os.environ, **(env or {})})
+
+    def start(self, timeout_s: float) -> None:
+        """Start the subprocess (none for a URL) and wait until it is healthy."""
+        if self.command is not None and self.process is None:
+            with self.log.open("w") as sink:
+                self.process = subprocess.Popen(self.command, stdout=sink,
+                                                stderr=subprocess.STDOUT,
+                                                env={**os.environ, **(self.env or {})})
+        self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                tail = self.log.read_text()[-2000:]
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; its log "
-                                   f"({self.log}) ends:\n{tail}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not become healthy in {timeout_s:.0f} s")
+        wait_healthy(self.base_url, self.process, timeout_s, self.name,
+                     exit_detail=lambda: f"; its log ({self.log}) ends:\n"
+                                         f"{self.log.read_text()[-2000:]}")
 
     def version(self) -> str:
         try:
@@ -343,7 +337,9 @@ def run_method(args: argparse.Namespace, method: str, workloads: list[Workload],
     points: list[RunPoint] = []
     try:
         for server in servers:
-            server.wait_ready(args.startup_timeout)
+            # one after the other: a server measures its machine at start-up (speckv its
+            # kernels, vLLM compiles and profiles); the other's start-up must not skew that
+            server.start(args.startup_timeout)
             versions[server.name] = server.version()
         for round_index in range(args.rounds):
             for index, workload in enumerate(workloads):

@@ -11,7 +11,7 @@ block whose tokens (and chain) match a cached block that names another successor
 into a block of the request's own, and only its last L positions are recomputed (their draft
 KV is the only part of the block that depends on the successor).
 
-`speckv.speculation.policy.resolve_hash_mode` picks one from the drafter, the settings and the KV
+`speckv.cache.drafter_policy.resolve_hash_mode` picks one from the drafter, the settings and the KV
 connector's capability; the cache never looks at drafters.
 """
 

@@ -34,6 +34,58 @@ from speckv.connectors.base import KVConnector
 from speckv.connectors.config import LOAD_FAILURE_POLICIES, ConnectorConfig, options
 
 ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
+PRODUCER_ROLES = frozenset({"kv_producer", "kv_both"})  # an engine that sends its KV
+CONSUMER_ROLES = frozenset({"kv_consumer", "kv_both"})  # an engine that receives KV
+EXTRA_CONFIG = "kv_connector_extra_config"
+
+
+def json_object(text: str | dict[str, Any]) -> dict[str, Any]:
+    """The `--kv-transfer-config` JSON text (or its dict) as a dict of its own."""
+    if isinstance(text, str):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--kv-transfer-config is not JSON: {error}") from None
+    else:
+        obj = text
+    if not isinstance(obj, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    return dict(obj)
+
+
+def reject_unknown_keys(obj: dict[str, Any], known: tuple[str, ...], where: str = "",
+                        owner: str = "") -> None:
+    """ValueError naming the keys of `obj` not in `known` (`where`: " <key>" of a nested
+    object; `owner`: " for <connector>")."""
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        raise ValueError(f"--kv-transfer-config{where}: unknown key(s) {unknown}{owner}; "
+                         f"known: {', '.join(known)}")
+
+
+def extra_config(value: Any, known: tuple[str, ...], owner: str = "") -> dict[str, Any]:
+    """`kv_connector_extra_config` (None: empty), checked to hold only `known` keys."""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ValueError(f"--kv-transfer-config {EXTRA_CONFIG} must be a JSON object")
+    reject_unknown_keys(value, known, f" {EXTRA_CONFIG}", owner)
+    return value
+
+
+def check_role(role: Any) -> None:
+    if role not in ROLES:
+        raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(ROLES)}, "
+                         f"got {role!r}")
+
+
+def role_of(obj: dict[str, Any]) -> str:
+    """`kv_role`, present and one of `ROLES`."""
+    if "kv_role" not in obj:
+        raise ValueError("--kv-transfer-config needs kv_role (kv_producer, kv_consumer or "
+                         "kv_both)")
+    check_role(obj["kv_role"])
+    return obj["kv_role"]
 
 
 @dataclass(frozen=True)
@@ -62,15 +114,8 @@ def _nixl_build(options: Any, load_failure_policy: str, hash_algo: str,
 
 def _tier_parse(name: str) -> Callable[[dict[str, Any], str], Any]:
     def parse(obj: dict[str, Any], host: str) -> ConnectorConfig:
-        extra = obj.get("kv_connector_extra_config") or {}
-        if not isinstance(extra, dict):
-            raise ValueError("--kv-transfer-config kv_connector_extra_config must be a JSON "
-                             "object")
         by_arg = {option.metadata["arg"]: option.name for option in options()}
-        unknown = sorted(set(extra) - set(by_arg))
-        if unknown:
-            raise ValueError(f"--kv-transfer-config kv_connector_extra_config: unknown key(s) "
-                             f"{unknown} for {name}; known: {', '.join(by_arg)}")
+        extra = extra_config(obj.get(EXTRA_CONFIG) or {}, tuple(by_arg), f" for {name}")
         try:
             return ConnectorConfig((name,), **{by_arg[key]: value
                                                for key, value in extra.items()})
@@ -144,41 +189,28 @@ class KVTransferConfig:
 
     @property
     def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role in PRODUCER_ROLES
 
     @property
     def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in CONSUMER_ROLES
 
     @classmethod
     def parse(cls, text: str | dict[str, Any], host: str = "127.0.0.1") -> KVTransferConfig:
         """From the JSON text (or its dict); ValueError naming the JSON key."""
-        if isinstance(text, str):
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--kv-transfer-config is not JSON: {error}") from None
-        else:
-            obj = text
-        if not isinstance(obj, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
+        obj = json_object(text)
         name = obj.get("kv_connector")
         if name not in TRANSFER_CONNECTORS:
             raise ValueError(f"--kv-transfer-config kv_connector must be one of "
                              f"{', '.join(map(repr, TRANSFER_CONNECTORS))}, got {name!r}")
-        if "kv_role" not in obj:
-            raise ValueError("--kv-transfer-config needs kv_role (kv_producer, kv_consumer or "
-                             "kv_both)")
-        if obj["kv_role"] not in ROLES:
-            raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(ROLES)}, "
-                             f"got {obj['kv_role']!r}")
+        role = role_of(obj)
         policy = obj.get("kv_load_failure_policy")
         if policy is not None and policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"--kv-transfer-config kv_load_failure_policy must be one of "
                              f"{', '.join(LOAD_FAILURE_POLICIES)}, got {policy!r}")
         rest = {key: value for key, value in obj.items() if key != "kv_load_failure_policy"}
         options = TRANSFER_CONNECTORS[name].parse(rest, host)
-        return cls(name, obj["kv_role"], policy, options)
+        return cls(name, role, policy, options)
 
     def parts(self) -> tuple[KVTransferConfig, ...]:
         """The named connectors, in order (a MultiConnector's children; else itself)."""

@@ -56,6 +56,7 @@ from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache
 from speckv.attention.metadata import pad_block_tables
+from speckv.cache.drafter_policy import DrafterPolicy
 from speckv.drafters.draft_state import (
     BatchDraftState,
     CatchUpBatch,
@@ -66,7 +67,6 @@ from speckv.drafters.draft_state import (
     _ModuleRows,
 )
 from speckv.drafters.one_module import catch_up_one_module, draft_autoregressive
-from speckv.speculation.policy import DrafterPolicy
 
 if TYPE_CHECKING:
     from speckv.speculation.proposer import Proposer

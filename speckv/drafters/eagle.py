@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from speckv.cache.drafter_policy import DrafterPolicy, drafter_policy
 from speckv.drafters.base import Drafter
 from speckv.drafters.draft_state import TargetStates
 from speckv.drafters.layers import SharedTarget, drafter_layer_config
@@ -19,7 +20,6 @@ from speckv.drafters.modules import FuseThenLayerModule
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.layers import Linear
 from speckv.models.llama.model import LlamaDecoderLayer
-from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 
 class EagleModule(FuseThenLayerModule):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache
+from speckv.cache.drafter_policy import DrafterPolicy, drafter_policy
 from speckv.drafters.base import Drafter
 from speckv.drafters.draft_state import TargetStates
 from speckv.drafters.layers import SharedTarget, dense_attention, drafter_layer_config
@@ -26,7 +27,6 @@ from speckv.drafters.modules import DraftModule
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.layers import Linear, RMSNorm
 from speckv.models.llama.model import LlamaDecoderLayer
-from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:

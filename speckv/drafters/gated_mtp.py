@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from speckv.attention import AttentionMetadata, PagedKVCache, get_attention_backend
+from speckv.cache.drafter_policy import DrafterPolicy, drafter_policy
 from speckv.drafters.base import Drafter
 from speckv.drafters.draft_state import TargetStates
 from speckv.drafters.layers import SharedTarget
@@ -32,7 +33,6 @@ from speckv.drafters.modules import DraftModule
 from speckv.models.common.rope import RotaryEmbedding
 from speckv.models.hybrid.config import HybridConfig
 from speckv.models.hybrid.model import HybridDecoderLayer, ZeroCenteredRMSNorm
-from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 

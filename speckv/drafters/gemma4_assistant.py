@@ -41,12 +41,12 @@ from torch import nn
 
 from speckv.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from speckv.attention.kv_cache import LayerKVCache
+from speckv.cache.drafter_policy import DrafterPolicy, drafter_policy
 from speckv.drafters.layers import SharedTarget
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.rope import RotaryEmbedding, apply_rope
 from speckv.models.gemma.gemma3 import GemmaMLP
 from speckv.models.gemma.gemma4 import Gemma4Config, Gemma4RMSNorm, _proportional_inv_freq
-from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 if TYPE_CHECKING:  # the assistant builds its proposer (`make_proposer`), which binds TargetKV
     from speckv.drafters.gemma4_assistant_proposer import TargetKV

@@ -18,7 +18,7 @@ import torch
 
 from speckv.attention import AttentionMetadata
 from speckv.attention.kv_cache import LayerKVCache
-from speckv.speculation.policy import DrafterPolicy
+from speckv.cache.drafter_policy import DrafterPolicy
 from speckv.speculation.proposer import ProposerInput, ProposeTiming
 
 if TYPE_CHECKING:  # the assistant builds this proposer (`Gemma4Assistant.make_proposer`)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from speckv.cache.drafter_policy import DrafterPolicy, drafter_policy
 from speckv.drafters.base import Drafter
 from speckv.drafters.draft_state import TargetStates
 from speckv.drafters.layers import SharedTarget, drafter_layer_config
@@ -22,7 +23,6 @@ from speckv.drafters.modules import FuseThenLayerModule
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.layers import Linear, RMSNorm
 from speckv.models.llama.model import LlamaDecoderLayer
-from speckv.speculation.policy import DrafterPolicy, drafter_policy
 
 
 class MTPProjection(nn.Module):

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from speckv.cache.drafter_policy import DrafterPolicy
 from speckv.drafters.deferred_rows import DeferredRows, DeferredSpan, ranges
 from speckv.drafters.draft_state import CatchUpBatch, CatchUpRequest, DraftCarry, TargetStates
-from speckv.speculation.policy import DrafterPolicy
 from speckv.speculation.proposer import ProposerBatch, ProposerInput, ProposeTiming
 
 if TYPE_CHECKING:  # the drafter builds this proposer (`Drafter.make_proposer`)

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from speckv.cache import KVCacheManager
+from speckv.cache.drafter_policy import NO_DRAFTER
 from speckv.cache.events import KVCacheEvent, KVEventSink
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.hit_check import hit_check_for
@@ -72,7 +73,6 @@ from speckv.speculation.adaptive import (
     SpeculationReport,
     default_clock,
 )
-from speckv.speculation.policy import NO_DRAFTER
 from speckv.speculation.proposer import Proposer
 
 

@@ -3,7 +3,7 @@
 Owns turning `EngineConfig.speculative` (its method, + a drafter loaded from its `model`)
 into a `Proposer`: a drafter model's own (any `Drafter`, `speckv.speculation.methods`), or a
 model-free method's from the registry `METHODS`. The proposer carries its drafter's policy
-(`speckv.speculation.policy`), which then decides lookahead hashes versus the legacy drop.
+(`speckv.cache.drafter_policy`), which then decides lookahead hashes versus the legacy drop.
 Which drafter a speculative model names is `speckv.drafters.resolve`. Also the engine's hash
 mode from its drafter's policy and its KV connector.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from speckv.cache.drafter_policy import DrafterPolicy, resolve_hash_mode
 from speckv.cache.hash_mode import HashMode
 from speckv.connectors.capability import lookahead_blocker
 from speckv.drafters.resolve import load_drafter_model
@@ -20,7 +21,6 @@ from speckv.engine.config import EngineConfig
 from speckv.models.base import TargetModel
 from speckv.speculation.adaptive import Clock
 from speckv.speculation.methods import METHODS, Drafter
-from speckv.speculation.policy import DrafterPolicy, resolve_hash_mode
 from speckv.speculation.proposer import Proposer
 
 __all__ = ["Drafter", "load_configured_drafter", "load_drafter_model", "make_proposer",

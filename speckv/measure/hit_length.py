@@ -16,11 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.hash_mode import HashMode
 from speckv.cache.specs import KVCacheSpec, format_group_specs
 from speckv.engine.request import Request
 from speckv.simulation import run_to_completion, toy_core
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 NUM_SPEC_TOKENS = 3
 NUM_DECODE_TOKENS = 12

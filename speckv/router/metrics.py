@@ -31,13 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from speckv.router.fleet import Fleet
-
-_PREFIX = "speckv_router:"
+from speckv.router.prometheus import PREFIX, RouterRegistry
 
 
 class _FleetCollector(Collector):
@@ -48,7 +46,7 @@ class _FleetCollector(Collector):
         state = self.fleet.state()
 
         def family(kind, name: str, doc: str, values: dict[str, float]):
-            metric = kind(_PREFIX + name, doc, labels=["engine"])
+            metric = kind(PREFIX + name, doc, labels=["engine"])
             for engine, value in values.items():
                 metric.add_metric([engine], value)
             return metric
@@ -88,14 +86,10 @@ class _FleetCollector(Collector):
                      each(lambda s: s["index_resets"]))
 
 
-class RouterMetrics:
+class RouterMetrics(RouterRegistry):
     def __init__(self, fleet: Fleet) -> None:
-        disable_created_metrics()
-        self.registry = r = CollectorRegistry()
-
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ("engine",)) -> Counter:
-            return Counter(_PREFIX + name, doc, list(labels), registry=r)
-
+        super().__init__()
+        counter = self.counter
         self.requests = counter("requests", "Requests sent to an engine, by decision reason.",
                                 ("engine", "reason"))
         self.retries = counter("retries", "Requests retried elsewhere after this engine "
@@ -114,7 +108,7 @@ class RouterMetrics:
                                   "tokens differ from the prediction.")
         self.prompt_mismatches = counter("prompt_token_mismatches", "Requests whose "
                                          "usage.prompt_tokens differ from the router's count.")
-        r.register(_FleetCollector(fleet))
+        self.registry.register(_FleetCollector(fleet))
 
     def report(self, engine: str, predicted: int, usage: object, num_prompt_tokens: int
                ) -> None:
@@ -132,6 +126,3 @@ class RouterMetrics:
             self.mismatches.labels(engine).inc()
         if usage.get("prompt_tokens") != num_prompt_tokens:
             self.prompt_mismatches.labels(engine).inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

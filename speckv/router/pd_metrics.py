@@ -12,19 +12,13 @@ a prefill or decode engine, `--prefill NAME=URL` / `--decode NAME=URL`).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
-
-_PREFIX = "speckv_router:"
+from speckv.router.prometheus import RouterRegistry
 
 
-class PDMetrics:
+class PDMetrics(RouterRegistry):
     def __init__(self) -> None:
-        disable_created_metrics()
-        self.registry = r = CollectorRegistry()
-
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ("engine",)) -> Counter:
-            return Counter(_PREFIX + name, doc, list(labels), registry=r)
-
+        super().__init__()
+        counter = self.counter
         self.requests = counter("requests", "Requests answered by a decode engine, by "
                                 "whether the prefill engine's KV was transferred.",
                                 ("engine", "reason"))
@@ -34,6 +28,3 @@ class PDMetrics:
                                         "came back without kv_transfer_params.")
         self.upstream_errors = counter("upstream_errors", "Decode engine connection failures "
                                        "and 5xx answers.")
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -101,4 +101,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"speckv serve: {choice.summary}", flush=True)
     for line in engine.connector.startup_lines() if engine.connector is not None else ():
         print(f"speckv serve: {line}", flush=True)
+    from speckv.models.common.native_linear import linear_forms_summary
+
+    print(f"speckv serve: projections: {linear_forms_summary(engine.model)}", flush=True)
     serve_forever(server, sock, args.uvicorn_log_level)

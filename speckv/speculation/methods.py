@@ -16,8 +16,8 @@ from typing import Protocol
 
 from torch import nn
 
+from speckv.cache.drafter_policy import DrafterPolicy
 from speckv.speculation.adaptive import Clock
-from speckv.speculation.policy import DrafterPolicy
 from speckv.speculation.proposer import Proposer
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from speckv.speculation.policy import DrafterPolicy, drafter_policy
+from speckv.cache.drafter_policy import DrafterPolicy, drafter_policy
 from speckv.speculation.proposer import ProposerInput, ProposeTiming
 
 

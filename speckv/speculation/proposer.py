@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 import numpy as np
 import torch
 
-from speckv.speculation.policy import DrafterPolicy
+from speckv.cache.drafter_policy import DrafterPolicy
 
 if TYPE_CHECKING:
     from speckv.attention import PagedKVCache

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from speckv.cache import FullAttentionSpec, KVCacheManager, MambaSpec, SlidingWindowSpec
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 
 B = 4
 

@@ -8,12 +8,12 @@ import pytest
 
 from speckv.bench.retention import run_scenario
 from speckv.cache import KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.retention import RetentionPolicy, TailWidening
 from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec, parse_group_specs
 from speckv.engine.request import Request
 from speckv.measure.hit_length import measure_hit_length
 from speckv.simulation import run_to_completion, toy_core
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 
 def build(specs, drafter="none", legacy=False, num_blocks=400, **kwargs):

@@ -8,12 +8,12 @@ import random
 import pytest
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import DRAFTER_NAMES
 from speckv.cache.events import BlockStored
 from speckv.cache.hash_mode import HashMode
 from speckv.engine.request import Request
 from speckv.measure.hit_length import expected_hit_tokens, measure_hit_length
 from speckv.simulation import HitMismatch, SymbolicKV, run_to_completion, toy_core
-from speckv.speculation.policy import DRAFTER_NAMES
 
 
 def _prompt(length, seed=0):

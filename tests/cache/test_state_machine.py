@@ -30,12 +30,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.events import BlockStored, KVEventSink
 from speckv.cache.specs import MambaSpec, SlidingWindowSpec
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
 from speckv.simulation import SymbolicKV, toy_core
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 GROUP_MIXES = {
     "full": lambda b: [FullAttentionSpec(b)],

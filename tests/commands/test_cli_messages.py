@@ -382,7 +382,7 @@ def test_a_bad_flag_value_is_one_line(flags, capsys, no_model_loading):
 
 
 def test_no_drafter_reads_as_speculation_off():
-    from speckv.speculation.policy import NO_DRAFTER, resolve_hash_mode
+    from speckv.cache.drafter_policy import NO_DRAFTER, resolve_hash_mode
 
     mode = resolve_hash_mode(NO_DRAFTER)
     assert mode.label == "legacy" and mode.reason.startswith("speculation is off")

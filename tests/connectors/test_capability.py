@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from speckv.cache.drafter_policy import drafter_policy
 from speckv.connectors import (
     ConnectorMode,
     DiskConnector,
@@ -17,7 +18,6 @@ from speckv.connectors import (
 )
 from speckv.connectors.capability import EVERY_GROUP, SINGLE_FULL_ATTENTION
 from speckv.engine.speculative import resolve_connector_hash_mode
-from speckv.speculation.policy import drafter_policy
 
 
 def _disk(tmp_path):

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.connectors import ConnectorMode, OffloadConnector, RequestBlocks
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from tests.connectors.connector_helpers import BLOCK_SIZE, Driver, KVWorld, Req
 from tests.patience import WATCHDOG_S
 

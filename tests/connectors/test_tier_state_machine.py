@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy
 from speckv.cache.specs import MambaSpec, SlidingWindowSpec
 from speckv.connectors import ConnectorConfig, TierIdentity, make_connector
 from speckv.connectors.host_pool import GIB
@@ -34,7 +35,6 @@ from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request
 from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.simulation import PagedSymbolicKV, instrument_tiers, toy_core
-from speckv.speculation.policy import drafter_policy
 from tests.patience import WATCHDOG_S
 
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]

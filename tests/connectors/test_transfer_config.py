@@ -57,6 +57,19 @@ def test_a_multi_connector_splits_into_tiers_and_one_transfer_with_one_policy():
     ('{"kv_connector": "MultiConnector", "kv_role": "kv_both"}', "needs kv_connector_extra"),
     ('{"kv_connector": "nixl", "kv_role": "kv_both", "kv_load_failure_policy": "drop"}',
      "kv_load_failure_policy must be one of recompute, fail"),
+    # the generic checks, shared with the nixl connector's own parse
+    ("{not json", "--kv-transfer-config is not JSON"),
+    ('["nixl"]', "--kv-transfer-config must be a JSON object"),
+    ('{"kv_connector": "disk"}', "needs kv_role"),
+    ('{"kv_connector": "nixl", "kv_role": "both"}', "kv_role must be one of kv_producer"),
+    ('{"kv_connector": "disk", "kv_role": "kv_both", "kv_connector_extra_config": [1]}',
+     "kv_connector_extra_config must be a JSON object"),
+    ('{"kv_connector": "nixl", "kv_role": "kv_both", "kv_connector_extra_config": 3}',
+     "kv_connector_extra_config must be a JSON object"),
+    ('{"kv_connector": "nixl", "kv_role": "kv_both", "kv_connector_extra_config": '
+     '{"kv_peer": []}}', r"extra_config: unknown key\(s\) \['kv_peer'\]; known: kv_peers"),
+    ('{"kv_connector": "nixl", "kv_role": "kv_both", "kv_lease": 5}',
+     r"config: unknown key\(s\) \['kv_lease'\]; known: kv_connector"),
 ])
 def test_a_bad_json_is_refused_naming_its_key(text, words):
     with pytest.raises(ValueError, match=words):

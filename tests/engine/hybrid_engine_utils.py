@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from speckv.cache.drafter_policy import drafter_policy
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.outputs import RequestOutput
-from speckv.speculation.policy import drafter_policy
 from speckv.speculation.proposer import ProposerInput, ProposeTiming
 
 

@@ -16,12 +16,12 @@ import pytest
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
 from speckv.cache.block import make_cache_key
+from speckv.cache.drafter_policy import drafter_policy
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request, RequestStatus
 from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.simulation import PagedSymbolicKV, toy_core
-from speckv.speculation.policy import drafter_policy
 from tests.doubles.remote import FakeRemoteConnector, RemoteBlocks
 
 B = 4

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from speckv.cache import FullAttentionSpec, KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy
 from speckv.engine.messages import FinishReason
 from speckv.engine.request import Request, RequestStatus
 from speckv.engine.speculative import resolve_connector_hash_mode
 from speckv.simulation import PagedSymbolicKV, toy_core
-from speckv.speculation.policy import drafter_policy
 from tests.doubles.remote import FakeRemoteConnector, RemoteBlocks
 
 PREFIXES = [[random.Random(seed).randrange(1, 50) for _ in range(24)] for seed in range(3)]

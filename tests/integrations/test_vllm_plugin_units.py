@@ -3,6 +3,9 @@ request hasher against speckv's own, and the divergence index."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import tomllib
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +16,9 @@ from speckv.hashing.extra_keys import HashInputs, LoRARef, MultiModalItem
 from speckv.hashing.formats import format_for
 from speckv.hashing.functions import get_hash_algo, make_none_hash
 from speckv.hashing.request_hasher import hash_prompt
+from speckv.integrations.vllm import register
 from speckv.integrations.vllm.decision import SWITCH_ENV, decide
+from speckv.integrations.vllm.entry_point import write_entry_point_dir
 from speckv.integrations.vllm.hasher import LookaheadBlockHasher
 from speckv.integrations.vllm.patches import version_supported
 from speckv.integrations.vllm.reuse import SuccessorIndex, divergent_source, index_of
@@ -139,3 +144,16 @@ def test_a_divergent_source_needs_a_block_ending_by_the_prompts_last_token():
     salted = _request(tokens, block_hashes=chain[:1], cache_salt="s")
     salted.num_tokens, salted.all_token_ids = len(tokens), tokens
     assert divergent_source(pool, salted, 16, 16, 1, NONE_HASH) is None
+
+
+def test_the_entry_point_folder_names_pyprojects_plugin_entry_point(tmp_path):
+    root = write_entry_point_dir(tmp_path / "entry-point")
+    assert write_entry_point_dir(root) == root  # rewritten in place, as a second start does
+    (dist,) = importlib.metadata.distributions(path=[str(root)])
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert (dist.metadata["Name"], dist.version) == ("speckv", project["project"]["version"])
+    plugins = dist.entry_points.select(group="vllm.general_plugins")
+    declared = project["project"]["entry-points"]["vllm.general_plugins"]
+    assert {ep.name: ep.value for ep in plugins} == declared
+    (plugin,) = plugins
+    assert plugin.load() is register

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from speckv.integrations.vllm.entry_point import write_entry_point_dir
 from tests import patience
 
 VENV_ENV = "SPECKV_VLLM_VENV"
@@ -46,23 +47,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry_point_dir(tmp: Path) -> Path:
-    info = tmp / "speckv-0.1.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: speckv\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nspeckv_lookahead = speckv.integrations.vllm:register\n")
-    (info / "RECORD").write_text("")
-    return tmp
-
-
 def venv_env(tmp: Path, plugin: bool) -> dict[str, str]:
     """Environment for the venv's python: this checkout first; the plugin on or left out."""
     env = dict(os.environ)
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
                TOKENIZERS_PARALLELISM="false")
     env.pop("SPECKV_VLLM_PLUGIN", None)
-    paths = [str(_entry_point_dir(tmp / "entry-point")), str(CHECKOUT)]
+    paths = [str(write_entry_point_dir(tmp / "entry-point")), str(CHECKOUT)]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # vLLM's own list: load no general plugin

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from speckv.cache import KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.events import KVEventSink
 from speckv.cache.specs import parse_group_specs
 from speckv.engine.messages import FinishReason
@@ -18,7 +19,6 @@ from speckv.events.schema import to_wire_batch
 from speckv.router.contract import ContractError, parse_contract
 from speckv.router.index import RouterIndex
 from speckv.simulation import SymbolicKV, toy_core
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from tests.router.test_contract import URL, contract_body
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from speckv.cache import KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.events import KVEventSink
 from speckv.cache.specs import parse_group_specs
 from speckv.engine.messages import FinishReason
@@ -18,7 +19,6 @@ from speckv.router.contract import parse_contract
 from speckv.router.fleet import EngineLink, EngineSpec, Fleet
 from speckv.router.tokenizer import TokenizerCache
 from speckv.simulation import SymbolicKV, toy_core
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 from tests.router.test_contract import URL, contract_body
 
 B = 4

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from speckv.cache import KVCacheManager
+from speckv.cache.drafter_policy import drafter_policy, resolve_hash_mode
 from speckv.cache.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from speckv.engine.request import Request
 from speckv.simulation import HitMismatch, SymbolicKV, run_to_completion, toy_core
-from speckv.speculation.policy import drafter_policy, resolve_hash_mode
 
 SPECS = [FullAttentionSpec(4), SlidingWindowSpec(4, 9), MambaSpec(16)]
 

@@ -19,15 +19,22 @@ decode engine trusts (default: loopback only) is `trust.PeerPolicy`.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from speckv.connectors.nixl.lease import DEFAULT_LEASE_S
 from speckv.connectors.nixl.trust import PeerPolicy
+from speckv.connectors.transfer_config import (
+    CONSUMER_ROLES,
+    PRODUCER_ROLES,
+    check_role,
+    extra_config,
+    json_object,
+    reject_unknown_keys,
+    role_of,
+)
 
-ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 _KEYS = ("kv_connector", "kv_role", "kv_port", "kv_lease_s", "kv_transfer_timeout_s",
          "engine_id", "kv_connector_extra_config")
@@ -45,9 +52,7 @@ class NixlConfig:
     policy: PeerPolicy = field(default_factory=PeerPolicy)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(ROLES)}, "
-                             f"got {self.role!r}")
+        check_role(self.role)
         if isinstance(self.port, bool) or not isinstance(self.port, int) \
                 or not 0 <= self.port < 65536:
             raise ValueError(f"--kv-transfer-config kv_port must be a TCP port, got "
@@ -62,35 +67,21 @@ class NixlConfig:
 
     @property
     def is_producer(self) -> bool:
-        return self.role in ("kv_producer", "kv_both")
+        return self.role in PRODUCER_ROLES
 
     @property
     def is_consumer(self) -> bool:
-        return self.role in ("kv_consumer", "kv_both")
+        return self.role in CONSUMER_ROLES
 
     @classmethod
     def parse(cls, text: str | dict[str, Any], host: str = "127.0.0.1") -> NixlConfig:
         """From the `--kv-transfer-config` JSON text (or its dict)."""
-        if isinstance(text, str):
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--kv-transfer-config is not JSON: {error}") from None
-        else:
-            obj = dict(text)
-        if not isinstance(obj, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        unknown = sorted(set(obj) - set(_KEYS))
-        if unknown:
-            raise ValueError(f"--kv-transfer-config: unknown key(s) {unknown}; known: "
-                             f"{', '.join(_KEYS)}")
+        obj = json_object(text)
+        reject_unknown_keys(obj, _KEYS)
         if obj.get("kv_connector") not in ("nixl", "NixlConnector"):
             raise ValueError(f"--kv-transfer-config kv_connector must be \"nixl\", got "
                              f"{obj.get('kv_connector')!r}")
-        if "kv_role" not in obj:
-            raise ValueError("--kv-transfer-config needs kv_role (kv_producer, kv_consumer or "
-                             "kv_both)")
-        options: dict[str, Any] = {"role": obj["kv_role"], "host": host,
+        options: dict[str, Any] = {"role": role_of(obj), "host": host,
                                    "policy": _policy(obj.get("kv_connector_extra_config"))}
         for key, name in (("kv_port", "port"), ("kv_lease_s", "lease_s"),
                           ("kv_transfer_timeout_s", "transfer_timeout_s"),
@@ -103,12 +94,5 @@ class NixlConfig:
 
 def _policy(extra: Any) -> PeerPolicy:
     """The peer policy of `kv_connector_extra_config` (None: the defaults)."""
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, dict):
-        raise ValueError("--kv-transfer-config kv_connector_extra_config must be a JSON object")
-    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
-    if unknown:
-        raise ValueError(f"--kv-transfer-config kv_connector_extra_config: unknown key(s) "
-                         f"{unknown}; known: {', '.join(_EXTRA_KEYS)}")
+    extra = extra_config(extra, _EXTRA_KEYS)
     return PeerPolicy.parse(extra.get("kv_peers"), extra.get("kv_secret"))

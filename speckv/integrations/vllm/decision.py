@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from speckv.speculation.policy import DRAFTER_LOOKAHEAD, drafter_policy, resolve_hash_mode
+from speckv.cache.drafter_policy import DRAFTER_LOOKAHEAD, drafter_policy, resolve_hash_mode
 
 # The plugin's own off switch (besides vLLM's VLLM_PLUGINS list, which it honours too).
 SWITCH_ENV = "SPECKV_VLLM_PLUGIN"

@@ -10,21 +10,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:
+    from speckv.models.common import _rowdot
+except ImportError:  # built without a C compiler (see native_linear.py)
+    _rowdot = None
+
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) that computes fp32 CPU inputs in the
-    form a loader measured fastest on this machine (`speckv.models.common.small_rows`,
-    `speckv.models.common.packed_linear`): through oneDNN with its weight packed once
-    (`packed`), or the row counts in `transposed_rows` as (W @ x^T)^T. Both stay off (the plain
-    form) until a loader measures; the packed form steps aside where autograd needs the
-    product or the weight changed after packing (training, a test that edits weights)."""
+    form a loader measured fastest on this machine (`speckv.models.common.native_linear`,
+    `speckv.models.common.small_rows`, `speckv.models.common.packed_linear`): up to
+    `native_max_rows` rows through speckv's own kernel, through oneDNN with its weight packed
+    once (`packed`), or the row counts in `transposed_rows` as (W @ x^T)^T. All stay off (the
+    plain form) until a loader measures; the native and packed forms step aside where autograd
+    needs the product, and the packed one where the weight changed after packing (training, a
+    test that edits weights)."""
 
+    native_max_rows = 0
     transposed_rows: frozenset[int] = frozenset()
     # (the weight it was packed from, that weight's version then, the oneDNN-packed weight)
     packed: tuple[torch.Tensor, int, torch.Tensor] | None = None
     packed_min_rows = 2  # inputs of fewer rows keep the other forms (measured per machine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] (any leading dims)
+        weight, bias = self.weight, self.bias
+        if (x.dim() == 2 and x.shape[0] <= self.native_max_rows and x.shape[1] == weight.shape[1]
+                and x.dtype == torch.float32
+                and weight.dtype == torch.float32 and x.device.type == "cpu"
+                and weight.device.type == "cpu" and x.is_contiguous()
+                and weight.is_contiguous()
+                and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                      or (bias is not None
+                                                          and bias.requires_grad)))):
+            y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)  # [n, out]
+            _rowdot.rowdot(x.data_ptr(), weight.data_ptr(),
+                           0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                           x.shape[0], x.shape[1], weight.shape[0])
+            return y
         packed = self.packed
         if (packed is not None and packed[0] is self.weight
                 and packed[1] == self.weight._version and x.device.type == "cpu"

@@ -24,7 +24,6 @@ never matched anyway).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speckv.models.common.form_timing import STREAMED_BYTES, streamed_weights, time_two_forms
 from speckv.models.common.layers import Linear
-from speckv.models.common.small_rows import STREAMED_BYTES, cpu_fp32_linears
+from speckv.models.common.small_rows import cpu_fp32_linears
 
 MEASURED_ROWS = (1, 2, 4, 8)  # a decode step, small batches, a verification of 3 drafts
 # the packed form is chosen for 2+ rows where its 2..8-row passes summed below
@@ -62,31 +62,16 @@ def time_packed(weights: Sequence[torch.Tensor], rows: Sequence[int] = MEASURED_
                 num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
                 ) -> dict[int, tuple[float, float]]:
     """Per row count, the median (plain, packed) seconds of a pass streaming every weight once,
-    the two forms interleaved so that a slow moment hits both (as `small_rows.time_forms`)."""
+    the two forms interleaved (`form_timing.time_two_forms`)."""
     packed = [pack_weight(w) for w in weights]
 
-    def one_pass(n: int, use_packed: bool) -> float:
-        inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}  # [n, in]
-        start = clock()
-        with torch.no_grad():
-            for w, p in zip(weights, packed):
-                x = inputs[w.shape[1]]
-                if use_packed:
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                else:
-                    F.linear(x, w)
-        return clock() - start
+    def plain(index: int, x: torch.Tensor) -> object:
+        return F.linear(x, weights[index])
 
-    timings = {}
-    for n in rows:
-        one_pass(n, False)  # warm-up: first-touch allocations
-        one_pass(n, True)
-        passes: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(num_reps):
-            for use_packed in (False, True):
-                passes[use_packed].append(one_pass(n, use_packed))
-        timings[n] = (statistics.median(passes[False]), statistics.median(passes[True]))
-    return timings
+    def packed_form(index: int, x: torch.Tensor) -> object:
+        return torch.ops.mkldnn._linear_pointwise(x, packed[index], None, "none", [], "")
+
+    return time_two_forms(weights, rows, num_reps, clock, (plain, packed_form))
 
 
 def choose_packed_min_rows(timings: dict[int, tuple[float, float]],
@@ -113,13 +98,8 @@ def use_packed_weights_where_faster(model: nn.Module) -> int | None:
     key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(),
            torch.backends.cpu.get_cpu_capability())
     if key not in _CHOSEN:
-        streamed, num_bytes = [], 0
-        for w in weights:
-            if num_bytes >= STREAMED_BYTES:
-                break
-            streamed.append(w)
-            num_bytes += w.numel() * w.element_size()
-        _CHOSEN[key] = choose_packed_min_rows(time_packed(streamed))
+        _CHOSEN[key] = choose_packed_min_rows(
+            time_packed(streamed_weights(weights, STREAMED_BYTES)))
     min_rows = _CHOSEN[key]
     if min_rows is not None:
         set_packed(linears, min_rows)

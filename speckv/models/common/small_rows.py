@@ -21,7 +21,6 @@ multi-row forward never matched anyway).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speckv.models.common.form_timing import STREAMED_BYTES, streamed_weights, time_two_forms
 from speckv.models.common.layers import Linear
 
 SMALL_ROWS = range(2, 5)  # the row counts measured (beyond 4 rows x @ W^T wins everywhere seen)
@@ -43,10 +43,6 @@ CLEAR_MARGIN = 0.2
 # such a CPU (AVX2: the AMD EPYC above); others keep the plain, reference form
 DEFAULT_TRANSPOSED_ROWS: dict[str, frozenset[int]] = {"AVX2": frozenset(SMALL_ROWS)}
 _NUM_REPS = 7
-# the weights streamed per pass: the model's first ones up to this size, 4x the AMD EPYC's
-# 32 MiB last-level cache (so a pass times the memory-bound regime of a real step) at a
-# fraction of a whole model's time (SmolLM2-135M: about 1 s to measure instead of about 3)
-STREAMED_BYTES = 128 << 20
 
 # (weight shapes, threads, CPU capability) -> rows computed as W @ x^T: one measurement per
 # process for each model architecture (tests and benches load the same model many times)
@@ -84,35 +80,16 @@ def time_forms(weights: Sequence[torch.Tensor], rows: Sequence[int] = SMALL_ROWS
                num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
                ) -> list[FormTimings]:
     """Per row count, the median of `num_reps` passes of each form over all `weights` ([out,
-    in] fp32 CPU), the forms interleaved so that a slow moment hits both. Streaming every weight
-    once is what a step does: the weights do not fit in the cache, and a loop over one warm
-    matrix would time another kernel regime. The process's CPU time by default, as the
-    speculation policy's costs: it leaves out the time other processes held the core."""
-    def one_pass(n: int, transposed: bool) -> float:
-        # fresh inputs every pass: one allocation's placement can keep a form slow for a whole
-        # run of passes (seen: 2 rows in W @ x^T at 13 ms or 20 ms per pass by the run)
-        inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}  # [n, in]
-        start = clock()
-        with torch.no_grad():
-            for w in weights:
-                x = inputs[w.shape[1]]
-                if transposed:
-                    torch.mm(w, x.t()).t().contiguous()
-                else:
-                    F.linear(x, w)
-        return clock() - start
+    in] fp32 CPU), interleaved (`form_timing.time_two_forms`)."""
+    def linear(index: int, x: torch.Tensor) -> object:
+        return F.linear(x, weights[index])
 
-    timings = []
-    for n in rows:
-        one_pass(n, False)  # warm-up: first-touch allocations
-        one_pass(n, True)
-        passes: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(num_reps):
-            for transposed in (False, True):
-                passes[transposed].append(one_pass(n, transposed))
-        timings.append(FormTimings(n, statistics.median(passes[False]),
-                                   statistics.median(passes[True])))
-    return timings
+    def transposed(index: int, x: torch.Tensor) -> object:
+        return torch.mm(weights[index], x.t()).t().contiguous()
+
+    timings = time_two_forms(weights, rows, num_reps, clock, (linear, transposed))
+    return [FormTimings(n, linear_s, transposed_s)
+            for n, (linear_s, transposed_s) in timings.items()]
 
 
 def cpu_fp32_linears(model: nn.Module) -> list[Linear]:
@@ -138,14 +115,9 @@ def _measure(linears: list[Linear]) -> frozenset[int]:
     capability = torch.backends.cpu.get_cpu_capability()
     key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(), capability)
     if key not in _CHOSEN:
-        streamed, num_bytes = [], 0
-        for w in weights:
-            if num_bytes >= STREAMED_BYTES:
-                break
-            streamed.append(w)
-            num_bytes += w.numel() * w.element_size()
         default = DEFAULT_TRANSPOSED_ROWS.get(capability, frozenset())
-        _CHOSEN[key] = choose_transposed_rows(time_forms(streamed), default)
+        _CHOSEN[key] = choose_transposed_rows(
+            time_forms(streamed_weights(weights, STREAMED_BYTES)), default)
     return _CHOSEN[key]
 
 

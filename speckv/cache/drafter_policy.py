@@ -3,6 +3,8 @@
 Owns `DRAFTER_LOOKAHEAD`, the single table of drafters, and `resolve_hash_mode`, which turns a
 drafter's policy, the prefix-caching setting, `disable_lookahead_block_hashes` and the KV
 connector's capability into the one `HashMode` the cache follows.
+It lives in the cache layer, beside `HashMode`, because the engine and the vLLM plugin
+(`speckv.integrations.vllm`, which imports no engine layer) both decide the hash mode here.
 
 A drafter writes its draft KV at position `p` either from tokens after `p` (EAGLE-style: L
 tokens, one per module) or not at all from later tokens (L = 0). That one number decides both

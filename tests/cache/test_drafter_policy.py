@@ -1,11 +1,11 @@
-"""Drafter policies and the hash-mode decision (`speckv.speculation.policy`)."""
+"""Drafter policies and the hash-mode decision (`speckv.cache.drafter_policy`)."""
 
 from __future__ import annotations
 
 import pytest
 
+from speckv.cache.drafter_policy import DRAFTER_NAMES, drafter_policy, resolve_hash_mode
 from speckv.cache.hash_mode import HashMode
-from speckv.speculation.policy import DRAFTER_NAMES, drafter_policy, resolve_hash_mode
 
 
 class Connector:

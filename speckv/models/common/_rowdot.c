@@ -1,0 +1,161 @@
+/* speckv.models.common._rowdot: the optional native few-row fp32 product y = x W^T (+ b).
+ *
+ * Owns one function, `rowdot(x, w, b, y, n, k, m)`, over raw addresses of C-contiguous fp32
+ * buffers (the caller, native_linear.py, checks shapes, dtype and contiguity):
+ *
+ *     x [n, k]   w [m, k] (nn.Linear's weight, row-major)   b [m] or 0   y [n, m] (written)
+ *
+ * A decode or verification step multiplies 1-4 rows by every weight of the model once: the
+ * cost is reading W from memory. torch's kernels read it at about 11 GB/s on one core here,
+ * where one core streams a tensor at 17-21 (see native_linear.py). This kernel reads W as one
+ * sequential stream, row after row, and dots each row with every row of x while it is in L1
+ * (reading several rows of W side by side, as a blocked GEMM does, measured slower):
+ *
+ *     for each row w_j of W:                            W is read once, front to back
+ *         for each chunk of up to 4 rows of x (x_0..x_3):
+ *             a_i0 += w_j[c:c+16] * x_i[c:c+16]         c in steps of 32: two accumulators
+ *             a_i1 += w_j[c+16:c+32] * x_i[c+16:c+32]   per row of x
+ *             y[i][j] = hsum(a_i0 + a_i1) + tail (+ b[j])
+ *
+ * Each output's summation order depends only on k: one row of x gets the same bits whatever
+ * the other rows of its batch are. The GIL is released while it runs. Built with one body
+ * per instruction set (AVX-512, AVX2 + FMA, baseline) and dispatched once on the CPU it runs
+ * on, so a build runs on any x86-64 CPU; elsewhere the baseline body.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+
+#define LOAD16(dst, src) memcpy(&(dst), (src), sizeof(v16))
+
+/* the 16 lanes summed pairwise in a fixed order: lane t + lane t + 8, then t + t + 4, ...
+ * (the vector halving and the scalar loop give the same bits) */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+#define HSUM16(v, out)                                                               \
+    do {                                                                             \
+        v8 h8_ = __builtin_shufflevector((v), (v), 0, 1, 2, 3, 4, 5, 6, 7) +         \
+                 __builtin_shufflevector((v), (v), 8, 9, 10, 11, 12, 13, 14, 15);    \
+        v4 h4_ = __builtin_shufflevector(h8_, h8_, 0, 1, 2, 3) +                     \
+                 __builtin_shufflevector(h8_, h8_, 4, 5, 6, 7);                      \
+        (out) = (h4_[0] + h4_[2]) + (h4_[1] + h4_[3]);                               \
+    } while (0)
+#else
+#define HSUM16(v, out)                                                               \
+    do {                                                                             \
+        float l_[16];                                                                \
+        memcpy(l_, &(v), sizeof(l_));                                                \
+        for (int s_ = 8; s_ > 0; s_ >>= 1)                                           \
+            for (int t_ = 0; t_ < s_; t_++) l_[t_] += l_[t_ + s_];                   \
+        (out) = l_[0];                                                               \
+    } while (0)
+#endif
+
+/* rows i0 .. i0 + NB - 1 of x against row j of W (pointer wj) */
+#define CHUNK(NB)                                                                    \
+    {                                                                                \
+        v16 a[NB][2];                                                                \
+        memset(a, 0, sizeof(a));                                                     \
+        for (Py_ssize_t c = 0; c < kv; c += 32) {                                    \
+            v16 p, q;                                                                \
+            LOAD16(p, wj + c);                                                       \
+            LOAD16(q, wj + c + 16);                                                  \
+            for (int i = 0; i < NB; i++) {                                           \
+                v16 x0, x1;                                                          \
+                LOAD16(x0, xc + i * k + c);                                          \
+                LOAD16(x1, xc + i * k + c + 16);                                     \
+                a[i][0] += p * x0;                                                   \
+                a[i][1] += q * x1;                                                   \
+            }                                                                        \
+        }                                                                            \
+        for (int i = 0; i < NB; i++) {                                               \
+            v16 sum = a[i][0] + a[i][1];                                             \
+            float s;                                                                 \
+            HSUM16(sum, s);                                                          \
+            for (Py_ssize_t c = kv; c < k; c++) s += wj[c] * xc[i * k + c];          \
+            if (b) s += b[j];                                                        \
+            y[(i0 + i) * m + j] = s;                                                 \
+        }                                                                            \
+    }
+
+#define ROWDOT_BODY                                                                  \
+    {                                                                                \
+        const Py_ssize_t kv = k - k % 32;                                            \
+        for (Py_ssize_t j = 0; j < m; j++) {                                         \
+            const float *wj = w + j * k;                                             \
+            for (Py_ssize_t i0 = 0; i0 < n; i0 += 4) {                               \
+                const float *xc = x + i0 * k;                                        \
+                switch (n - i0 < 4 ? n - i0 : 4) {                                   \
+                    case 1: CHUNK(1) break;                                          \
+                    case 2: CHUNK(2) break;                                          \
+                    case 3: CHUNK(3) break;                                          \
+                    default: CHUNK(4) break;                                         \
+                }                                                                    \
+            }                                                                        \
+        }                                                                            \
+    }
+
+typedef void (*rowdot_fn)(const float *, const float *, const float *, float *, Py_ssize_t,
+                          Py_ssize_t, Py_ssize_t);
+
+static void rowdot_baseline(const float *x, const float *w, const float *b, float *y,
+                            Py_ssize_t n, Py_ssize_t k, Py_ssize_t m) ROWDOT_BODY
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma"))) static void
+rowdot_avx2(const float *x, const float *w, const float *b, float *y, Py_ssize_t n,
+            Py_ssize_t k, Py_ssize_t m) ROWDOT_BODY
+
+__attribute__((target("avx512f,fma"))) static void
+rowdot_avx512(const float *x, const float *w, const float *b, float *y, Py_ssize_t n,
+              Py_ssize_t k, Py_ssize_t m) ROWDOT_BODY
+#endif
+
+static rowdot_fn chosen = rowdot_baseline;
+static const char *chosen_name = "baseline";
+
+static PyObject *rowdot(PyObject *self, PyObject *args) {
+    unsigned long long px, pw, pb, py;
+    Py_ssize_t n, k, m;
+    if (!PyArg_ParseTuple(args, "KKKKnnn", &px, &pw, &pb, &py, &n, &k, &m)) return NULL;
+    /* an empty tensor may have no storage: a null address is fine where nothing is read */
+    if (n < 0 || k < 0 || m < 0 || (!px && n && k) || (!pw && m && k) || (!py && n && m)) {
+        PyErr_SetString(PyExc_ValueError, "rowdot: negative size or null buffer");
+        return NULL;
+    }
+    const float *x = (const float *)(uintptr_t)px, *w = (const float *)(uintptr_t)pw;
+    const float *b = (const float *)(uintptr_t)pb;
+    float *y = (float *)(uintptr_t)py;
+    Py_BEGIN_ALLOW_THREADS chosen(x, w, b, y, n, k, m);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *instruction_set(PyObject *self, PyObject *args) {
+    return PyUnicode_FromString(chosen_name);
+}
+
+static PyMethodDef methods[] = {
+    {"rowdot", rowdot, METH_VARARGS,
+     "rowdot(x_ptr, w_ptr, b_ptr_or_0, y_ptr, n, k, m): y[n, m] = x[n, k] @ w[m, k]^T (+ b)"},
+    {"instruction_set", instruction_set, METH_NOARGS, "the body chosen for this CPU"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowdot", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__rowdot(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+        chosen = rowdot_avx512;
+        chosen_name = "avx512";
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        chosen = rowdot_avx2;
+        chosen_name = "avx2";
+    }
+#endif
+    return PyModule_Create(&module);
+}

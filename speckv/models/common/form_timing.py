@@ -1,0 +1,65 @@
+"""How a loaded model's projection forms are timed against each other on this machine.
+
+Owns the measurement that the per-machine form choices (`small_rows`: x @ W^T or W @ x^T for
+few rows; `packed_linear`: F.linear or oneDNN with packed weights) share: which of the model's
+weights one pass streams (`streamed_weights`), and the median seconds of such passes in two
+forms, interleaved so that a slow moment hits both (`time_two_forms`). Streaming every weight
+once is what a step does: the weights do not fit in the cache, and a loop over one warm matrix
+would time another kernel regime.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+# the weights streamed per pass: the model's first ones up to this size, 4x the AMD EPYC's
+# 32 MiB last-level cache (so a pass times the memory-bound regime of a real step) at a
+# fraction of a whole model's time (SmolLM2-135M: about 1 s to measure instead of about 3)
+STREAMED_BYTES = 128 << 20
+
+# one form of a projection: computes weight `index`'s product with `x` ([rows, in])
+Form = Callable[[int, torch.Tensor], object]
+
+
+def streamed_weights(weights: Sequence[torch.Tensor], num_bytes: int) -> list[torch.Tensor]:
+    """The first of `weights` until they hold `num_bytes` bytes (the last one may run past):
+    what one timing pass streams."""
+    streamed, total_bytes = [], 0
+    for w in weights:
+        if total_bytes >= num_bytes:
+            break
+        streamed.append(w)
+        total_bytes += w.numel() * w.element_size()
+    return streamed
+
+
+def time_two_forms(weights: Sequence[torch.Tensor], rows: Sequence[int], num_reps: int,
+                   clock: Callable[[], float], forms: tuple[Form, Form]
+                   ) -> dict[int, tuple[float, float]]:
+    """Per row count, the median seconds of `num_reps` passes of each of the two `forms` over
+    all `weights` ([out, in] fp32 CPU), in the order of `forms`, the forms interleaved. `clock`
+    is the process's CPU time in the callers, as the speculation policy's costs: it leaves out
+    the time other processes held the core."""
+    def one_pass(n: int, form: Form) -> float:
+        # fresh inputs every pass: one allocation's placement can keep a form slow for a whole
+        # run of passes (seen: 2 rows in W @ x^T at 13 ms or 20 ms per pass by the run)
+        inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}  # [n, in]
+        start = clock()
+        with torch.no_grad():
+            for index, w in enumerate(weights):
+                form(index, inputs[w.shape[1]])
+        return clock() - start
+
+    timings = {}
+    for n in rows:
+        for form in forms:
+            one_pass(n, form)  # warm-up: first-touch allocations
+        passes: tuple[list[float], list[float]] = ([], [])
+        for _ in range(num_reps):
+            for times, form in zip(passes, forms):
+                times.append(one_pass(n, form))
+        timings[n] = (statistics.median(passes[0]), statistics.median(passes[1]))
+    return timings
