@@ -251,12 +251,15 @@ def learn_groups(engine: str, batch: KVEventBatch, groups: dict[int, GroupRule],
 def hybrid_rule(contract: EngineContract, groups: Mapping[int, GroupRule],
                 flags: VLLMFlags) -> HitRule | None:
     """The hit rule of a vLLM engine whose events show the groups `groups`: None for one
-    full-attention group of whole blocks (the contract's rule), else the hybrid rule over
+    full-attention group of whole blocks (the contract's rule), else vLLM's hybrid rule over
     them, aligned to the LCM of their block sizes. A `ContractError` for a hybrid engine
     under the EAGLE drop or the plugin."""
     rules = tuple(groups[index] for index in sorted(groups))
     unit = contract.hit_rule.block_size
-    if all(r.kind == "full_attention" and r.block_size == unit for r in rules):
+    # several groups, even all of full attention (an EAGLE head of its own spec), make vLLM
+    # use its hybrid coordinator, whose EAGLE drop is not the one-group one
+    if len(rules) <= 1 and all(r.kind == "full_attention" and r.block_size == unit
+                               for r in rules):
         return None
     if flags.drops_last_block or flags.lookahead_tokens:
         raise ContractError(contract.engine, "kv_groups", "a hybrid vLLM engine (groups "

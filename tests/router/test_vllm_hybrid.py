@@ -124,6 +124,12 @@ def test_groups_the_router_cannot_predict_are_refused():
     drop = vllm_contract("v", URL, metrics(block_size="16", speculates=True), MODELS, eagle)
     with pytest.raises(ContractError, match=r"hybrid vLLM engine.*EAGLE last-block drop"):
         check_events(drop, eagle, [batch, KVEventBatch(0.0, [swa])])
+    # a second full-attention group (a drafter of its own spec): vLLM's hybrid coordinator,
+    # whose EAGLE drop differs from one group's
+    second = replace(batch.events[0], group_idx=1, kv_cache_spec_kind="full_attention")
+    check_events(contract, FLAGS, [batch, KVEventBatch(0.0, [second])])
+    with pytest.raises(ContractError, match=r"groups 0: full_attention, 1: full_attention"):
+        check_events(drop, eagle, [batch, KVEventBatch(0.0, [second])])
     coarse = stored(list(range(1000, 1100)), 1, "mamba", block_size=32).events[0]
     with pytest.raises(ContractError, match="fine-grained partial hits"):
         check_events(contract, FLAGS, [batch, KVEventBatch(0.0, [coarse])])
