@@ -230,3 +230,20 @@ def replace_config(config):
     from dataclasses import replace as replace_dataclass
 
     return replace_dataclass(config, counts_copies=False)
+
+
+def test_the_plugins_divergent_block_reuse_is_predicted():
+    """With speckv's plugin (lookahead L = 1 under EAGLE3) vLLM reuses a block cached under
+    another successor: a prompt diverging right after block j hits j * 32 + 32 - 1 (the route
+    bench showed 191 = 5 * 32 + 31 reported)."""
+    flags = VLLMFlags(EVENTS, "0", {"method": "eagle3"}, 1)
+    contract = vllm_contract("v", URL, metrics(speculates=True), MODELS, flags)
+    assert contract.hit_rule.reuses_divergent_blocks
+    link = EngineLink(EngineSpec("v", URL, vllm=flags), contract)
+    fleet = Fleet([link], TokenizerCache("builtin"))
+    cached = list(range(1000, 1200))  # blocks 0..4 stored, each with its successor token
+    fleet.apply(link, 0, 0, root_event(cached, "0", lookahead=1))
+    diverging = cached[:160] + list(range(5000, 5021))  # block 4's successor differs
+    plan = fleet.plan(diverging, ["v"])["v"]
+    assert plan.published_cached_tokens == 4 * 32 + 32 - 1
+    assert fleet.plan(cached[:181], ["v"])["v"].published_cached_tokens == 5 * 32
