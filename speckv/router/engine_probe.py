@@ -4,7 +4,11 @@ Owns the probe the router runs at start (`fetch_contracts`) and at every health 
 (`read_contract`): `GET /kv_cache_contract` for speckv engines; for vLLM engines (named by a
 `--vllm-*` flag, or found by a 404 there and `vllm:cache_config_info` in `/metrics`) the
 contract `speckv.router.vllm_engine` builds from `/metrics`, `/v1/models` and the flags. At
-start a vLLM engine's replayed KV events are checked against the flags (`check_events`).
+start a vLLM engine is made to run one step first (`flush_events`): vLLM publishes what its
+cache did at the end of a step, so an engine reset (`/reset_prefix_cache`) while idle shows
+its `AllBlocksCleared` only at its next step, and a router replaying its events before that
+would count the blocks of before the reset as cached. Then its replayed KV events are checked
+against the flags (`check_events`).
 `EngineDown` is an engine that does not answer (no connection, a 5xx): not an error at start,
 the router adds it when its health passes; every other failure is a `ValueError` naming the
 engine (and the contract field or flag).
@@ -85,6 +89,20 @@ async def read_contract(client: httpx.AsyncClient, spec: Any, timeout_s: float) 
     return Probe(contract, metrics.text, flags)
 
 
+async def flush_events(client: httpx.AsyncClient, spec: Any, contract: EngineContract,
+                       timeout_s: float) -> None:
+    """Make a vLLM engine run one step (a one-token prompt, one output token: no full block,
+    nothing cached), so that events it queued while idle are published before the router
+    replays them. An engine that does not answer is left to the health poll."""
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    body = {"model": contract.served_model_name, "prompt": [0], "max_tokens": 1}
+    try:
+        await client.post(f"{spec.url}/v1/completions", json=body, headers=headers,
+                          timeout=timeout_s)
+    except httpx.HTTPError as error:
+        logger.warning("engine %s: its one-step flush failed (%s)", spec.name, error)
+
+
 def replayed_batches(contract: EngineContract, wait_s: float = 5.0) -> list[KVEventBatch]:
     """The engine's KV events from seq 0, as its replay buffer holds them now (an idle engine
     answers at once; a busy one's publisher thread gets `wait_s`)."""
@@ -114,9 +132,12 @@ def fetch_contracts(specs: list[Any], timeout_s: float = 10.0) -> list[Any]:
         async with httpx.AsyncClient() as client:
             async def one(spec: Any) -> Probe | EngineDown:
                 try:
-                    return await read_contract(client, spec, timeout_s)
+                    probe = await read_contract(client, spec, timeout_s)
                 except EngineDown as down:
                     return down
+                if probe.vllm is not None:
+                    await flush_events(client, spec, probe.contract, max(timeout_s, 60.0))
+                return probe
             return list(await asyncio.gather(*(one(spec) for spec in specs)))
 
     links = []

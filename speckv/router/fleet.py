@@ -23,14 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from speckv.cache.group_rules import GroupRule
 from speckv.events.schema import KVEventBatch
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig, SubscriberStats
 from speckv.hashing.extra_keys import NO_HASH_INPUTS
-from speckv.router.contract import ContractError, EngineContract, parse_contract
+from speckv.router.contract import ContractError, EngineContract, HitRule, parse_contract
 from speckv.router.index import EngineState, RouterIndex
 from speckv.router.policy import EngineView
 from speckv.router.tokenizer import TokenizerCache
-from speckv.router.vllm_engine import VLLMFlags, check_groups
+from speckv.router.vllm_engine import VLLMFlags, hybrid_rule, learn_groups
 
 logger = logging.getLogger("speckv.router")
 SUBSCRIBER_COUNTERS = ("received_batches", "replayed_batches", "replay_requests",
@@ -55,9 +56,13 @@ class EngineLink:
     contract: EngineContract | None
     healthy: bool = True
     refused: str | None = None  # a later contract the router cannot reproduce
-    # what its KV events showed the router cannot predict (a hybrid vLLM engine), until the
-    # engine restarts
+    # what its KV events showed the router cannot predict (a vLLM group of an unknown kind,
+    # a hybrid one under the EAGLE drop), until the engine restarts
     events_refused: str | None = None
+    # a vLLM engine's KV cache groups as its events showed them, and the hybrid hit rule
+    # over them (None: one full-attention group, the contract's rule)
+    vllm_groups: dict[int, GroupRule] = field(default_factory=dict)
+    vllm_rule: HitRule | None = None
     unhealthy_since: float | None = None
     expired: bool = False  # entries dropped after stale_after_s without health
     generation: int = 0  # bumped to make the subscriber thread start over
@@ -205,23 +210,38 @@ class Fleet:
                 subscriber.close()
 
     def apply(self, link: EngineLink, generation: int, seq: int, batch: KVEventBatch) -> None:
-        if link.contract is not None and link.contract.vllm:
-            try:
-                check_groups(link.name, batch)
-            except ContractError as error:  # a hybrid vLLM engine: out of rotation
-                with self.lock:
-                    if link.events_refused is None:
-                        logger.error("engine %s out of rotation: %s", link.name, error)
-                    link.events_refused = str(error)
         with self.lock:
             if link.generation != generation:
                 return  # read before the engine's entries were dropped
+            if link.contract is not None and link.contract.vllm:
+                self._learn_groups(link, batch)
             try:
                 self.index.apply_batch(link.name, batch, seq)
                 link.events_applied += len(batch.events)
             except Exception:  # a malformed event is counted; the router keeps routing
                 link.apply_errors += 1
                 logger.exception("engine %s: could not apply a KV event batch", link.name)
+
+    def _learn_groups(self, link: EngineLink, batch: KVEventBatch) -> None:
+        """A vLLM engine's groups as its events name them, and its hit rule over them; out of
+        rotation for a group the router cannot predict (lock held)."""
+        contract = link.contract
+        assert contract is not None
+        try:
+            if learn_groups(link.name, batch, link.vllm_groups, contract.hashing.block_size):
+                link.vllm_rule = hybrid_rule(contract, link.vllm_groups,
+                                             link.spec.vllm or link.spec.vllm_default
+                                             or VLLMFlags())
+                if link.vllm_rule is not None:
+                    logger.warning("engine %s: its events show KV cache groups %s (hits "
+                                   "aligned to %d tokens)", link.name,
+                                   ", ".join(f"{g.group_idx}: {g.kind} of {g.block_size}"
+                                             for g in link.vllm_rule.groups),
+                                   link.vllm_rule.alignment_tokens)
+        except ContractError as error:
+            if link.events_refused is None:
+                logger.error("engine %s out of rotation: %s", link.name, error)
+            link.events_refused = str(error)
 
     # ---- health ------------------------------------------------------------------------------
     def mark_unhealthy(self, link: EngineLink, why: str) -> None:
@@ -250,6 +270,8 @@ class Fleet:
             link.contract = contract
             link.events_refused = None  # a new epoch: its events are judged again
         self.index.reset_engine(link.name, link.contract.hashing)
+        link.vllm_groups = {}
+        link.vllm_rule = None
         link.index_resets += 1
         link.generation += 1
 
@@ -320,7 +342,7 @@ class Fleet:
             for name in engines:
                 link = self.links[name]
                 hashing = link.contract.hashing
-                rule = link.contract.hit_rule
+                rule = link.vllm_rule or link.contract.hit_rule
                 if rule.is_hybrid:
                     plans[name] = self._hybrid_plan(name, rule, token_ids, by_config, now)
                     continue
@@ -418,6 +440,10 @@ class Fleet:
                 "divergent_block_reuse": bool(
                     link.contract and link.contract.hit_rule.reuses_divergent_blocks),
                 "block_size": link.contract.hashing.block_size if link.contract else None,
+                # a hybrid vLLM engine's groups as its events named them
+                "kv_groups": [{"group_idx": g.group_idx, "kind": g.kind,
+                               "block_size": g.block_size, "sliding_window": g.sliding_window}
+                              for g in link.vllm_rule.groups] if link.vllm_rule else None,
                 "running": link.running, "waiting": link.waiting, "kv_usage": link.kv_usage,
                 "inflight": link.inflight, "events_applied": link.events_applied,
                 "apply_errors": link.apply_errors, "generation": link.generation,

@@ -170,8 +170,13 @@ class RouterIndex:
                     token_ids: Sequence[int] | None = None) -> None:
         """Count `hashes` as held by `engine` from now on, while the routed request that
         brings them is in flight and for a grace period after (`release_pending`), or until
-        its events say so; with the prompt's `token_ids` (the chain of an engine that reuses
-        divergent blocks), their contents enter the pending divergent-block index. Mutates."""
+        their BlockStored arrives; with the prompt's `token_ids` (the chain of an engine that
+        reuses divergent blocks), the contents of those not cached yet enter the pending
+        divergent-block index. Mutates.
+
+        Blocks the events show cached count too: the engine may evict one before it
+        schedules the request (another request's allocation takes it first), and the request
+        then computes it again, so a request routed after it finds it either way."""
         state = self.state[engine]
         pending = state.pending
         if len(pending) + len(hashes) > max_pending:
@@ -194,23 +199,29 @@ class RouterIndex:
         parent = _ROOT
         for index, block_hash in enumerate(hashes):
             key = low64(block_hash)
-            if (group, key) not in state.blocks:
-                count, until = pending.get(key, (0, 0.0))
-                pending[key] = (count + 1, until)
-                if token_ids is not None and lookahead:
-                    end = (index + 1) * size
-                    content = (parent, tuple(token_ids[end - size:end]))
-                    state.pending_successors[content] = (key, tuple(token_ids[end:end + lookahead]))
+            count, until = pending.get(key, (0, 0.0))
+            pending[key] = (count + 1, until)
+            if (group, key) not in state.blocks and token_ids is not None and lookahead:
+                end = (index + 1) * size
+                content = (parent, tuple(token_ids[end - size:end]))
+                state.pending_successors[content] = (key, tuple(token_ids[end:end + lookahead]))
             parent = key
 
     def release_pending(self, engine: str, hashes: Sequence[bytes], until_s: float) -> None:
-        """The routed request that brought `hashes` is answered: they stay pending until
+        """The routed request that brought `hashes` is answered: those its events show
+        cached are held as the events say from now on; the others stay pending until
         `until_s` (monotonic) unless their events arrive first. Mutates."""
-        pending = self.state[engine].pending
+        state = self.state[engine]
+        pending = state.pending
+        group = self.configs[engine].route_group
         for block_hash in hashes:
             key = low64(block_hash)
             entry = pending.get(key)
-            if entry is not None:
+            if entry is None:
+                continue
+            if entry[0] <= 1 and (group, key) in state.blocks:
+                del pending[key]
+            else:
                 pending[key] = (max(0, entry[0] - 1), max(entry[1], until_s))
 
     # ---- events ------------------------------------------------------------------------------

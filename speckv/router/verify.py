@@ -94,7 +94,7 @@ def at_hash_unit(event: BlockStored, unit: int) -> BlockStored:
         return event
     if size <= 0 or unit <= 0 or size % unit:
         raise VerifyError(f"blocks of {size} tokens over a hash unit of {unit}")
-    if event.extra_keys is not None:
+    if any(event.extra_keys or ()):  # vLLM sends one None per block without extra keys
         raise VerifyError("extra keys of a group block cannot be split into hash units")
     stride = size // unit
     num_blocks = len(event.block_hashes)

@@ -19,6 +19,19 @@ speckv's vLLM plugin active, its lookahead `L` (lookahead hashes, no drop). A fl
 contradicts the engine is refused naming both values: a speculative config on an engine whose
 /metrics show none (or none on one that speculates); a hash seed or lookahead its KV events
 do not reproduce (`check_events`, at start, from the replay socket).
+
+Hybrid engines (sliding-window or Mamba layers beside full attention): vLLM publishes no list
+of its KV cache groups; its events name each stored block's group (`group_idx`,
+`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`, the group's `block_size`), and the router
+learns the groups from them (`group_rule`, `hybrid_rule`). vLLM's hybrid hit
+(`HybridKVCacheCoordinator.find_longest_cache_hit`: each group shortens a candidate, full
+attention first, to a fixed point; sliding window W needs the cdiv(W - 1, B) blocks before the
+hit, Mamba the state block ending at it; hits aligned to the LCM of the group block sizes,
+blocks hashed every `hash_block_size` tokens, a group's block named by the last hash in it) is
+the rule `speckv.cache.group_rules` applies to speckv's hybrid engines. Refused, naming the
+group: a kind the router does not know; a Mamba block hashed finer than it is (vLLM's
+fine-grained partial hits); a hybrid engine under the EAGLE drop or the plugin (which groups
+drop, or hash lookahead tokens, is not in its events).
 """
 
 from __future__ import annotations
@@ -26,22 +39,26 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from speckv.cache.group_rules import GroupRule
 from speckv.events.schema import BlockStored, KVEventBatch, low64
 from speckv.hashing.functions import HASH_ALGOS, get_hash_algo, make_none_hash
 from speckv.router.contract import ContractError, EngineContract, HitRule, connect_endpoint
 from speckv.router.index import EngineHashConfig
 from speckv.router.tokenizer import UNPUBLISHED
-from speckv.router.verify import VerifyError, recompute_block_hashes
+from speckv.router.verify import VerifyError, at_hash_unit, recompute_block_hashes
 
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed (sha256*) without PYTHONHASHSEED
 EAGLE_FAMILY = ("eagle", "eagle3", "mtp", "dflash", "dspark")  # vLLM's use_eagle() methods
 _NO_VOCAB_LIMIT = 2**31 - 1  # the engine checks token ids itself
+# vLLM's kv_cache_spec_kind -> the hit rule of its cache manager (MLA is full attention)
+VLLM_KINDS = {"full_attention": "full_attention", "mla_attention": "full_attention",
+              "sliding_window": "sliding_window", "mamba": "mamba"}
 
 
 @dataclass(frozen=True)
@@ -138,16 +155,8 @@ def vllm_contract(engine: str, url: str, metrics_text: str, models_body: Any,
     if block_size is None or block_size <= 0:
         raise ContractError(engine, "vllm:cache_config_info.block_size",
                             f"{labels.get('block_size')!r}")
-    hash_unit = _int_label(engine, labels, "hash_block_size")
-    if hash_unit not in (None, block_size):
-        raise ContractError(engine, "vllm:cache_config_info.hash_block_size",
-                            f"{hash_unit} != block_size {block_size}: the router predicts "
-                            "engines that hash whole blocks")
-    for name in ("sliding_window", "mamba_block_size"):
-        if labels.get(name, "None") != "None":
-            raise ContractError(engine, f"vllm:cache_config_info.{name}", f"{labels[name]}: "
-                                "a hybrid vLLM engine; the router predicts vLLM engines of one "
-                                "full-attention KV cache group")
+    # a hybrid engine hashes every gcd(group block sizes) tokens; one group, every block
+    hash_unit = _int_label(engine, labels, "hash_block_size") or block_size
     algo = labels.get("prefix_caching_hash_algo", "sha256")
     if algo not in HASH_ALGOS:
         raise ContractError(engine, "vllm:cache_config_info.prefix_caching_hash_algo",
@@ -171,7 +180,7 @@ def vllm_contract(engine: str, url: str, metrics_text: str, models_body: Any,
     root = str(model.get("root") or model["id"])
     lookahead = flags.lookahead_tokens
     hashing = EngineHashConfig(algo=algo, seed=_seed(engine, algo, flags),
-                               block_size=block_size, lookahead_tokens=lookahead,
+                               block_size=hash_unit, lookahead_tokens=lookahead,
                                counts_copies=True)
     drops = flags.drops_last_block
     start = samples.get("process_start_time_seconds", [({}, math.nan)])[0][1]
@@ -182,37 +191,105 @@ def vllm_contract(engine: str, url: str, metrics_text: str, models_body: Any,
         engine=engine, epoch=f"vllm-{start:.3f}", served_model_name=str(model["id"]),
         model=root, max_model_len=int(model.get("max_model_len") or 0),
         vocab_size=_vocab_size(root), tokenizer=UNPUBLISHED + root, hashing=hashing,
-        hit_rule=HitRule(block_size, lookahead, drops,
-                         labels.get("enable_prefix_caching") == "True"),
+        # the plugin reuses a block cached under another successor (one full-attention
+        # group: a hybrid engine under the plugin is refused from its events)
+        hit_rule=HitRule(hash_unit, lookahead, drops,
+                         labels.get("enable_prefix_caching") == "True",
+                         reuses_divergent_blocks=lookahead > 0),
         hash_mode_label=label,
         events_endpoint=connect_endpoint(str(events["endpoint"]), url),
         replay_endpoint=connect_endpoint(str(replay), url) if replay else None,
         num_blocks=_int_label(engine, labels, "num_gpu_blocks") or 0, vllm=True)
 
 
-def check_groups(engine: str, batch: KVEventBatch) -> None:
-    """Refuse an engine whose events show a KV cache group the router cannot predict: a
-    group other than 0 or of another kind than full attention (a hybrid model)."""
+def group_rule(engine: str, event: BlockStored, hash_unit: int) -> GroupRule:
+    """The hit rule of the KV cache group a vLLM BlockStored names, or a `ContractError`
+    (field `kv_groups`) for a group the router cannot predict."""
+    index = event.group_idx or 0
+    named = event.kv_cache_spec_kind or "full_attention"
+    kind = VLLM_KINDS.get(named)
+    if kind is None:
+        raise ContractError(engine, "kv_groups", f"its KV events store group {index} of kind "
+                            f"{named!r}: the router predicts vLLM groups of kinds "
+                            f"{', '.join(VLLM_KINDS)}")
+    size, window = event.block_size, event.kv_cache_spec_sliding_window
+    if size <= 0 or size % hash_unit:
+        raise ContractError(engine, "kv_groups", f"group {index} ({named}) stores blocks of "
+                            f"{size} tokens, not a multiple of its hash_block_size {hash_unit}")
+    if kind == "mamba" and size > hash_unit:
+        raise ContractError(engine, "kv_groups", f"group {index} (mamba) has blocks of {size} "
+                            f"tokens hashed every {hash_unit}: vLLM's fine-grained partial "
+                            "hits, which the router does not predict")
+    if kind == "sliding_window" and not (window or 0) > 0:
+        raise ContractError(engine, "kv_groups", f"group {index} (sliding_window) names no "
+                            f"sliding window ({window!r})")
+    return GroupRule(index, kind, size, 0, window if kind == "sliding_window" else None)
+
+
+def learn_groups(engine: str, batch: KVEventBatch, groups: dict[int, GroupRule],
+                 hash_unit: int) -> bool:
+    """Enter the groups the batch's BlockStored events name into `groups` (a group's block
+    size is the largest its events show: vLLM stores a prompt's partial tail block under a
+    finer hash as well); whether any changed. Raises `ContractError` for a group the router
+    cannot predict. Mutates `groups`."""
+    changed = False
     for event in batch.events:
         if not isinstance(event, BlockStored):
             continue
-        kind = event.kv_cache_spec_kind or "full_attention"
-        if (event.group_idx or 0) != 0 or kind != "full_attention":
-            window = event.kv_cache_spec_sliding_window
-            raise ContractError(engine, "kv_groups", f"its KV events store group "
-                                f"{event.group_idx} of kind {kind!r}"
-                                f"{f' (sliding window {window})' if window else ''}: the "
-                                "router predicts vLLM engines of one full-attention group")
+        rule = group_rule(engine, event, hash_unit)
+        known = groups.get(rule.group_idx)
+        if known is not None and (known.kind, known.sliding_window) != (rule.kind,
+                                                                          rule.sliding_window):
+            raise ContractError(engine, "kv_groups", f"group {rule.group_idx} was "
+                                f"{known.kind} and is now {rule.kind}")
+        if known is None or rule.block_size > known.block_size:
+            groups[rule.group_idx] = rule
+            changed = True
+    return changed
 
 
-def _first_root_block(batches: list[KVEventBatch]) -> BlockStored | None:
+def hybrid_rule(contract: EngineContract, groups: Mapping[int, GroupRule],
+                flags: VLLMFlags) -> HitRule | None:
+    """The hit rule of a vLLM engine whose events show the groups `groups`: None for one
+    full-attention group of whole blocks (the contract's rule), else vLLM's hybrid rule over
+    them, aligned to the LCM of their block sizes. A `ContractError` for a hybrid engine
+    under the EAGLE drop or the plugin."""
+    rules = tuple(groups[index] for index in sorted(groups))
+    unit = contract.hit_rule.block_size
+    # several groups, even all of full attention (an EAGLE head of its own spec), make vLLM
+    # use its hybrid coordinator, whose EAGLE drop is not the one-group one
+    if len(rules) <= 1 and all(r.kind == "full_attention" and r.block_size == unit
+                               for r in rules):
+        return None
+    if flags.drops_last_block or flags.lookahead_tokens:
+        raise ContractError(contract.engine, "kv_groups", "a hybrid vLLM engine (groups "
+                            + ", ".join(f"{r.group_idx}: {r.kind}" for r in rules)
+                            + ") under " + ("the EAGLE last-block drop" if
+                                            flags.drops_last_block else "speckv's plugin")
+                            + ": which groups drop or hash lookahead tokens is not in its "
+                            "events, so the router does not predict it")
+    return replace(contract.hit_rule, groups=rules,
+                   alignment_tokens=math.lcm(*(r.block_size for r in rules)))
+
+
+def check_groups(contract: EngineContract, flags: VLLMFlags,
+                 batches: list[KVEventBatch]) -> None:
+    """Refuse an engine whose events show a group (or groups) the router cannot predict."""
+    groups: dict[int, GroupRule] = {}
     for batch in batches:
-        for event in batch.events:
-            # vLLM sends one extra-keys entry per block, None where a block has none
-            if isinstance(event, BlockStored) and event.parent_block_hash is None \
-                    and event.block_hashes and not any(event.extra_keys or ()):
-                return event
-    return None
+        learn_groups(contract.engine, batch, groups, contract.hashing.block_size)
+    hybrid_rule(contract, groups, flags)
+
+
+def _first_root_block(batches: list[KVEventBatch], unit: int) -> BlockStored | None:
+    """The first block stored from the root, of a group of blocks of `unit` tokens where the
+    events show one."""
+    roots = [event for batch in batches for event in batch.events
+             # vLLM sends one extra-keys entry per block, None where a block has none
+             if isinstance(event, BlockStored) and event.parent_block_hash is None
+             and event.block_hashes and not any(event.extra_keys or ())]
+    return next((event for event in roots if event.block_size == unit),
+                roots[0] if roots else None)
 
 
 def check_events(contract: EngineContract, flags: VLLMFlags,
@@ -221,9 +298,12 @@ def check_events(contract: EngineContract, flags: VLLMFlags,
     (the first block stored from the root, recomputed with the contract's hashing). Nothing
     to check without such an event."""
     engine = contract.engine
-    for batch in batches:
-        check_groups(engine, batch)
-    event = _first_root_block(batches)
+    unit = contract.hashing.block_size
+    event = _first_root_block(batches, unit)
+    if event is not None and event.block_size % unit:
+        raise ContractError(engine, "block_size", f"its KV events store blocks of "
+                            f"{event.block_size} tokens, its /metrics say {unit}")
+    check_groups(contract, flags, batches)
     if event is None:
         return
     published = len(event.lookahead_token_ids[0]) if event.lookahead_token_ids else 0
@@ -231,16 +311,14 @@ def check_events(contract: EngineContract, flags: VLLMFlags,
         raise ContractError(engine, "lookahead_tokens", f"--vllm-lookahead-tokens "
                             f"{flags.lookahead_tokens}, but the engine's KV events carry "
                             f"{published} lookahead tokens per block")
-    if event.block_size != contract.hashing.block_size:
-        raise ContractError(engine, "block_size", f"its KV events store blocks of "
-                            f"{event.block_size} tokens, its /metrics say "
-                            f"{contract.hashing.block_size}")
     algo = get_hash_algo(contract.hashing.algo)
 
     def first_hash(seed: str) -> int | None:
+        """The first block's hash: the last of the hash units in it."""
         try:
-            return low64(recompute_block_hashes(event, algo, make_none_hash(algo, seed),
-                                                {})[0])
+            return low64(recompute_block_hashes(at_hash_unit(event, unit), algo,
+                                                make_none_hash(algo, seed), {})
+                         [event.block_size // unit - 1])
         except VerifyError:
             return None
 

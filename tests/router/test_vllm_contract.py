@@ -152,23 +152,21 @@ def test_the_vllm_cli_flags():
             with_vllm_flags(parse_engines(args.engine, []), args)
 
 
-def test_a_hybrid_vllm_engine_is_refused_from_its_metrics_or_its_events():
+def test_a_vllm_group_the_router_cannot_predict_is_refused_from_its_events():
+    """A hybrid vLLM engine is predicted from the groups its events name
+    (tests/router/test_vllm_hybrid.py); a kind the router does not know is refused at start
+    and, at run time, takes the engine out of rotation until it restarts."""
     text = metrics().replace('sliding_window="None"', 'sliding_window="4096"')
-    with pytest.raises(ContractError, match=r"cache_config_info\.sliding_window.*hybrid"):
-        vllm_contract("v", URL, text, MODELS, VLLMFlags(EVENTS, "0"))
-    contract = vllm_contract("v", URL, metrics(), MODELS, VLLMFlags(EVENTS, "0"))
+    contract = vllm_contract("v", URL, text, MODELS, VLLMFlags(EVENTS, "0"))
     batch = root_event(list(range(1000, 1100)), "0")
-    swa = replace(batch.events[0], group_idx=1, kv_cache_spec_kind="sliding_window",
-                  kv_cache_spec_sliding_window=128)
-    with pytest.raises(ContractError, match=r"group 1 of kind 'sliding_window' \(sliding "
-                       r"window 128\)"):
-        check_events(contract, VLLMFlags(EVENTS, "0"), [batch, KVEventBatch(0.0, [swa])])
-    # at run time: out of rotation until the engine restarts, whatever its polls say
+    local = replace(batch.events[0], group_idx=1, kv_cache_spec_kind="chunked_local_attention")
+    with pytest.raises(ContractError, match=r"group 1 of kind 'chunked_local_attention'"):
+        check_events(contract, VLLMFlags(EVENTS, "0"), [batch, KVEventBatch(0.0, [local])])
     link = EngineLink(EngineSpec("v", URL), contract)
     fleet = Fleet([link], TokenizerCache("builtin"))  # --tokenizer: the model is elsewhere
     fleet.apply(link, 0, 0, batch)
     assert link.in_rotation
-    fleet.apply(link, 0, 1, KVEventBatch(0.0, [swa]))
+    fleet.apply(link, 0, 1, KVEventBatch(0.0, [local]))
     assert not link.in_rotation and "kv_groups" in fleet.state()["v"]["refused"]
     fleet.engine_healthy(link, contract, {})
     assert not link.in_rotation
@@ -232,3 +230,20 @@ def replace_config(config):
     from dataclasses import replace as replace_dataclass
 
     return replace_dataclass(config, counts_copies=False)
+
+
+def test_the_plugins_divergent_block_reuse_is_predicted():
+    """With speckv's plugin (lookahead L = 1 under EAGLE3) vLLM reuses a block cached under
+    another successor: a prompt diverging right after block j hits j * 32 + 32 - 1 (the route
+    bench showed 191 = 5 * 32 + 31 reported)."""
+    flags = VLLMFlags(EVENTS, "0", {"method": "eagle3"}, 1)
+    contract = vllm_contract("v", URL, metrics(speculates=True), MODELS, flags)
+    assert contract.hit_rule.reuses_divergent_blocks
+    link = EngineLink(EngineSpec("v", URL, vllm=flags), contract)
+    fleet = Fleet([link], TokenizerCache("builtin"))
+    cached = list(range(1000, 1200))  # blocks 0..4 stored, each with its successor token
+    fleet.apply(link, 0, 0, root_event(cached, "0", lookahead=1))
+    diverging = cached[:160] + list(range(5000, 5021))  # block 4's successor differs
+    plan = fleet.plan(diverging, ["v"])["v"]
+    assert plan.published_cached_tokens == 4 * 32 + 32 - 1
+    assert fleet.plan(cached[:181], ["v"])["v"].published_cached_tokens == 5 * 32

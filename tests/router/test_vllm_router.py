@@ -169,6 +169,26 @@ def test_the_eagle_engine_drops_its_last_block_and_the_router_predicts_it(engine
         router.stop()
 
 
+def test_a_router_started_after_an_engine_reset_sees_the_reset(engines):
+    """vLLM publishes a step's events after the step: an idle engine reset directly shows its
+    AllBlocksCleared only at its next step. The router makes it step before replaying its
+    events, so it does not predict the blocks of before the reset."""
+    plain = engines["plain"]
+    prompt = prompts(6, 1, 1)[0]
+    assert httpx.post(f"{plain.url}/v1/completions", timeout=WATCHDOG_S, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1}).status_code == 200
+    assert httpx.post(f"{plain.url}/reset_prefix_cache", timeout=WATCHDOG_S).status_code == 200
+    router = router_over(engines, ["plain"])
+    try:
+        usage = send(router, prompt).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        metrics = totals(router)
+        assert metrics.get("speckv_router:prediction_checks_total", 0) == 1
+        assert metrics.get("speckv_router:prediction_mismatches_total", 0) == 0
+    finally:
+        router.stop()
+
+
 def test_a_mixed_fleet_of_speckv_and_vllm(engines):
     router = router_over(engines, ["speckv", "plain"])
     try:
