@@ -140,7 +140,9 @@ def linear_forms_summary(model: nn.Module) -> str:
     if first.packed is not None:
         parts.append(f"oneDNN packed weights from "
                      f"{max(first.packed_min_rows, first.native_max_rows + 1)} rows")
-    if first.transposed_rows:
-        parts.append("W @ x^T for " + ", ".join(map(str, sorted(first.transposed_rows)))
-                     + " rows")
+    packed_from = first.packed_min_rows if first.packed is not None else None
+    transposed = sorted(n for n in first.transposed_rows if n > first.native_max_rows
+                        and (packed_from is None or n < packed_from))
+    if transposed:  # the rows neither of the forms above takes
+        parts.append("W @ x^T for " + ", ".join(map(str, transposed)) + " rows")
     return "; ".join(parts) + ("; torch's kernels otherwise" if parts else "torch's kernels")

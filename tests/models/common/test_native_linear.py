@@ -129,4 +129,7 @@ def test_the_summary_names_the_forms_by_row_count():
     summary = linear_forms_summary(model)
     assert summary.startswith(f"speckv's kernel ({rowdot_instruction_set()}) up to 3 rows")
     assert summary.endswith("torch's kernels otherwise")
+    for layer in model:
+        layer.transposed_rows = frozenset({2, 3, 4, 5})
+    assert "W @ x^T for 4, 5 rows" in linear_forms_summary(model)  # 2, 3: the kernel's
     assert linear_forms_summary(torch.nn.ReLU()) == "torch's kernels"
