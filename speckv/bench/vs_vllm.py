@@ -377,9 +377,16 @@ def run(args: argparse.Namespace) -> int:
                                "vllm_enforce_eager": args.vllm_enforce_eager}
     versions: dict[str, str] = {}
     points: list[RunPoint] = []
+    failed: dict[str, str] = {}
     for method in methods:
-        points += run_method(args, method, workloads, model_dir, versions)
-    context.update(versions=versions, machine_after=machine(),
+        try:
+            points += run_method(args, method, workloads, model_dir, versions)
+        except RuntimeError as error:  # a server that did not start: report the other method
+            failed[method] = str(error).splitlines()[0]
+            print(f"bench vs-vllm: {method}: {failed[method]}", file=sys.stderr, flush=True)
+    if not points:
+        return 1
+    context.update(versions=versions, machine_after=machine(), failed_methods=failed,
                    commands={m: {"speckv": " ".join(speckv_command(args, m, 0)[2:]),
                                  "vllm": (" ".join(vllm_command(args, m, 0, model_dir)[0])
                                           if not args.vllm_url else args.vllm_url)}

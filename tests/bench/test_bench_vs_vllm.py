@@ -187,3 +187,23 @@ def test_a_tiny_run_against_a_real_vllm(tmp_path: Path,
     assert all(r["num_failed"] == 0 and r["output_tok_s"] > 0 for r in document["runs"])
     assert document["versions"]["vllm"].startswith("0.")
     assert (tmp_path / "ratio.png").is_file()
+
+
+def test_a_method_whose_server_does_not_start_leaves_the_others_figures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(vs_vllm, "vllm_source", lambda args: None)
+
+    def run_method(args, method, workloads, model_dir, versions):  # type: ignore[no-untyped-def]
+        if method == "eagle3":
+            raise RuntimeError("vllm exited with 1; its log ends:\nTraceback ...")
+        return [_point(method, w.name, server, 0, tok_s) for w in workloads
+                for server, tok_s in (("speckv", 12.0), ("vllm", 10.0))]
+
+    monkeypatch.setattr(vs_vllm, "run_method", run_method)
+    assert vs_vllm.run(_args("--vllm-venv", "/x", "--workloads", "batch1", "--quick",
+                             "--output-dir", str(tmp_path))) == 0
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["failed_methods"] == {"eagle3": "vllm exited with 1; its log ends:"}
+    assert [run["method"] for run in document["runs"]] == ["none", "none"]
+    assert "eagle3: vllm exited with 1" in capsys.readouterr().err
