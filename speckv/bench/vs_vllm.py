@@ -176,9 +176,10 @@ def vllm_command(args: argparse.Namespace, method: str, port: int, model_dir: Pa
         command += ["--speculative-config", json.dumps(
             {"method": "eagle3", "model": str(BUILTIN_DRAFTER_DIR),
              "num_speculative_tokens": args.num_spec})]
-    # VLLM_SERVER_DEV_MODE: /reset_prefix_cache, so each run starts on an empty cache as ours
+    # VLLM_SERVER_DEV_MODE: /reset_prefix_cache, so each run starts on an empty cache as ours;
+    # SPECKV_VLLM_PLUGIN=0: vLLM as its users run it, even where speckv's plugin is installed
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
-           "VLLM_SERVER_DEV_MODE": "1"}
+           "VLLM_SERVER_DEV_MODE": "1", "SPECKV_VLLM_PLUGIN": "0"}
     if args.threads is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     return command, env

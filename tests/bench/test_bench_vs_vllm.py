@@ -134,6 +134,7 @@ def test_both_servers_get_the_same_threads_kv_memory_and_head(tmp_path: Path) ->
     assert speckv[speckv.index("--threads") + 1] == "2"
     assert speckv[speckv.index("--kv-cache-memory-bytes") + 1] == "3G"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["SPECKV_VLLM_PLUGIN"] == "0"  # stock vLLM even with the plugin installed
     spec = json.loads(command[command.index("--speculative-config") + 1])
     head = speckv[speckv.index("--speculative-model") + 1]
     from speckv.drafters.builtin import BUILTIN_DRAFTER_DIR
