@@ -18,8 +18,9 @@ def load_drafter_model(speculative_model: str, model: TargetModel,
     head; `method`, when given, must be the drafter's) or, on a GDN hybrid, "random-mtp" (a
     seeded random-init Qwen3-Next MTP head) or the checkpoint directory whose own `mtp.*` head
     to load. Its few-row CPU matmuls take the forms this machine computes fastest, as the
-    target's (`speckv.models.common.small_rows`, `speckv.models.common.native_linear`)."""
+    target's (`small_rows`, `native_linear`, `panel_linear` in `speckv.models.common`)."""
     from speckv.models.common.native_linear import native_max_rows_of, set_native_max_rows
+    from speckv.models.common.panel_linear import panel_rows_of, set_panels
     from speckv.models.common.small_rows import (
         cpu_fp32_linears,
         set_small_row_form,
@@ -29,6 +30,7 @@ def load_drafter_model(speculative_model: str, model: TargetModel,
     drafter = _load_drafter(speculative_model, model, method)
     set_small_row_form(drafter, small_row_form_of(model))
     set_native_max_rows(cpu_fp32_linears(drafter), native_max_rows_of(model))
+    set_panels(cpu_fp32_linears(drafter), panel_rows_of(model))
     return drafter
 
 

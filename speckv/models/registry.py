@@ -138,15 +138,18 @@ def load_model(model: str | Path | None, dtype: str, device: Any, progress: bool
     computes fastest (`speckv.models.common.small_rows`), its projections through oneDNN with
     packed weights where that measured faster (`speckv.models.common.packed_linear`), and its
     products of few enough rows through speckv's own kernel where that measured faster still
-    (`speckv.models.common.native_linear`)."""
+    (`speckv.models.common.native_linear`), on panel-packed weights for the batch sizes where
+    those measured faster (`speckv.models.common.panel_linear`)."""
     from speckv.models.common.native_linear import use_native_where_faster
     from speckv.models.common.packed_linear import use_packed_weights_where_faster
+    from speckv.models.common.panel_linear import use_panels_where_faster
     from speckv.models.common.small_rows import use_fastest_small_row_form
 
     loaded, tokenizer = _load(model, dtype, device, progress)
     use_fastest_small_row_form(loaded)
     use_packed_weights_where_faster(loaded)
     use_native_where_faster(loaded)
+    use_panels_where_faster(loaded)
     return loaded, tokenizer
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from speckv.router.contract import ContractError
 from speckv.router.fleet import EngineLink, EngineSpec, Fleet
 from speckv.router.tokenizer import TokenizerCache
 from speckv.router.vllm_engine import VLLMFlags, check_events, vllm_contract
+from tests import patience
 from tests.router.test_vllm_contract import EVENTS, MODELS, URL, metrics, root_event
 
 BLOCK = 16
@@ -148,8 +148,9 @@ def test_groups_the_router_cannot_predict_are_refused():
 def test_predictions_equal_the_hits_of_vllms_own_kv_cache_manager(layout):
     script = Path(__file__).with_name("vllm_kv_manager_events.py")
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": ""}
-    run = subprocess.run([str(Path(VENV) / "bin" / "python"), str(script), layout, "0", "80"],
-                         env=env, capture_output=True, text=True, timeout=600, check=True)
+    run = patience.run([str(Path(VENV) / "bin" / "python"), str(script), layout, "0", "80"],
+                       cpu_budget_s=600, env=env)
+    assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     fleet, link = hybrid_fleet(lines[0]["hash_block_size"])
     checked = served = 0

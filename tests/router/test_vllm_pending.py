@@ -56,7 +56,7 @@ def test_once_answered_the_events_alone_say_what_is_held():
     prompt = prefix + list(range(5000, 5000 + 9))
     hashes = chain(index, prompt)
     index.add_pending("v", hashes)
-    index.release_pending("v", hashes, time.monotonic() + 60.0)  # answered; a long grace
+    index.release_pending("v", hashes, time.monotonic() + 60.0)  # a grace period # not a wall limit
     # a block its events showed cached is evicted after the request was answered: the
     # router sees it at once, the grace period is for blocks whose BlockStored is late
     index.apply_batch("v", removed(hashes[1]))

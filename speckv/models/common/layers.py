@@ -27,6 +27,11 @@ class Linear(nn.Linear):
     test that edits weights)."""
 
     native_max_rows = 0
+    # (the weight it was packed from, that weight's version then, its panels): inputs of
+    # panel_min_rows..panel_max_rows rows are computed on the panels (`panel_linear`)
+    panel: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    panel_min_rows = 0
+    panel_max_rows = 0
     transposed_rows: frozenset[int] = frozenset()
     # (the weight it was packed from, that weight's version then, the oneDNN-packed weight)
     packed: tuple[torch.Tensor, int, torch.Tensor] | None = None
@@ -34,6 +39,21 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] (any leading dims)
         weight, bias = self.weight, self.bias
+        panel = self.panel
+        if (panel is not None and x.dim() == 2
+                and self.panel_min_rows <= x.shape[0] <= self.panel_max_rows
+                and panel[0] is weight and panel[1] == weight._version
+                and x.shape[1] == weight.shape[1] and x.dtype == torch.float32
+                and x.device.type == "cpu" and x.is_contiguous()
+                and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                      or (bias is not None
+                                                          and bias.requires_grad)))):
+            y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)  # [n, out]
+            _rowdot.panel_dot(x.data_ptr(), panel[2].data_ptr(),
+                              0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                              x.shape[0], x.shape[1], weight.shape[0])
+            return y
         if (x.dim() == 2 and x.shape[0] <= self.native_max_rows and x.shape[1] == weight.shape[1]
                 and x.dtype == torch.float32
                 and weight.dtype == torch.float32 and x.device.type == "cpu"

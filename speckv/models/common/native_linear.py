@@ -134,6 +134,9 @@ def linear_forms_summary(model: nn.Module) -> str:
         return "torch's kernels"
     first = linears[0]
     parts = []
+    if first.panel is not None:
+        parts.append(f"panel-packed weights for {first.panel_min_rows}-{first.panel_max_rows} "
+                     "rows")
     if first.native_max_rows:
         parts.append(f"speckv's kernel ({rowdot_instruction_set()}) up to "
                      f"{first.native_max_rows} rows")
