@@ -180,6 +180,11 @@ def vllm_command(args: argparse.Namespace, method: str, port: int, model_dir: Pa
     # SPECKV_VLLM_PLUGIN=0: vLLM as its users run it, even where speckv's plugin is installed
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
            "VLLM_SERVER_DEV_MODE": "1", "SPECKV_VLLM_PLUGIN": "0"}
+    if method == "eagle3":
+        # vLLM 0.32 with an EAGLE3 head fails to load its own compiled-model cache from an
+        # earlier start ("'function' object has no attribute 'finalize_loading'", then a
+        # stack overflow in its worker): compile afresh each start
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if args.threads is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     return command, env
