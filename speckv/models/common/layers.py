@@ -16,19 +16,36 @@ except ImportError:  # built without a C compiler (see native_linear.py)
     _rowdot = None
 
 
+def _native_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether speckv's kernels may compute x @ weight^T (+ bias): a contiguous 2-D fp32 CPU
+    input of the weight's width, a contiguous fp32 bias, and no gradient wanted."""
+    return (x.dim() == 2 and x.shape[1] == weight.shape[1] and x.dtype == torch.float32
+            and x.device.type == "cpu" and x.is_contiguous()
+            and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or weight.requires_grad
+                          or (bias is not None and bias.requires_grad))))
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) that computes fp32 CPU inputs in the
-    form a loader measured fastest on this machine (`speckv.models.common.native_linear`,
-    `speckv.models.common.small_rows`, `speckv.models.common.packed_linear`): up to
-    `native_max_rows` rows through speckv's own kernel, through oneDNN with its weight packed
-    once (`packed`), or the row counts in `transposed_rows` as (W @ x^T)^T. All stay off (the
-    plain form) until a loader measures; the native and packed forms step aside where autograd
-    needs the product, and the packed one where the weight changed after packing (training, a
-    test that edits weights)."""
+    forms a loader measured fastest on this machine, tried in this order:
+
+        panel_min_rows..panel_max_rows rows   speckv's kernel on panel-packed weights
+                                              (`speckv.models.common.panel_linear`)
+        up to native_max_rows rows            speckv's kernel on the weight as it is
+                                              (`speckv.models.common.native_linear`)
+        packed_min_rows rows or more          oneDNN with its weight packed once
+                                              (`speckv.models.common.packed_linear`)
+        rows in transposed_rows               (W @ x^T)^T (`speckv.models.common.small_rows`)
+        anything else                         F.linear
+
+    All stay off (the plain form) until a loader measures. The native and packed forms step
+    aside where autograd needs the product, the packed ones (panels, oneDNN) also where the
+    weight changed after packing (training, a test that edits weights)."""
 
     native_max_rows = 0
-    # (the weight it was packed from, that weight's version then, its panels): inputs of
-    # panel_min_rows..panel_max_rows rows are computed on the panels (`panel_linear`)
+    # (the weight it was packed from, that weight's version then, its panels)
     panel: tuple[torch.Tensor, int, torch.Tensor] | None = None
     panel_min_rows = 0
     panel_max_rows = 0
@@ -39,47 +56,35 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] (any leading dims)
         weight, bias = self.weight, self.bias
+        rows = x.shape[0] if x.dim() == 2 else 0
         panel = self.panel
-        if (panel is not None and x.dim() == 2
-                and self.panel_min_rows <= x.shape[0] <= self.panel_max_rows
+        if (panel is not None and self.panel_min_rows <= rows <= self.panel_max_rows
                 and panel[0] is weight and panel[1] == weight._version
-                and x.shape[1] == weight.shape[1] and x.dtype == torch.float32
-                and x.device.type == "cpu" and x.is_contiguous()
-                and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                      or (bias is not None
-                                                          and bias.requires_grad)))):
-            y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)  # [n, out]
+                and _native_input(x, weight, bias)):
+            y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)  # [n, out]
             _rowdot.panel_dot(x.data_ptr(), panel[2].data_ptr(),
                               0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                              x.shape[0], x.shape[1], weight.shape[0])
+                              rows, x.shape[1], weight.shape[0])
             return y
-        if (x.dim() == 2 and x.shape[0] <= self.native_max_rows and x.shape[1] == weight.shape[1]
-                and x.dtype == torch.float32
-                and weight.dtype == torch.float32 and x.device.type == "cpu"
-                and weight.device.type == "cpu" and x.is_contiguous()
-                and weight.is_contiguous()
-                and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                      or (bias is not None
-                                                          and bias.requires_grad)))):
-            y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)  # [n, out]
+        if (0 < rows <= self.native_max_rows and weight.dtype == torch.float32
+                and weight.device.type == "cpu" and weight.is_contiguous()
+                and _native_input(x, weight, bias)):
+            y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)  # [n, out]
             _rowdot.rowdot(x.data_ptr(), weight.data_ptr(),
                            0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                           x.shape[0], x.shape[1], weight.shape[0])
+                           rows, x.shape[1], weight.shape[0])
             return y
         packed = self.packed
-        if (packed is not None and packed[0] is self.weight
-                and packed[1] == self.weight._version and x.device.type == "cpu"
-                and x.dtype == torch.float32 and x.numel() >= self.packed_min_rows * x.shape[-1]
-                and not (torch.is_grad_enabled()
-                         and (x.requires_grad or self.weight.requires_grad))):
-            return torch.ops.mkldnn._linear_pointwise(x, packed[2], self.bias, "none", [], "")
-        if (x.dim() == 2 and x.shape[0] in self.transposed_rows and x.device.type == "cpu"
-                and x.dtype == torch.float32 and self.weight.dtype == torch.float32):
-            y = torch.mm(self.weight, x.t()).t().contiguous()  # [n, out]
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        if (packed is not None and packed[0] is weight and packed[1] == weight._version
+                and x.device.type == "cpu" and x.dtype == torch.float32
+                and x.numel() >= self.packed_min_rows * x.shape[-1]
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return torch.ops.mkldnn._linear_pointwise(x, packed[2], bias, "none", [], "")
+        if (rows in self.transposed_rows and x.device.type == "cpu"
+                and x.dtype == torch.float32 and weight.dtype == torch.float32):
+            y = torch.mm(weight, x.t()).t().contiguous()  # [n, out]
+            return y if bias is None else y + bias
+        return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
