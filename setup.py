@@ -20,12 +20,16 @@ setup(
         Extension(
             "speckv.attention._decode_attn",
             sources=["speckv/attention/_decode_attn.c"],
+            include_dirs=["speckv/csrc"],
+            depends=["speckv/csrc/simd.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "speckv.models.common._rowdot",
             sources=["speckv/models/common/_rowdot.c"],
+            include_dirs=["speckv/csrc"],
+            depends=["speckv/csrc/simd.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

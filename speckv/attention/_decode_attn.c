@@ -31,11 +31,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+#include "simd.h"
 
-#define LOAD16(dst, src) memcpy(&(dst), (src), sizeof(v16))
-#define STORE16(dst, src) memcpy((dst), &(src), sizeof(v16))
+typedef int32_t vi16 __attribute__((vector_size(64)));
 #define MAX_ROWS 128 /* query rows per request: query_len * num_heads */
 #define MAX_HEAD_DIM 256
 
@@ -73,27 +71,6 @@ typedef struct {
         (out) = (v16)((vi16)(p_ * scale2_) & ~under_);                               \
     } while (0)
 
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-#define HSUM16(v, out)                                                               \
-    do {                                                                             \
-        v8 h8_ = __builtin_shufflevector((v), (v), 0, 1, 2, 3, 4, 5, 6, 7) +         \
-                 __builtin_shufflevector((v), (v), 8, 9, 10, 11, 12, 13, 14, 15);    \
-        v4 h4_ = __builtin_shufflevector(h8_, h8_, 0, 1, 2, 3) +                     \
-                 __builtin_shufflevector(h8_, h8_, 4, 5, 6, 7);                      \
-        (out) = (h4_[0] + h4_[2]) + (h4_[1] + h4_[3]);                               \
-    } while (0)
-#else
-#define HSUM16(v, out)                                                               \
-    do {                                                                             \
-        float l_[16];                                                                \
-        memcpy(l_, &(v), sizeof(l_));                                                \
-        for (int s_ = 8; s_ > 0; s_ >>= 1)                                           \
-            for (int t_ = 0; t_ < s_; t_++) l_[t_] += l_[t_ + s_];                   \
-        (out) = l_[0];                                                               \
-    } while (0)
-#endif
 
 /* one request, all its heads: `s` holds num_rows x seq_len scores, `acc` num_rows x head_dim
  * sums; row = token i * num_heads + head h. Positions are visited in order, all heads of one

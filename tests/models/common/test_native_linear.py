@@ -9,28 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speckv.models.common.layers import Linear
 from speckv.models.common.native_linear import (
     choose_native_max_rows,
     native_max_rows_of,
-    rowdot_available,
     rowdot_instruction_set,
     set_native_max_rows,
     use_native_where_faster,
 )
-
-needs_kernel = pytest.mark.skipif(not rowdot_available(),
-                                  reason="speckv was built without its native kernel")
-
-
-def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Linear:
-    gen = torch.Generator().manual_seed(seed)
-    layer = Linear(in_features, out_features, bias=bias)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(out_features, in_features, generator=gen))
-        if bias:
-            layer.bias.copy_(torch.randn(out_features, generator=gen))
-    return layer
+from tests.models.common.linear_layers import needs_kernel, seeded_layer
 
 
 @needs_kernel
@@ -38,7 +24,7 @@ def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Li
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 9])  # chunks of 4 rows + remainders
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_native_form_computes_the_plain_product(in_features, num_rows, bias):
-    layer = _layer(in_features, 37, bias)  # an odd number of outputs
+    layer = seeded_layer(in_features, 37, bias)  # an odd number of outputs
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(1))
     plain = F.linear(x, layer.weight, layer.bias)
     set_native_max_rows([layer], 16)
@@ -51,7 +37,7 @@ def test_the_native_form_computes_the_plain_product(in_features, num_rows, bias)
 
 @needs_kernel
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
-    layer = _layer(576, 64, bias=True)
+    layer = seeded_layer(576, 64, bias=True)
     set_native_max_rows([layer], 8)
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -62,7 +48,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
 
 @needs_kernel
 def test_where_the_native_form_does_not_apply_torch_computes_it():
-    layer = _layer(96, 160, bias=True)
+    layer = seeded_layer(96, 160, bias=True)
     set_native_max_rows([layer], 2)
     three = torch.randn(3, 96)
     with torch.no_grad():
@@ -93,7 +79,7 @@ def test_the_row_limit_follows_the_measurement():
 
 
 def test_a_model_in_the_cache_keeps_torchs_kernels():
-    small = torch.nn.Sequential(_layer(64, 64, bias=False))  # far below the streamed size
+    small = torch.nn.Sequential(seeded_layer(64, 64, bias=False))  # far below the streamed size
     assert use_native_where_faster(small) == 0
     assert native_max_rows_of(small) == 0
 
@@ -105,17 +91,17 @@ def test_without_the_kernel_nothing_can_turn_it_on(monkeypatch):
     assert not native_linear.rowdot_available()
     assert native_linear.rowdot_instruction_set() is None
     with pytest.raises(RuntimeError, match="native kernel"):
-        set_native_max_rows([_layer(8, 8, bias=False)], 2)
+        set_native_max_rows([seeded_layer(8, 8, bias=False)], 2)
 
 
 @needs_kernel
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # the width-0 layer
 def test_empty_inputs_give_empty_or_bias_only_products():
-    layer = _layer(96, 160, bias=True)
+    layer = seeded_layer(96, 160, bias=True)
     set_native_max_rows([layer], 4)
     with torch.no_grad():
         assert layer(torch.empty(0, 96)).shape == (0, 160)
-        width_zero = _layer(0, 5, bias=True)
+        width_zero = seeded_layer(0, 5, bias=True)
         set_native_max_rows([width_zero], 4)
         assert torch.equal(width_zero(torch.empty(2, 0)), width_zero.bias.expand(2, 5))
 
@@ -124,7 +110,7 @@ def test_empty_inputs_give_empty_or_bias_only_products():
 def test_the_summary_names_the_forms_by_row_count():
     from speckv.models.common.native_linear import linear_forms_summary
 
-    model = torch.nn.Sequential(_layer(32, 32, bias=False), _layer(32, 32, bias=False))
+    model = torch.nn.Sequential(seeded_layer(32, 32, bias=False), seeded_layer(32, 32, bias=False))
     assert linear_forms_summary(model) == "torch's kernels"
     set_native_max_rows(list(model), 3)
     summary = linear_forms_summary(model)

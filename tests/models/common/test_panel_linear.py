@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speckv.models.common.layers import Linear
-from speckv.models.common.native_linear import linear_forms_summary, rowdot_available
+from speckv.models.common.native_linear import linear_forms_summary
 from speckv.models.common.panel_linear import (
     choose_panel_rows,
     pack_panels,
@@ -18,19 +17,7 @@ from speckv.models.common.panel_linear import (
     set_panels,
     use_panels_where_faster,
 )
-
-needs_kernel = pytest.mark.skipif(not rowdot_available(),
-                                  reason="speckv was built without its native kernel")
-
-
-def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Linear:
-    gen = torch.Generator().manual_seed(seed)
-    layer = Linear(in_features, out_features, bias=bias)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(out_features, in_features, generator=gen))
-        if bias:
-            layer.bias.copy_(torch.randn(out_features, generator=gen))
-    return layer
+from tests.models.common.linear_layers import needs_kernel, seeded_layer
 
 
 def test_panels_lay_out_32_rows_k_major():
@@ -46,7 +33,7 @@ def test_panels_lay_out_32_rows_k_major():
 @pytest.mark.parametrize("num_rows", [1, 2, 5, 8, 9, 17])  # chunks of 8 rows + remainders
 @pytest.mark.parametrize("bias", [False, True])
 def test_panels_compute_the_plain_product(out_features, num_rows, bias):
-    layer = _layer(100, out_features, bias)
+    layer = seeded_layer(100, out_features, bias)
     x = torch.randn(num_rows, 100, generator=torch.Generator().manual_seed(1))
     plain = F.linear(x, layer.weight, layer.bias)
     set_panels([layer], (1, 32))
@@ -58,7 +45,7 @@ def test_panels_compute_the_plain_product(out_features, num_rows, bias):
 
 @needs_kernel
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
-    layer = _layer(576, 64, bias=True)
+    layer = seeded_layer(576, 64, bias=True)
     set_panels([layer], (1, 16))
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -69,7 +56,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
 
 @needs_kernel
 def test_outside_the_range_or_on_an_edited_weight_torch_computes_it():
-    layer = _layer(96, 160, bias=True)
+    layer = seeded_layer(96, 160, bias=True)
     set_panels([layer], (2, 4))
     with torch.no_grad():
         for rows in (1, 5):
@@ -94,7 +81,7 @@ def test_the_range_is_the_longest_run_of_clear_wins():
 
 @needs_kernel
 def test_a_model_in_the_cache_keeps_the_other_forms_and_the_summary_names_them():
-    small = torch.nn.Sequential(_layer(64, 64, bias=False))
+    small = torch.nn.Sequential(seeded_layer(64, 64, bias=False))
     assert use_panels_where_faster(small) is None and panel_rows_of(small) is None
     set_panels(list(small), (2, 8))
     assert panel_rows_of(small) == (2, 8)
