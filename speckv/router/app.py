@@ -60,7 +60,7 @@ from speckv.api.protocol import (
     parse_completion,
     parse_json_object,
 )
-from speckv.router.engine_probe import EngineDown, read_contract
+from speckv.router.engine_probe import EngineDown, flush_events, read_contract
 from speckv.router.fleet import EngineLink, EnginePlan, Fleet
 from speckv.router.metrics import RouterMetrics
 from speckv.router.policy import Decision, Policy
@@ -470,8 +470,14 @@ def _service_routes(router: Router) -> list[Route]:
                 if answer.json().get("success") is False:  # vLLM: blocks still held
                     return _passthrough(answer, answer.content, link.name)
             # a vLLM engine publishes its AllBlocksCleared with its next step's events: the
-            # index forgets the engine's blocks now (the event, when it comes, again)
+            # index forgets the engine's blocks now, and the engine is made to step so that
+            # the event comes too. Without it, blocks a replay still delivers after this clear
+            # (a router started just before the reset) would stay until the engine's next
+            # request.
             fleet.cleared(link)
+            if link.contract is not None and link.contract.vllm:
+                await flush_events(router.client, link.spec, link.contract,
+                                   router.config.request_timeout_s)
         return JSONResponse({"success": True, "engines": [link.name for link in links]})
 
     return [

@@ -189,6 +189,24 @@ def test_a_router_started_after_an_engine_reset_sees_the_reset(engines):
         router.stop()
 
 
+def test_a_reset_through_the_router_brings_the_engines_own_clear(engines):
+    """The router forgets a vLLM engine's blocks when it resets it, and makes the engine step
+    so that its AllBlocksCleared follows: a router whose replay is still delivering the
+    blocks of before the reset (just started) would otherwise keep them while the engine
+    idles."""
+    router = router_over(engines, ["plain"])
+    try:
+        send(router, prompts(7, 1, 1)[0])
+        before = router.wait_state(
+            lambda s: s["plain"]["index"]["cached_blocks"] > 0)["plain"]["index"]["clears"]
+        reset = httpx.post(f"{router.url}/reset_prefix_cache", timeout=WATCHDOG_S)
+        assert reset.status_code == 200, reset.text
+        router.wait_state(lambda s: s["plain"]["index"]["clears"] > before
+                          and s["plain"]["index"]["cached_blocks"] == 0)
+    finally:
+        router.stop()
+
+
 def test_a_mixed_fleet_of_speckv_and_vllm(engines):
     router = router_over(engines, ["speckv", "plain"])
     try:
