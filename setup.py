@@ -21,7 +21,7 @@ setup(
             "speckv.attention._decode_attn",
             sources=["speckv/attention/_decode_attn.c"],
             include_dirs=["speckv/csrc"],
-            depends=["speckv/csrc/simd.h"],
+            depends=["speckv/csrc/simd.h", "speckv/attention/_decode_attn_body.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -11,12 +11,10 @@
  * A decode or verification step attends 1-8 new tokens per request over its whole context.
  * Gathering the context's blocks into one padded tensor per layer and running a masked SDPA
  * copies every K/V row once more and pays a dozen calls; here each request's K and V blocks are
- * read in place, front to back, once for all its heads and new tokens:
- *
- *     for each request r:                           rows = (token i, head h)
- *         s[row][j] = scale * q[row] . K[j][h's kv head]   j < seq_len (pass over K)
- *         p[row][j] = exp(s - max) / sum, 0 where j is not visible to the row's token
- *         out[row]  = sum_j p[row][j] * V[j][h's kv head]  (pass over V)
+ * read in place, front to back: scores for all its rows (token i, head h) in tiles of 16 keys,
+ * a softmax per row, then the values (see _decode_attn_body.h for the loops). The next tile's
+ * rows are prefetched: a request's blocks lie anywhere in the cache, and the hardware
+ * prefetcher stops at each block's end.
  *
  * Token i of request r sits at position seq_len - query_len + i and sees keys j <= that
  * position (and, with a sliding window W, position - j < W), as the SDPA backend's masks.
@@ -72,115 +70,51 @@ typedef struct {
     } while (0)
 
 
-/* one request, all its heads: `s` holds num_rows x seq_len scores, `acc` num_rows x head_dim
- * sums; row = token i * num_heads + head h. Positions are visited in order, all heads of one
- * position together: the cache's rows of a block are read front to back. */
-#define REQUEST_BODY                                                                 \
-    {                                                                                \
-        const Py_ssize_t d = a->head_dim, nv = d / 16, nh = a->num_heads;            \
-        const Py_ssize_t rep = nh / a->num_kv_heads, bs = a->block_size;             \
-        const Py_ssize_t qlen = a->query_lens[r], slen = a->seq_lens[r];             \
-        const Py_ssize_t nrows = qlen * nh, row_stride = a->num_kv_heads * d;        \
-        const int32_t *table = a->tables + r * a->table_width;                       \
-        Py_ssize_t lo[MAX_ROWS], hi[MAX_ROWS]; /* visible keys: lo <= j < hi */      \
-        for (Py_ssize_t i = 0; i < qlen; i++) {                                      \
-            Py_ssize_t pos = slen - qlen + i;                                        \
-            for (Py_ssize_t h = 0; h < nh; h++) {                                    \
-                hi[i * nh + h] = pos + 1;                                            \
-                lo[i * nh + h] = a->window && pos + 1 > a->window ? pos + 1 - a->window : 0; \
-            }                                                                        \
-        }                                                                            \
-        const float *q0 = a->q + a->starts[r] * nh * d; /* row's query: q0 + row * d */ \
-        const Py_ssize_t jlo = lo[0];                                                \
-        for (Py_ssize_t j = jlo; j < slen; j++) {                                    \
-            const float *kj = a->k + ((Py_ssize_t)table[j / bs] * bs + j % bs) * row_stride; \
-            for (Py_ssize_t row = 0; row < nrows; row++) {                           \
-                if (j < lo[row] || j >= hi[row]) continue;                           \
-                const float *kr = kj + ((row % nh) / rep) * d, *qr = q0 + row * d;   \
-                v16 acc_ = {0};                                                      \
-                for (Py_ssize_t c = 0; c < nv; c++) {                                \
-                    v16 kv_, qv_;                                                    \
-                    LOAD16(kv_, kr + c * 16);                                        \
-                    LOAD16(qv_, qr + c * 16);                                        \
-                    acc_ += kv_ * qv_;                                               \
-                }                                                                    \
-                float sc;                                                            \
-                HSUM16(acc_, sc);                                                    \
-                s[row * slen + j] = sc * a->scale;                                   \
-            }                                                                        \
-        }                                                                            \
-        float inv_sum[MAX_ROWS];                                                     \
-        for (Py_ssize_t row = 0; row < nrows; row++) {                               \
-            float *sr = s + row * slen;                                              \
-            float mx = -INFINITY, sum = 0.0f;                                        \
-            for (Py_ssize_t j = lo[row]; j < hi[row]; j++) mx = sr[j] > mx ? sr[j] : mx; \
-            Py_ssize_t j = lo[row];                                                  \
-            v16 vsum = {0};                                                          \
-            for (; j + 16 <= hi[row]; j += 16) {                                     \
-                v16 x_, e_;                                                          \
-                LOAD16(x_, sr + j);                                                  \
-                VEXP(x_ - mx, e_);                                                   \
-                STORE16(sr + j, e_);                                                 \
-                vsum += e_;                                                          \
-            }                                                                        \
-            if (j < hi[row]) { /* the tail, through a padded vector */               \
-                float tail[16];                                                      \
-                Py_ssize_t n_ = hi[row] - j;                                         \
-                for (Py_ssize_t t = 0; t < 16; t++) tail[t] = t < n_ ? sr[j + t] - mx : -100.0f; \
-                v16 x_, e_;                                                          \
-                LOAD16(x_, tail);                                                    \
-                VEXP(x_, e_);                                                        \
-                STORE16(tail, e_);                                                   \
-                for (Py_ssize_t t = 0; t < n_; t++) {                                \
-                    sr[j + t] = tail[t];                                             \
-                    sum += tail[t];                                                  \
-                }                                                                    \
-            }                                                                        \
-            float vs;                                                                \
-            HSUM16(vsum, vs);                                                        \
-            inv_sum[row] = 1.0f / (vs + sum);                                        \
-        }                                                                            \
-        memset(acc, 0, sizeof(float) * nrows * d);                                   \
-        for (Py_ssize_t j = jlo; j < slen; j++) {                                    \
-            const float *vj = a->v + ((Py_ssize_t)table[j / bs] * bs + j % bs) * row_stride; \
-            for (Py_ssize_t row = 0; row < nrows; row++) {                           \
-                if (j < lo[row] || j >= hi[row]) continue;                           \
-                const float *vr = vj + ((row % nh) / rep) * d;                       \
-                float p = s[row * slen + j];                                         \
-                float *ar = acc + row * d;                                           \
-                for (Py_ssize_t c = 0; c < nv; c++) {                                \
-                    v16 vv_, av_;                                                    \
-                    LOAD16(vv_, vr + c * 16);                                        \
-                    LOAD16(av_, ar + c * 16);                                        \
-                    av_ += vv_ * p;                                                  \
-                    STORE16(ar + c * 16, av_);                                       \
-                }                                                                    \
-            }                                                                        \
-        }                                                                            \
-        float *o = a->out + a->starts[r] * nh * d;                                   \
-        for (Py_ssize_t row = 0; row < nrows; row++)                                 \
-            for (Py_ssize_t c = 0; c < d; c++) o[row * d + c] = acc[row * d + c] * inv_sum[row]; \
-    }
+/* the body, once per instruction set (see _decode_attn_body.h), each with its native vector */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 
-#define ALL_BODY                                                                     \
-    {                                                                                \
-        for (Py_ssize_t r = 0; r < a->num_reqs; r++) {                               \
-            if (a->query_lens[r] == 0) continue;                                     \
-            REQUEST_BODY                                                             \
-        }                                                                            \
-    }
-
-typedef void (*attn_fn)(const Args *, float *, float *);
-
-static void attn_baseline(const Args *a, float *s, float *acc) ALL_BODY
+#define TARGET
+#define ISA baseline
+#define VEC vf4
+#define VL 4
+#define ACC_VECTORS 8
+#include "_decode_attn_body.h"
+#undef TARGET
+#undef ISA
+#undef VEC
+#undef VL
+#undef ACC_VECTORS
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma"))) static void attn_avx2(const Args *a, float *s, float *acc) ALL_BODY
+#define TARGET __attribute__((target("avx2,fma")))
+#define ISA avx2
+#define VEC vf8
+#define VL 8
+#define ACC_VECTORS 12 /* of AVX2's 16 registers: the rest hold a V row and a weight */
+#include "_decode_attn_body.h"
+#undef TARGET
+#undef ISA
+#undef VEC
+#undef VL
+#undef ACC_VECTORS
 
-__attribute__((target("avx512f,fma"))) static void attn_avx512(const Args *a, float *s, float *acc) ALL_BODY
+#define TARGET __attribute__((target("avx512f,fma")))
+#define ISA avx512
+#define VEC v16
+#define VL 16
+#define ACC_VECTORS 24 /* of AVX-512's 32 registers: the rest hold a V row and a weight */
+#include "_decode_attn_body.h"
+#undef TARGET
+#undef ISA
+#undef VEC
+#undef VL
+#undef ACC_VECTORS
 #endif
 
-static attn_fn chosen = attn_baseline;
+typedef void (*attn_fn)(const Args *, float *, Py_ssize_t *);
+
+static attn_fn chosen = attend_all_baseline;
 static const char *chosen_name = "baseline";
 
 static PyObject *decode_attention(PyObject *self, PyObject *args) {
@@ -207,7 +141,7 @@ static PyObject *decode_attention(PyObject *self, PyObject *args) {
     a.seq_lens = (const int64_t *)(uintptr_t)psl;
     a.out = (float *)(uintptr_t)pout;
     a.scale = (float)scale;
-    Py_ssize_t max_scratch = 0;
+    Py_ssize_t max_scores = 0, max_seq_len = 0;
     for (Py_ssize_t r = 0; r < a.num_reqs; r++) {
         Py_ssize_t qlen = a.query_lens[r], slen = a.seq_lens[r];
         if (qlen < 0 || qlen > slen || qlen * a.num_heads > MAX_ROWS ||
@@ -215,12 +149,14 @@ static PyObject *decode_attention(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "decode_attention: a request's lengths do not fit");
             return NULL;
         }
-        if (qlen * a.num_heads * slen > max_scratch) max_scratch = qlen * a.num_heads * slen;
+        if (qlen * a.num_heads * slen > max_scores) max_scores = qlen * a.num_heads * slen;
+        if (slen > max_seq_len) max_seq_len = slen;
     }
-    /* scores, then the rows' output sums (MAX_ROWS x MAX_HEAD_DIM) */
-    float *s = malloc(sizeof(float) * (max_scratch + MAX_ROWS * MAX_HEAD_DIM));
+    /* scores (rows x keys), then each key's row offset in the cache */
+    float *s = malloc(sizeof(float) * max_scores + sizeof(Py_ssize_t) * max_seq_len + 64);
     if (!s) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS chosen(&a, s, s + max_scratch);
+    Py_ssize_t *offsets = (Py_ssize_t *)(s + max_scores + (16 - max_scores % 16));
+    Py_BEGIN_ALLOW_THREADS chosen(&a, s, offsets);
     Py_END_ALLOW_THREADS free(s);
     Py_RETURN_NONE;
 }
@@ -242,10 +178,10 @@ PyMODINIT_FUNC PyInit__decode_attn(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) {
-        chosen = attn_avx512;
+        chosen = attend_all_avx512;
         chosen_name = "avx512";
     } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        chosen = attn_avx2;
+        chosen = attend_all_avx2;
         chosen_name = "avx2";
     }
 #endif
