@@ -1,6 +1,7 @@
 """Build hook for the optional native extensions: the block-hash chain
-(speckv/hashing/_chainhash.c), the few-row fp32 product (speckv/models/common/_rowdot.c) and
-the paged attention of few-token queries (speckv/attention/_decode_attn.c).
+(speckv/hashing/_chainhash.c), the few-row fp32 product (speckv/models/common/_rowdot.c), a
+decoder layer's element-wise steps (speckv/models/common/_pointwise.c) and the paged attention
+of few-token queries (speckv/attention/_decode_attn.c).
 
 Everything else is configured in pyproject.toml. Both are optional: when one cannot be built,
 speckv installs without it and hashes with the numpy path (same hashes, slower) or computes
@@ -28,6 +29,14 @@ setup(
         Extension(
             "speckv.models.common._rowdot",
             sources=["speckv/models/common/_rowdot.c"],
+            include_dirs=["speckv/csrc"],
+            depends=["speckv/csrc/simd.h"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "speckv.models.common._pointwise",
+            sources=["speckv/models/common/_pointwise.c"],
             include_dirs=["speckv/csrc"],
             depends=["speckv/csrc/simd.h"],
             extra_compile_args=["-O3"],

@@ -31,7 +31,6 @@
 
 #include "simd.h"
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
 #define MAX_ROWS 128 /* query rows per request: query_len * num_heads */
 #define MAX_HEAD_DIM 256
 
@@ -45,30 +44,8 @@ typedef struct {
     Py_ssize_t window; /* 0: none */
 } Args;
 
-/* exp(x) for x <= 0, 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6
- * polynomial (relative error ~2e-7); below -87 (where expf underflows) 0 */
-#define VEXP(x, out)                                                                 \
-    do {                                                                             \
-        v16 xc_ = (x);                                                               \
-        vi16 under_ = xc_ < -87.0f;                                                  \
-        xc_ = (v16)((vi16)xc_ & ~under_) + (v16)((vi16)((v16){0} - 87.0f) & under_); \
-        v16 t_ = xc_ * 1.44269504088896341f + 0.5f;                                  \
-        vi16 ni_ = __builtin_convertvector(t_, vi16); /* toward zero */              \
-        v16 nf_ = __builtin_convertvector(ni_, v16);                                 \
-        vi16 gt_ = nf_ > t_;                          /* floor for negatives */      \
-        ni_ += gt_;                                                                  \
-        nf_ = __builtin_convertvector(ni_, v16);                                     \
-        v16 r_ = xc_ - nf_ * 0.693359375f + nf_ * 2.12194440e-4f;                    \
-        v16 p_ = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                            \
-        p_ = p_ * r_ + 8.3334519073e-3f;                                             \
-        p_ = p_ * r_ + 4.1665795894e-2f;                                             \
-        p_ = p_ * r_ + 1.6666665459e-1f;                                             \
-        p_ = p_ * r_ + 5.0000001201e-1f;                                             \
-        p_ = p_ * (r_ * r_) + r_ + 1.0f;                                             \
-        v16 scale2_ = (v16)((ni_ + 127) << 23);                                      \
-        (out) = (v16)((vi16)(p_ * scale2_) & ~under_);                               \
-    } while (0)
-
+/* exp(x) for x <= 0 on 16 lanes (simd.h) */
+#define VEXP(x, out) VEXP_AS(v16, vi16, x, out)
 
 /* the body, once per instruction set (see _decode_attn_body.h), each with its native vector */
 typedef float vf8 __attribute__((vector_size(32)));

@@ -136,10 +136,12 @@ def test_a_hit_after_lazy_catch_up_reads_the_draft_kv_of_a_cold_run(tiny_model, 
     assert hit.abs().amax(dim=(0, 1, 3, 4, 5)).min() > 0  # every hit block holds draft KV
     cold_blocks = cold.manager.get_block_ids(cold_id)[0][: hit_len // 4]
     # [layers, 2, blocks, block_size, kv_heads, head_dim]; the cold run computes the 24
-    # positions in one prefill, the first run in passes of other sizes: fp32 rounding apart
-    # (values up to ~3, so a relative bound of a few ulps per accumulated product)
+    # positions in one prefill, the first run in passes of other sizes, whose products take
+    # other forms (each its own summation order) in the target and the drafter: fp32 rounding
+    # apart. Values reach ~3, so sums of products of ~10 (an ulp of ~1e-6) carried through the
+    # target's layers into the drafter's input: a few tens of ulps in absolute terms
     torch.testing.assert_close(hit, cold.proposer.kv_cache.storage[:, :, cold_blocks],
-                               rtol=2e-5, atol=1e-5)
+                               rtol=2e-5, atol=3e-5)
 
 
 class ScriptedClock:

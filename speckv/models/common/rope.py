@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from speckv.models.common import native_pointwise
+
 
 def rope_inv_freq(
     head_dim: int,
@@ -136,6 +138,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, num_heads, head_dim]; cos/sin [num_tokens, 1, head_dim]."""
+    fused = native_pointwise.rope(x, cos, sin)
+    if fused is not None:
+        return fused
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
