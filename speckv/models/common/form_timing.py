@@ -2,7 +2,7 @@
 
 Owns the measurement that the per-machine form choices (`small_rows`: x @ W^T or W @ x^T for
 few rows; `packed_linear`: F.linear or oneDNN with packed weights) share: which of the model's
-weights one pass streams (`streamed_weights`), and the median seconds of such passes in two
+weights one pass streams (`streamed_weights`), and the fastest of such passes in two
 forms, interleaved so that a slow moment hits both (`time_two_forms`). Streaming every weight
 once is what a step does: the weights do not fit in the cache, and a loop over one warm matrix
 would time another kernel regime.
@@ -10,7 +10,6 @@ would time another kernel regime.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,10 +38,14 @@ def streamed_weights(weights: Sequence[torch.Tensor], num_bytes: int) -> list[to
 def time_two_forms(weights: Sequence[torch.Tensor], rows: Sequence[int], num_reps: int,
                    clock: Callable[[], float], forms: tuple[Form, Form]
                    ) -> dict[int, tuple[float, float]]:
-    """Per row count, the median seconds of `num_reps` passes of each of the two `forms` over
-    all `weights` ([out, in] fp32 CPU), in the order of `forms`, the forms interleaved. `clock`
-    is the process's CPU time in the callers, as the speculation policy's costs: it leaves out
-    the time other processes held the core."""
+    """Per row count, the fastest of `num_reps` passes of each of the two `forms` over all
+    `weights` ([out, in] fp32 CPU), in the order of `forms`, the forms interleaved. `clock` is
+    the process's CPU time in the callers, as the speculation policy's costs: it leaves out
+    the time other processes held the core. The fastest, not the median: what other
+    processes do (their memory traffic, a sibling thread on the core) only ever slows a pass,
+    and on a shared machine it did so for runs of passes long enough to move a median (a
+    serve start once measured panel-packed weights clearly faster at 8 rows only, where other
+    starts found 2-24)."""
     def one_pass(n: int, form: Form) -> float:
         # fresh inputs every pass: one allocation's placement can keep a form slow for a whole
         # run of passes (seen: 2 rows in W @ x^T at 13 ms or 20 ms per pass by the run)
@@ -61,5 +64,5 @@ def time_two_forms(weights: Sequence[torch.Tensor], rows: Sequence[int], num_rep
         for _ in range(num_reps):
             for times, form in zip(passes, forms):
                 times.append(one_pass(n, form))
-        timings[n] = (statistics.median(passes[0]), statistics.median(passes[1]))
+        timings[n] = (min(passes[0]), min(passes[1]))
     return timings

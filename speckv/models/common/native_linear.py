@@ -62,7 +62,7 @@ def rowdot_instruction_set() -> str | None:
 def time_native(linears: Sequence[Linear], rows: Sequence[int] = MEASURED_ROWS,
                 num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
                 ) -> dict[int, tuple[float, float]]:
-    """Per row count, the median (other form, native) seconds of a pass through every one of
+    """Per row count, the fastest (other form, native) seconds of a pass through every one of
     `linears` (their forward as set now, then with native rows on), interleaved so that a slow
     moment hits both."""
     saved = [m.native_max_rows for m in linears]

@@ -67,7 +67,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def time_packed(weights: Sequence[torch.Tensor], rows: Sequence[int] = MEASURED_ROWS,
                 num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
                 ) -> dict[int, tuple[float, float]]:
-    """Per row count, the median (plain, packed) seconds of a pass streaming every weight once,
+    """Per row count, the fastest (plain, packed) seconds of a pass streaming every weight once,
     the two forms interleaved (`form_timing.time_two_forms`)."""
     packed = [pack_weight(w) for w in weights]
 

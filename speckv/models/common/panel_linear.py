@@ -13,11 +13,11 @@ each weight once at memory speed instead of paying a vector load per row of x pe
 
 So `Linear` computes inputs of `panel_min_rows`..`panel_max_rows` rows on its panels, the
 range of `MEASURED_ROWS` where they measured clearly faster, per machine at load, than the
-forms that run otherwise (`native_linear`, `packed_linear`). The panels are one more copy of
-the projections' weights (as oneDNN's packed copy is). Each output sums over the input width
-in order, one chain, whatever the other rows of its batch: a row's bits do not depend on its
-batch, and differ from the other forms' by fp32 rounding (a forward's form depends only on
-its shapes, so a hit still reads what a cold run wrote).
+forms that run otherwise (`native_linear`, `packed_linear`), ties inside it included. The
+panels are one more copy of the projections' weights (as oneDNN's packed copy is). Each
+output sums over the input width in order, one chain, whatever the other rows of its batch: a
+row's bits do not depend on its batch, and differ from the other forms' by fp32 rounding (a
+forward's form depends only on its shapes, so a hit still reads what a cold run wrote).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def set_panels(linears: Sequence[Linear], rows: tuple[int, int] | None) -> None:
 def time_panels(linears: Sequence[Linear], rows: Sequence[int] = MEASURED_ROWS,
                 num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
                 ) -> dict[int, tuple[float, float]]:
-    """Per row count, the median (other forms, panels) seconds of a pass through `linears`."""
+    """Per row count, the fastest (other forms, panels) seconds of a pass through `linears`."""
     saved = [(m.panel, m.panel_min_rows, m.panel_max_rows) for m in linears]
     panels = [pack_panels(m.weight) for m in linears]
 
@@ -96,22 +96,26 @@ def time_panels(linears: Sequence[Linear], rows: Sequence[int] = MEASURED_ROWS,
 
 def choose_panel_rows(timings: dict[int, tuple[float, float]], margin: float = CLEAR_MARGIN
                       ) -> tuple[int, int] | None:
-    """The longest run of measured row counts where the panels clearly won, as (fewest, most)
-    rows; None where they never did."""
-    best: tuple[int, int] | None = None
-    start: int | None = None
+    """The run of measured row counts without a clear loss of the panels that holds the most
+    clear wins (the longer of two with as many), as (fewest, most) rows; None where they never
+    clearly won. A count where the two forms tie stays inside the run: either form is as fast
+    there, and on a shared machine one noisy count must not cut the range (seen: runs of clear
+    wins 2-32, 6-8 and 3-8 from three starts on one machine)."""
     ordered = sorted(timings)
-    for n in ordered + [None]:  # type: ignore[list-item]
-        wins = n is not None and timings[n][1] < (1.0 - margin) * timings[n][0]
-        if wins and start is None:
-            start = n
-        if not wins and start is not None:
-            end = ordered[ordered.index(n) - 1] if n is not None else ordered[-1]
-            if best is None or ordered.index(end) - ordered.index(start) > (
-                    ordered.index(best[1]) - ordered.index(best[0])):
-                best = (start, end)
-            start = None
-    return best
+    best: tuple[int, int, int] | None = None  # (clear wins, first index, last index)
+    start, wins = None, 0
+    for i, n in enumerate(ordered + [None]):  # type: ignore[list-item]
+        other_s, panels_s = timings[n] if n is not None else (0.0, 1.0)
+        loses = panels_s > (1.0 + margin) * other_s
+        if not loses:
+            start = i if start is None else start
+            wins += panels_s < (1.0 - margin) * other_s
+            continue
+        if start is not None and wins and (
+                best is None or (wins, i - 1 - start) > (best[0], best[2] - best[1])):
+            best = (wins, start, i - 1)
+        start, wins = None, 0
+    return None if best is None else (ordered[best[1]], ordered[best[2]])
 
 
 def use_panels_where_faster(model: nn.Module) -> tuple[int, int] | None:

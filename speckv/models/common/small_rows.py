@@ -51,7 +51,7 @@ _CHOSEN: dict[tuple, frozenset[int]] = {}
 
 @dataclass(frozen=True)
 class FormTimings:
-    """One row count's median seconds, over interleaved passes, to stream every weight once in
+    """One row count's fastest seconds, over interleaved passes, to stream every weight once in
     each form."""
 
     num_rows: int
@@ -79,7 +79,7 @@ def choose_transposed_rows(timings: Sequence[FormTimings], default: frozenset[in
 def time_forms(weights: Sequence[torch.Tensor], rows: Sequence[int] = SMALL_ROWS,
                num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
                ) -> list[FormTimings]:
-    """Per row count, the median of `num_reps` passes of each form over all `weights` ([out,
+    """Per row count, the fastest of `num_reps` passes of each form over all `weights` ([out,
     in] fp32 CPU), interleaved (`form_timing.time_two_forms`)."""
     def linear(index: int, x: torch.Tensor) -> object:
         return F.linear(x, weights[index])

@@ -71,12 +71,16 @@ def test_outside_the_range_or_on_an_edited_weight_torch_computes_it():
     torch.testing.assert_close(layer.weight.grad, x.sum(0).expand(160, 96))
 
 
-def test_the_range_is_the_longest_run_of_clear_wins():
+def test_the_range_is_the_run_without_a_clear_loss_with_the_most_clear_wins():
     #                rows: (other s, panels s)
-    timings = {1: (1.0, 1.0), 2: (2.0, 1.0), 4: (2.0, 1.2), 8: (2.0, 1.95), 16: (3.0, 1.0)}
-    assert choose_panel_rows(timings) == (2, 4)
+    timings = {1: (1.0, 1.0), 2: (2.0, 1.0), 4: (2.0, 1.2), 8: (2.0, 1.95), 16: (3.0, 1.0),
+               32: (1.0, 1.5), 64: (2.0, 1.0)}
+    # 1 and 8 tie (inside the run), 32 is a clear loss: 1-16 holds 3 wins, 64 one
+    assert choose_panel_rows(timings) == (1, 16)
+    assert choose_panel_rows({1: (1.0, 2.0), 2: (1.0, 0.5), 4: (1.0, 2.0), 8: (1.0, 0.5),
+                              16: (1.0, 1.0)}) == (8, 16)  # as many wins: the longer run
     assert choose_panel_rows({1: (1.0, 0.5), 2: (1.0, 0.5)}) == (1, 2)
-    assert choose_panel_rows({1: (1.0, 1.0)}) is None
+    assert choose_panel_rows({1: (1.0, 1.0), 2: (1.0, 1.05)}) is None  # ties, no win
 
 
 @needs_kernel
