@@ -33,11 +33,14 @@ def _applies(*tensors: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """SiLU(gate) * up (same shapes), or None where the kernel does not apply."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False
+             ) -> torch.Tensor | None:
+    """SiLU(gate) * up (same shapes), written over `gate` with `in_place` (a temporary the
+    caller no longer needs: a prefill's activations are megabytes, and a fresh output's
+    first touch costs as much as the pass), or None where the kernel does not apply."""
     if gate.shape != up.shape or not _applies(gate, up):
         return None
-    out = torch.empty_like(gate)
+    out = gate if in_place else torch.empty_like(gate)
     _pointwise.silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
 

@@ -35,6 +35,9 @@ def test_silu_mul_equals_torch(width):
     up = torch.randn(5, width, generator=gen)
     out = native_pointwise.silu_mul(gate, up)
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=2e-6)
+    scratch = gate.clone()  # in place: written over the gate, same values
+    assert native_pointwise.silu_mul(scratch, up, in_place=True) is scratch
+    assert torch.equal(scratch, out)
 
 
 @needs_kernel
