@@ -28,14 +28,12 @@ typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 typedef int32_t vi4 __attribute__((vector_size(16)));
 
-#define BODY_(name, isa) name##_##isa
-#define BODY_EXPAND(name, isa) BODY_(name, isa)
-#define FN(name) BODY_EXPAND(name, ISA)
+#define FN(name, isa) name##_##isa
 
-/* The body: VEC / VI / VL (the set's fp32 vector, its int32 twin, its lanes) and TARGET
- * defined by the includer below. */
-#define DEFINE_BODY                                                                        \
-    static TARGET void FN(silu_mul)(const float *g, const float *u, float *o, Py_ssize_t n) { \
+/* The body for one instruction set: TARGET (the attribute that compiles for it), ISA (the
+ * name suffix), VEC / VI / VL (its fp32 vector, the int32 twin, the lanes). */
+#define DEFINE_BODY(TARGET, ISA, VEC, VI, VL)                                             \
+    static TARGET void FN(silu_mul, ISA)(const float *g, const float *u, float *o, Py_ssize_t n) { \
         for (Py_ssize_t i = 0; i < n; i += VL) {                                           \
             const Py_ssize_t m = n - i < VL ? n - i : VL; /* VL but in the tail */        \
             VEC gv = {0}, uv = {0}, e, one = (VEC){0} + 1.0f;                              \
@@ -58,7 +56,7 @@ typedef int32_t vi4 __attribute__((vector_size(16)));
                 memcpy(o + i, &r, sizeof(float) * m);                                      \
         }                                                                                  \
     }                                                                                      \
-    static TARGET void FN(rms_norm)(const float *x, const float *w, float *o, Py_ssize_t rows, \
+    static TARGET void FN(rms_norm, ISA)(const float *x, const float *w, float *o, Py_ssize_t rows, \
                                     Py_ssize_t dim, float eps) {                           \
         for (Py_ssize_t r = 0; r < rows; r++) {                                            \
             const float *xr = x + r * dim;                                                 \
@@ -82,7 +80,7 @@ typedef int32_t vi4 __attribute__((vector_size(16)));
             for (Py_ssize_t i = 0; i < dim; i++) orow[i] = w[i] * (xr[i] * inv);           \
         }                                                                                  \
     }                                                                                      \
-    static TARGET void FN(rope)(const float *x, const float *c, const float *s, float *o,   \
+    static TARGET void FN(rope, ISA)(const float *x, const float *c, const float *s, float *o,   \
                                 Py_ssize_t tokens, Py_ssize_t heads, Py_ssize_t dim) {     \
         const Py_ssize_t half = dim / 2;                                                   \
         for (Py_ssize_t t = 0; t < tokens; t++) {                                          \
@@ -98,42 +96,10 @@ typedef int32_t vi4 __attribute__((vector_size(16)));
         }                                                                                  \
     }
 
-#define TARGET
-#define ISA baseline
-#define VEC vf4
-#define VI vi4
-#define VL 4
-DEFINE_BODY
-#undef TARGET
-#undef ISA
-#undef VEC
-#undef VI
-#undef VL
-
+DEFINE_BODY(, baseline, vf4, vi4, 4)
 #if defined(__x86_64__) && defined(__GNUC__)
-#define TARGET __attribute__((target("avx2,fma")))
-#define ISA avx2
-#define VEC vf8
-#define VI vi8
-#define VL 8
-DEFINE_BODY
-#undef TARGET
-#undef ISA
-#undef VEC
-#undef VI
-#undef VL
-
-#define TARGET __attribute__((target("avx512f,fma")))
-#define ISA avx512
-#define VEC v16
-#define VI vi16
-#define VL 16
-DEFINE_BODY
-#undef TARGET
-#undef ISA
-#undef VEC
-#undef VI
-#undef VL
+DEFINE_BODY(__attribute__((target("avx2,fma"))), avx2, vf8, vi8, 8)
+DEFINE_BODY(__attribute__((target("avx512f,fma"))), avx512, v16, vi16, 16)
 #endif
 
 typedef struct {
