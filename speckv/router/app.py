@@ -222,12 +222,13 @@ class _Stream:
     aborts the request)."""
 
     def __init__(self, router: Router, engine: str, response: httpx.Response,
-                 plan: EnginePlan, done: Callable[[], None]) -> None:
+                 plan: EnginePlan, done: Callable[[bool, Any], None]) -> None:
         self.router = router
         self.engine = engine
         self.response = response
         self.plan = plan
-        self.done = done
+        self.done = done  # (served, usage)
+        self.usage: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", self.response.headers.get(
@@ -238,7 +239,7 @@ class _Stream:
             await race_disconnect(self._pump(send), receive)
         finally:
             await self.response.aclose()
-            self.done()
+            self.done(True, self.usage)
 
     async def _pump(self, send: Send) -> None:
         usage = _SSEUsage()
@@ -250,6 +251,7 @@ class _Stream:
                     # counted as soon as it passes: a client may leave right after [DONE],
                     # before the engine closes its stream, and cancel this pump
                     self._report(usage.usage)
+                    self.usage = usage.usage
                     reported = True
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         except httpx.HTTPError as error:
@@ -345,8 +347,9 @@ def _proxy_routes(router: Router) -> list[Route]:
             if decision is None:
                 break
             tried.add(decision.engine)
-            response, error = await _try_engine(router, decision, plans, raw, path, stream,
-                                                tried)
+            response, error = await _try_engine(
+                router, decision, plans, raw, path, stream, tried,
+                requests[decision.engine].params.max_tokens)
             if response is not None:
                 return response
             last_error = error
@@ -366,8 +369,15 @@ def _proxy_routes(router: Router) -> list[Route]:
     ]
 
 
+def _output_tokens(usage: Any, max_output_tokens: int) -> int:
+    """The answer's output tokens: its usage's `completion_tokens`, else (a client that did
+    not ask for usage, a stream cut short) the request's max_tokens, an upper bound."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and tokens >= 0 else max_output_tokens
+
+
 async def _try_engine(router: Router, decision: Decision, plans: dict[str, EnginePlan], raw: bytes,
-                     path: str, stream: bool, tried: set[str]
+                     path: str, stream: bool, tried: set[str], max_output_tokens: int
                      ) -> tuple[Response | None, APIError | None]:
     """One try of a request on the engine `decision` chose: (the response to return, None),
     or (None, the error) when the next engine should be tried."""
@@ -381,10 +391,12 @@ async def _try_engine(router: Router, decision: Decision, plans: dict[str, Engin
     fleet.routed(engine, plan)
     router.inflight += 1
     settled = False
+    served, usage = False, None  # whether the engine took the request, and its usage
 
-    def done(engine: str = engine, plan: EnginePlan = plan) -> None:
+    def done(served: bool, usage: Any, engine: str = engine, plan: EnginePlan = plan) -> None:
         router.inflight -= 1
-        fleet.finished(engine, plan)
+        fleet.finished(engine, plan, _output_tokens(usage, max_output_tokens) if served
+                       else None)
 
     try:
         upstream = router.client.build_request(
@@ -407,9 +419,10 @@ async def _try_engine(router: Router, decision: Decision, plans: dict[str, Engin
         content = await response.aread()
         await response.aclose()
         if response.status_code == 200:
+            served = True
             with contextlib.suppress(ValueError, AttributeError):
-                router.metrics.report(engine, plan.predicted_cached_tokens,
-                                      json.loads(content).get("usage"),
+                usage = json.loads(content).get("usage")
+                router.metrics.report(engine, plan.predicted_cached_tokens, usage,
                                       plan.num_prompt_tokens)
         return _passthrough(response, content, engine), None
     except httpx.HTTPError as error:
@@ -419,7 +432,7 @@ async def _try_engine(router: Router, decision: Decision, plans: dict[str, Engin
         router.metrics.retries.labels(engine).inc()
     finally:
         if not settled:
-            done()
+            done(served, usage)
     return None, last_error
 
 

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speckv.cache.group_rules import GroupRule
-from speckv.events.schema import KVEventBatch
+from speckv.events.schema import KVEventBatch, low64
 from speckv.events.subscriber import EventSubscriber, SubscriberConfig, SubscriberStats
 from speckv.hashing.extra_keys import NO_HASH_INPUTS
 from speckv.router.contract import ContractError, EngineContract, HitRule, parse_contract
 from speckv.router.index import EngineState, RouterIndex
 from speckv.router.policy import EngineView
+from speckv.router.pool_mirror import PoolMirror
 from speckv.router.tokenizer import TokenizerCache
-from speckv.router.vllm_engine import VLLMFlags, hybrid_rule, learn_groups
+from speckv.router.vllm_engine import VLLMFlags, hybrid_rule, learn_groups, pool_shape
 
 logger = logging.getLogger("speckv.router")
 SUBSCRIBER_COUNTERS = ("received_batches", "replayed_batches", "replay_requests",
@@ -63,6 +64,9 @@ class EngineLink:
     # over them (None: one full-attention group, the contract's rule)
     vllm_groups: dict[int, GroupRule] = field(default_factory=dict)
     vllm_rule: HitRule | None = None
+    # a vLLM engine's block pool as the router models it (one full-attention group with
+    # prefix caching): its predicted hits see the evictions its events have not shown yet
+    pool: PoolMirror | None = None
     unhealthy_since: float | None = None
     expired: bool = False  # entries dropped after stale_after_s without health
     generation: int = 0  # bumped to make the subscriber thread start over
@@ -82,6 +86,10 @@ class EngineLink:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def vllm_flags(self) -> VLLMFlags:
+        return self.spec.vllm or self.spec.vllm_default or VLLMFlags()
 
     @property
     def in_rotation(self) -> bool:
@@ -136,6 +144,12 @@ class FleetConfig:
             raise ValueError("FleetConfig poll and replay timeouts must be > 0")
 
 
+def _pool_mirror(link: EngineLink) -> PoolMirror | None:
+    """A fresh mirror of a vLLM engine's block pool (None for other engines)."""
+    shape = pool_shape(link.contract, link.vllm_flags) if link.contract is not None else None
+    return PoolMirror(shape) if shape is not None else None
+
+
 class Fleet:
     def __init__(self, links: Sequence[EngineLink], tokenizers: TokenizerCache,
                  config: FleetConfig | None = None) -> None:
@@ -158,6 +172,7 @@ class Fleet:
                 continue
             self._check_model(link, link.contract)
             tokenizers.get(link.name, link.contract.model, link.contract.tokenizer)
+            link.pool = _pool_mirror(link)
 
     def _check_model(self, link: EngineLink, contract: EngineContract) -> None:
         """One router, one served model name: the first contract read sets it."""
@@ -217,6 +232,8 @@ class Fleet:
                 self._learn_groups(link, batch)
             try:
                 self.index.apply_batch(link.name, batch, seq)
+                if link.pool is not None:
+                    link.pool.apply_batch(batch)
                 link.events_applied += len(batch.events)
             except Exception:  # a malformed event is counted; the router keeps routing
                 link.apply_errors += 1
@@ -229,10 +246,9 @@ class Fleet:
         assert contract is not None
         try:
             if learn_groups(link.name, batch, link.vllm_groups, contract.hashing.block_size):
-                link.vllm_rule = hybrid_rule(contract, link.vllm_groups,
-                                             link.spec.vllm or link.spec.vllm_default
-                                             or VLLMFlags())
+                link.vllm_rule = hybrid_rule(contract, link.vllm_groups, link.vllm_flags)
                 if link.vllm_rule is not None:
+                    link.pool = None  # the mirror models one group's pool
                     logger.warning("engine %s: its events show KV cache groups %s (hits "
                                    "aligned to %d tokens)", link.name,
                                    ", ".join(f"{g.group_idx}: {g.kind} of {g.block_size}"
@@ -272,6 +288,7 @@ class Fleet:
         self.index.reset_engine(link.name, link.contract.hashing)
         link.vllm_groups = {}
         link.vllm_rule = None
+        link.pool = _pool_mirror(link)
         link.index_resets += 1
         link.generation += 1
 
@@ -329,6 +346,8 @@ class Fleet:
         with self.lock:
             if link.name in self.index.state:
                 self.index.clear_engine(link.name)
+            if link.pool is not None:
+                link.pool.clear()
 
     # ---- requests ----------------------------------------------------------------------------
     def plan(self, token_ids: Sequence[int], engines: Sequence[str]
@@ -353,8 +372,11 @@ class Fleet:
                                                                        NO_HASH_INPUTS)
                 confirmed = rule.cached_tokens(self.index.matched_blocks(name, hashes),
                                                num_tokens)
-                with_pending = rule.cached_tokens(
-                    self.index.matched_blocks(name, hashes, pending_at_s=now), num_tokens)
+                if link.pool is not None:  # the engine's own pool rules, evictions included
+                    matched = link.pool.matched_blocks([low64(h) for h in hashes])
+                else:
+                    matched = self.index.matched_blocks(name, hashes, pending_at_s=now)
+                with_pending = rule.cached_tokens(matched, num_tokens)
                 routed_tokens = None
                 if rule.reuses_divergent_blocks:
                     confirmed = self._with_reuse(name, rule, hashes, token_ids, confirmed)
@@ -413,18 +435,30 @@ class Fleet:
                     if link.in_rotation and name not in exclude and name in plans]
 
     def routed(self, name: str, plan: EnginePlan) -> None:
-        """A request goes to `name`: its blocks are pending there; one more in flight."""
+        """A request goes to `name`: its blocks are pending there (scheduled in its pool
+        mirror); one more in flight."""
         with self.lock:
-            self.links[name].inflight += 1
+            link = self.links[name]
+            link.inflight += 1
             self.index.add_pending(name, plan.hashes, token_ids=plan.token_ids)
+            if link.pool is not None:
+                link.pool.schedule(id(plan), [low64(h) for h in plan.hashes],
+                                   plan.num_prompt_tokens, plan.predicted_cached_tokens)
 
-    def finished(self, name: str, plan: EnginePlan) -> None:
-        """The request routed to `name` is answered (or failed): its blocks stay pending for
-        `pending_ttl_s` more, for their events to arrive."""
+    def finished(self, name: str, plan: EnginePlan, num_output_tokens: int | None) -> None:
+        """The request routed to `name` is answered after `num_output_tokens` (None: it
+        failed before the engine may have scheduled it): its blocks stay pending for
+        `pending_ttl_s` more, for their events to arrive; its pool mirror frees them."""
         with self.lock:
-            self.links[name].inflight -= 1
+            link = self.links[name]
+            link.inflight -= 1
             self.index.release_pending(name, plan.hashes,
                                        time.monotonic() + self.config.pending_ttl_s)
+            if link.pool is not None:
+                group = link.contract.hashing.route_group
+                blocks = self.index.state[name].blocks
+                link.pool.finish(id(plan), num_output_tokens,
+                                 confirmed=lambda key: (group, key) in blocks)
 
     def state(self) -> dict[str, Any]:
         """Per engine: rotation, contract summary, load, index and event counters (JSON)."""
@@ -444,6 +478,9 @@ class Fleet:
                 "kv_groups": [{"group_idx": g.group_idx, "kind": g.kind,
                                "block_size": g.block_size, "sliding_window": g.sliding_window}
                               for g in link.vllm_rule.groups] if link.vllm_rule else None,
+                # a vLLM engine's pool as the router models it
+                "pool_mirror": {"free_blocks": link.pool.num_free_blocks,
+                                "corrections": link.pool.corrections} if link.pool else None,
                 "running": link.running, "waiting": link.waiting, "kv_usage": link.kv_usage,
                 "inflight": link.inflight, "events_applied": link.events_applied,
                 "apply_errors": link.apply_errors, "generation": link.generation,

@@ -99,7 +99,7 @@ def test_bad_events_are_counted_and_later_ones_apply():
         assert (now.published_cached_tokens, now.predicted_cached_tokens) == (0, 20)
         time.sleep(0.6)  # past pending_ttl_s, but the request is still in flight
         assert fleet.plan(third, ["a"])["a"].predicted_cached_tokens == 20
-        fleet.finished("a", plan)
+        fleet.finished("a", plan, 1)
         assert fleet.plan(third, ["a"])["a"].predicted_cached_tokens == 20
         time.sleep(0.6)  # answered, and past pending_ttl_s: no events came
         assert fleet.plan(third, ["a"])["a"].predicted_cached_tokens == 0

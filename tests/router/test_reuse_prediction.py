@@ -92,7 +92,7 @@ def test_a_block_in_flight_is_predicted_as_copied():
     assert served == 11
     later = fleet.plan(second, ["a"])["a"]
     assert (later.published_cached_tokens, later.predicted_cached_tokens) == (0, served)
-    fleet.finished("a", plan)
+    fleet.finished("a", plan, 1)
     fleet.apply(link, 0, 0, to_wire_batch(sink.take()))  # the events arrive: now confirmed
     later = fleet.plan(second, ["a"])["a"]
     assert (later.published_cached_tokens, later.predicted_cached_tokens) == (served, served)
