@@ -369,13 +369,6 @@ def _proxy_routes(router: Router) -> list[Route]:
     ]
 
 
-def _output_tokens(usage: Any, max_output_tokens: int) -> int:
-    """The answer's output tokens: its usage's `completion_tokens`, else (a client that did
-    not ask for usage, a stream cut short) the request's max_tokens, an upper bound."""
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and tokens >= 0 else max_output_tokens
-
-
 async def _try_engine(router: Router, decision: Decision, plans: dict[str, EnginePlan], raw: bytes,
                      path: str, stream: bool, tried: set[str], max_output_tokens: int
                      ) -> tuple[Response | None, APIError | None]:
@@ -394,9 +387,10 @@ async def _try_engine(router: Router, decision: Decision, plans: dict[str, Engin
     served, usage = False, None  # whether the engine took the request, and its usage
 
     def done(served: bool, usage: Any, engine: str = engine, plan: EnginePlan = plan) -> None:
-        router.inflight -= 1
-        fleet.finished(engine, plan, _output_tokens(usage, max_output_tokens) if served
-                       else None)
+        router.inflight -= 1  # output tokens from usage, else max_tokens (an upper bound)
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        fleet.finished(engine, plan, None if not served else tokens
+                       if isinstance(tokens, int) and tokens >= 0 else max_output_tokens)
 
     try:
         upstream = router.client.build_request(

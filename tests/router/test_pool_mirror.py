@@ -15,6 +15,7 @@ import pytest
 
 from speckv.events.schema import AllBlocksCleared, BlockRemoved, KVEventBatch
 from speckv.router.pool_mirror import PoolMirror, PoolShape
+from tests.patience import WATCHDOG_S
 
 B = 4  # tokens per block
 
@@ -115,7 +116,7 @@ def test_the_mirror_predicts_vllms_own_pool_on_random_interleavings(seed):
     driver = Path(__file__).with_name("vllm_pool_driver.py")
     env = {**os.environ, "SPECKV_VLLM_PLUGIN": "0"}
     result = subprocess.run([str(Path(VENV) / "bin" / "python"), str(driver), str(seed)],
-                            capture_output=True, text=True, env=env, timeout=600,
+                            capture_output=True, text=True, env=env, timeout=WATCHDOG_S,
                             cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
