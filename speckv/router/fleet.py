@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,9 @@ class EnginePlan:
     # the prompt, kept where the engine reuses divergent blocks: routing it enters its
     # blocks' contents into the pending divergent-block index
     token_ids: Sequence[int] | None = None
+    # the key of the block cached under another successor that the predicted hit copies
+    # (a pool mirror touches it)
+    divergent_source: int | None = None
 
 
 @dataclass(frozen=True)
@@ -377,14 +380,15 @@ class Fleet:
                 else:
                     matched = self.index.matched_blocks(name, hashes, pending_at_s=now)
                 with_pending = rule.cached_tokens(matched, num_tokens)
-                routed_tokens = None
+                routed_tokens = source = None
                 if rule.reuses_divergent_blocks:
-                    confirmed = self._with_reuse(name, rule, hashes, token_ids, confirmed)
-                    with_pending = self._with_reuse(name, rule, hashes, token_ids,
-                                                    with_pending, now)
+                    confirmed = self._with_reuse(name, rule, hashes, token_ids, confirmed)[0]
+                    with_pending, source = self._with_reuse(
+                        name, rule, hashes, token_ids, with_pending, now,
+                        link.pool.holds if link.pool is not None else None)
                     routed_tokens = token_ids
                 plans[name] = EnginePlan(hashes, confirmed, with_pending, num_tokens,
-                                         routed_tokens)
+                                         routed_tokens, source)
         return plans
 
     def _hybrid_plan(self, name: str, rule: Any, token_ids: Sequence[int],
@@ -414,18 +418,20 @@ class Fleet:
                           num_tokens)
 
     def _with_reuse(self, name: str, rule: Any, hashes: Sequence[bytes],
-                    token_ids: Sequence[int], hit: int, pending_at_s: float | None = None
-                    ) -> int:
+                    token_ids: Sequence[int], hit: int, pending_at_s: float | None = None,
+                    holds: Callable[[int], bool] | None = None) -> tuple[int, int | None]:
         """The hit plus the U - L reused tokens of a divergent block, where the engine holds
-        one right after it (and it ends by N - 1), as the engine's cache manager counts it;
-        with `pending_at_s`, blocks routed there and still pending count too."""
+        one right after it (and it ends by N - 1), as the engine's cache manager counts it,
+        and that block's key; with `pending_at_s`, blocks routed there and still pending
+        count too; with `holds`, what a pool mirror holds."""
         unit = rule.block_size
         if hit + unit > len(token_ids) - 1:
-            return hit
-        if self.index.divergent_block_cached(name, hashes, token_ids, hit // unit,
-                                             pending_at_s):
-            return hit + unit - rule.lookahead_tokens
-        return hit
+            return hit, None
+        source = self.index.divergent_block(name, hashes, token_ids, hit // unit,
+                                            pending_at_s, holds)
+        if source is not None:
+            return hit + unit - rule.lookahead_tokens, source
+        return hit, None
 
     def views(self, plans: Mapping[str, EnginePlan], exclude: set[str]) -> list[EngineView]:
         with self.lock:
@@ -443,7 +449,8 @@ class Fleet:
             self.index.add_pending(name, plan.hashes, token_ids=plan.token_ids)
             if link.pool is not None:
                 link.pool.schedule(id(plan), [low64(h) for h in plan.hashes],
-                                   plan.num_prompt_tokens, plan.predicted_cached_tokens)
+                                   plan.num_prompt_tokens, plan.predicted_cached_tokens,
+                                   plan.divergent_source)
 
     def finished(self, name: str, plan: EnginePlan, num_output_tokens: int | None) -> None:
         """The request routed to `name` is answered after `num_output_tokens` (None: it

@@ -30,7 +30,7 @@ engines load adapters from. Not thread-safe: callers serialise (`RouterService` 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,20 +388,37 @@ class RouterIndex:
     def divergent_block_cached(self, engine: str, hashes: Sequence[bytes],
                                token_ids: Sequence[int], index: int,
                                pending_at_s: float | None = None) -> bool:
-        """Whether the engine holds block `index` of the prompt (its tokens after the same
-        chain) under another successor: the latest block its events stored with that content
-        (parent and tokens), still cached, whose hash the prompt's tokens reproduce with that
-        block's own successors. With `pending_at_s`, a block routed there and still pending
-        then, with that content, comes first (it is the latest). Pure."""
+        """Whether the engine holds block `index` of the prompt under another successor
+        (`divergent_block`). Pure."""
+        return self.divergent_block(engine, hashes, token_ids, index, pending_at_s) is not None
+
+    def divergent_block(self, engine: str, hashes: Sequence[bytes], token_ids: Sequence[int],
+                        index: int, pending_at_s: float | None = None,
+                        holds: Callable[[int], bool] | None = None) -> int | None:
+        """The key of the block the engine holds as block `index` of the prompt (its tokens
+        after the same chain) under another successor: the latest block its events stored
+        with that content (parent and tokens), still cached, whose hash the prompt's tokens
+        reproduce with that block's own successors; None if there is none. With
+        `pending_at_s`, a block routed there and still pending then, with that content, comes
+        first (it is the latest). With `holds` (a pool mirror's), whether a block is still
+        cached, routed ones included, is its answer. Pure."""
         state = self.state[engine]
         config = self.configs[engine]
         size = config.block_size
         block = tuple(token_ids[index * size:(index + 1) * size])
         if len(block) < size or index > len(hashes):
-            return False
+            return None
         content = (low64(hashes[index - 1]) if index else _ROOT, block)
         entry = None
-        if pending_at_s is not None:
+        if holds is not None:
+            for table in (state.pending_successors, state.successors):
+                entry = table.get(content)
+                if entry is not None and holds(entry[0]):
+                    break
+                entry = None
+            if entry is None:
+                return None
+        if entry is None and pending_at_s is not None:
             entry = state.pending_successors.get(content)
             if entry is not None and not _is_pending(state.pending.get(entry[0]),
                                                      pending_at_s):
@@ -409,11 +426,11 @@ class RouterIndex:
         if entry is None:
             entry = state.successors.get(content)
             if entry is None or (config.route_group, entry[0]) not in state.blocks:
-                return False
+                return None
         parent = hashes[index - 1] if index else self._none_hashes[engine]
         recomputed = hash_lookahead_block(self._algos[engine], parent, list(block),
                                           list(entry[1]), None)
-        return low64(recomputed) == entry[0]
+        return entry[0] if low64(recomputed) == entry[0] else None
 
     def route(
         self,

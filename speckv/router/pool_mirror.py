@@ -99,22 +99,32 @@ class PoolMirror:
     def num_free_blocks(self) -> int:
         return len(self._queue)
 
+    def holds(self, key: int) -> bool:
+        return key in self._copies
+
     # ---- requests ----------------------------------------------------------------------------
     def schedule(self, request: Hashable, keys: Sequence[int], num_prompt_tokens: int,
-                 cached_tokens: int) -> None:
+                 cached_tokens: int, divergent_source: int | None = None) -> None:
         """The engine schedules `request`: `cached_tokens` of its prompt served from the
-        leading blocks of `keys` (its prompt's chain), the rest allocated and its full prompt
-        blocks cached. A request that does not fit takes the blocks there are (vLLM would
-        make it wait; the mirror does not model its queue). Mutates."""
+        leading blocks of `keys` (its prompt's chain), and past a whole block from the block
+        cached under key `divergent_source` (copied into a block of its own: the source is
+        touched for the copy, then released to the tail); the rest allocated and its full
+        prompt blocks cached. A request that does not fit takes the blocks there are (vLLM
+        would make it wait; the mirror does not model its queue). Mutates."""
         size = self.shape.block_size
         num_hit = min(cached_tokens // size, self.matched_blocks(keys))
         blocks = [self._copies[key][0] for key in keys[:num_hit]]
-        for block in blocks:  # touch
+        source = None
+        if divergent_source in self._copies and cached_tokens % size:
+            source = self._copies[divergent_source][-1]  # the engine's index: the latest
+        for block in blocks + ([source] if source is not None else []):  # touch
             if self._ref[block] == 0:
                 del self._queue[block]
             self._ref[block] += 1
         needed = _cdiv(num_prompt_tokens + self.shape.lookahead_slots, size) - num_hit
         blocks += self._allocate(needed)
+        if source is not None:  # the copy ran: released
+            self._free([source])
         state = _Request(blocks, num_prompt_tokens)
         for index in range(num_hit, min(len(keys), num_prompt_tokens // size, len(blocks))):
             self._cache(blocks[index], keys[index])
@@ -137,8 +147,7 @@ class PoolMirror:
             num_tokens = state.num_prompt_tokens + num_output_tokens - 1
             blocks += self._allocate(_cdiv(num_tokens + self.shape.lookahead_slots, size)
                                      - len(blocks))
-            for index in range(state.num_prompt_tokens // size,
-                               min(num_tokens // size, len(blocks))):
+            for index in range(min(num_tokens // size, len(blocks))):
                 if blocks[index] not in self._key:
                     self._cache(blocks[index], next(self._unknown))
         elif num_output_tokens is None:  # the engine may never have scheduled it
@@ -146,8 +155,13 @@ class PoolMirror:
                 key = self._key.get(block)
                 if key is not None and key in state.introduced and not confirmed(key):
                     self._uncache(block)
-        first: list[int] = []  # uncached: to the head, in this order
-        for block in reversed(blocks):
+        self._free(list(reversed(blocks)))
+
+    def _free(self, blocks: list[int]) -> None:
+        """vLLM's `free_blocks`, in eviction order: reaching ref 0, cached blocks to the tail
+        in this order, uncached ones to the head in this order."""
+        first: list[int] = []
+        for block in blocks:
             self._ref[block] -= 1
             if self._ref[block]:
                 continue

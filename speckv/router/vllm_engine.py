@@ -98,12 +98,8 @@ class VLLMFlags:
 def pool_shape(contract: EngineContract, flags: VLLMFlags) -> PoolShape | None:
     """What a `PoolMirror` of a vLLM engine needs: its pool size (`num_gpu_blocks` in its
     /metrics), block size and drafter's lookahead slots; None without prefix caching or a
-    published pool size, and under speckv's plugin, whose engines cache a prompt's last
-    blocks only once its first output tokens are known and copy divergent blocks (not
-    mirrored: their hits are predicted from the events alone; with the mirror, 96 prompts of
-    the route bench were 90.6% exact for kv, without it 48 were 95.8%)."""
-    if not (contract.vllm and contract.hit_rule.prefix_caching and contract.num_blocks >= 2
-            and flags.lookahead_tokens == 0):
+    published pool size."""
+    if not (contract.vllm and contract.hit_rule.prefix_caching and contract.num_blocks >= 2):
         return None
     return PoolShape(contract.num_blocks, contract.hashing.block_size, flags.lookahead_slots,
                      contract.hashing.route_group)

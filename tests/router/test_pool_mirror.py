@@ -100,6 +100,35 @@ def test_decoded_blocks_are_cached_under_keys_no_prompt_has():
     assert mirror.matched_blocks([11]) == 0
 
 
+def test_a_divergent_block_copied_for_a_hit_is_refreshed_not_held():
+    mirror = PoolMirror(PoolShape(num_blocks=8, block_size=B))  # 7 usable
+    mirror.schedule("a", [11, 12], num_prompt_tokens=2 * B, cached_tokens=0)
+    mirror.schedule("x", [21], num_prompt_tokens=B, cached_tokens=0)
+    mirror.finish("a", num_output_tokens=1)  # 12 then 11 to the tail
+    mirror.finish("x", num_output_tokens=1)  # then 21
+    # a prompt after 11 whose next block is 12's under another successor (L = 1): 11 hit,
+    # 12 copied into a block of b's own (B - 1 tokens reused), 12 moved to the tail
+    mirror.schedule("b", [11, 13], num_prompt_tokens=2 * B + 1, cached_tokens=2 * B - 1,
+                    divergent_source=12)
+    assert mirror.num_free_blocks == 7 - 3  # b holds 11 and 2 new blocks; 12 is free again
+    mirror.schedule("c", [31, 32], num_prompt_tokens=2 * B, cached_tokens=0)  # never used
+    assert mirror.matched_blocks([21]) == 1 and mirror.matched_blocks([11, 12]) == 2
+    mirror.schedule("d", [41], num_prompt_tokens=B, cached_tokens=0)  # 21: 12 is behind it
+    assert mirror.matched_blocks([21]) == 0 and mirror.matched_blocks([11, 12]) == 2
+
+
+def test_a_prompt_block_hashed_only_once_output_follows_is_freed_as_cached():
+    # lookahead hashes (L = 1): a prompt's last full block has no hash until its successor,
+    # the first output token, exists; the engine caches it by the end, so it is freed to the
+    # tail like any cached block, not to the head
+    mirror = PoolMirror(PoolShape(num_blocks=5, block_size=B))  # 4 usable
+    mirror.schedule("a", [11], num_prompt_tokens=2 * B, cached_tokens=0)  # 2 blocks, 1 key
+    mirror.finish("a", num_output_tokens=1)
+    mirror.schedule("b", [], num_prompt_tokens=2 * B, cached_tokens=0)  # the 2 never used
+    mirror.schedule("c", [], num_prompt_tokens=B, cached_tokens=0)
+    assert mirror.matched_blocks([11]) == 1  # c took a's unknown-keyed last block first
+
+
 def test_the_shape_is_validated():
     with pytest.raises(ValueError, match="num_blocks >= 2"):
         PoolShape(num_blocks=1, block_size=B)
