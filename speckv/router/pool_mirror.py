@@ -22,7 +22,12 @@ the two differently (a request ends while a later one waits for the next step), 
 engine's events correct the mirror: a BlockRemoved for a hash the mirror keeps on a free
 block means the engine evicted that block where the mirror evicted another one; the mirror
 gives that block the oldest hash it evicted that no BlockRemoved has confirmed yet (the
-block the engine kept), and drops the reported hash.
+block the engine kept), and drops the reported hash. Hashes the engine stored for requests
+that did not come through this router (another client, the history replayed to a router
+started after the engine) are not mirrored: the fleet counts those from its index, unless
+the mirror `evicted` them. A reset through the router clears the
+mirror at once; the engine's AllBlocksCleared for it, which comes with its next step, after
+requests the router has already routed, is then skipped.
 
 Keys are the low 64 bits of block hashes (as the router index keys them); a block whose
 content the router does not know (a decoded block) holds a negative key. Not thread-safe:
@@ -82,10 +87,17 @@ class PoolMirror:
         self._requests: dict[Hashable, _Request] = {}
         # keys the mirror evicted that no BlockRemoved has confirmed yet, oldest first
         self._unconfirmed: deque[int] = deque()
+        self._num_unconfirmed: dict[int, int] = {}  # key -> times in `_unconfirmed`
         self._unknown = itertools.count(-1, -1)  # keys of blocks of unknown content
         self.corrections = 0  # BlockRemoved events the mirror had not predicted
+        self._clears_ahead = 0  # resets the router applied before the engine's event came
 
     # ---- reading -----------------------------------------------------------------------------
+    def evicted(self, key: int) -> bool:
+        """Whether the mirror evicted `key` and no BlockRemoved has confirmed it yet (the
+        engine's events may still show it cached). Pure."""
+        return key in self._num_unconfirmed
+
     def matched_blocks(self, keys: Sequence[int]) -> int:
         """Leading keys of a prompt's chain the pool holds. Pure."""
         matched = 0
@@ -186,18 +198,25 @@ class PoolMirror:
                 for block_hash in event.block_hashes:
                     self._removed(low64(block_hash))
             elif isinstance(event, AllBlocksCleared):
-                self.clear()
-            # a BlockStored tells nothing new: the mirror caches at scheduling
+                if self._clears_ahead:  # applied when the router reset the engine
+                    self._clears_ahead -= 1
+                else:
+                    self.clear()
 
-    def clear(self) -> None:
-        """The engine's prefix cache was reset: no block holds a hash. Mutates."""
+    def clear(self, event_to_come: bool = False) -> None:
+        """The engine's prefix cache was reset: no block holds a hash. `event_to_come`: the
+        router reset it, and the engine's AllBlocksCleared (published with its next step)
+        is to be skipped: requests routed before it came already hold hashes. Mutates."""
+        self._clears_ahead += event_to_come
         self._key.clear()
         self._copies.clear()
         self._unconfirmed.clear()
+        self._num_unconfirmed.clear()
 
     def _removed(self, key: int) -> None:
-        if key in self._unconfirmed:  # evicted here too
+        if key in self._num_unconfirmed:  # evicted here too
             self._unconfirmed.remove(key)
+            self._forget_unconfirmed(key)
             return
         holders = self._copies.get(key)
         if not holders:
@@ -209,7 +228,9 @@ class PoolMirror:
         self.corrections += 1
         if free and self._unconfirmed:
             # ... where the mirror evicted another: the engine kept that one, in this place
-            self._cache(block, self._unconfirmed.popleft())
+            kept = self._unconfirmed.popleft()
+            self._forget_unconfirmed(kept)
+            self._cache(block, kept)
 
     # ---- the pool's rules --------------------------------------------------------------------
     def _allocate(self, count: int) -> list[int]:
@@ -222,11 +243,19 @@ class PoolMirror:
                 self._uncache(block)
                 if key >= 0:
                     self._unconfirmed.append(key)
+                    self._num_unconfirmed[key] = self._num_unconfirmed.get(key, 0) + 1
                     if len(self._unconfirmed) > self.shape.num_blocks:
-                        self._unconfirmed.popleft()
+                        self._forget_unconfirmed(self._unconfirmed.popleft())
             self._ref[block] = 1
             blocks.append(block)
         return blocks
+
+    def _forget_unconfirmed(self, key: int) -> None:
+        count = self._num_unconfirmed[key] - 1
+        if count:
+            self._num_unconfirmed[key] = count
+        else:
+            del self._num_unconfirmed[key]
 
     def _cache(self, block: int, key: int) -> None:
         self._key[block] = key

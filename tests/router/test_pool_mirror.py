@@ -65,6 +65,29 @@ def test_an_eviction_the_mirror_did_not_predict_takes_the_place_of_the_one_it_di
     assert mirror.matched_blocks([11]) == mirror.matched_blocks([13]) == 0
 
 
+def test_the_engines_clear_after_a_reset_through_the_router_keeps_what_was_routed_since():
+    mirror = PoolMirror(PoolShape(num_blocks=8, block_size=B))
+    mirror.schedule("a", [11], num_prompt_tokens=B, cached_tokens=0)
+    mirror.clear(event_to_come=True)  # the router reset the engine
+    assert mirror.matched_blocks([11]) == 0
+    mirror.schedule("b", [21], num_prompt_tokens=B, cached_tokens=0)
+    cleared = KVEventBatch(ts=0.0, events=[AllBlocksCleared()])
+    mirror.apply_batch(cleared)  # the engine's event of that reset, after b was routed
+    assert mirror.matched_blocks([21]) == 1
+    mirror.apply_batch(cleared)  # a reset not through the router
+    assert mirror.matched_blocks([21]) == 0
+
+
+def test_an_eviction_stays_known_until_the_engine_confirms_it():
+    mirror = PoolMirror(PoolShape(num_blocks=3, block_size=B))  # 2 usable
+    mirror.schedule("a", [11], num_prompt_tokens=B, cached_tokens=0)
+    mirror.finish("a", num_output_tokens=1)
+    mirror.schedule("b", [21, 22], num_prompt_tokens=2 * B, cached_tokens=0)
+    assert mirror.evicted(11)
+    mirror.apply_batch(removed(11))
+    assert not mirror.evicted(11) and mirror.corrections == 0
+
+
 def test_a_predicted_eviction_confirmed_by_the_engine_is_no_correction():
     mirror = PoolMirror(PoolShape(num_blocks=3, block_size=B))
     mirror.schedule("a", [11], num_prompt_tokens=B, cached_tokens=0)

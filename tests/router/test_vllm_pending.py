@@ -61,3 +61,27 @@ def test_once_answered_the_events_alone_say_what_is_held():
     # router sees it at once, the grace period is for blocks whose BlockStored is late
     index.apply_batch("v", removed(hashes[1]))
     assert index.matched_blocks("v", hashes, pending_at_s=time.monotonic()) == 1
+
+
+def test_the_fleet_predicts_a_vllm_engine_from_its_pool_mirror_and_its_events():
+    from speckv.router.fleet import EngineLink, EngineSpec, Fleet
+    from speckv.router.tokenizer import TokenizerCache
+
+    flags = VLLMFlags(EVENTS, "0")
+    link = EngineLink(EngineSpec("v", URL, vllm=flags),
+                      vllm_contract("v", URL, metrics(), MODELS, flags))
+    fleet = Fleet([link], TokenizerCache(override="builtin"))  # the model dir is elsewhere
+    assert link.pool is not None  # 704 blocks of 32, one group, no drafter
+    prefix = list(range(1000, 1000 + 4 * BLOCK))
+    # blocks the engine stored before the router started: known from its events only
+    fleet.apply(link, link.generation, 0, root_event(prefix, "0"))
+    prompt = prefix + list(range(5000, 5000 + BLOCK + 7))
+    plan = fleet.plan(prompt, ["v"])["v"]
+    assert plan.predicted_cached_tokens == plan.published_cached_tokens == 4 * BLOCK
+    fleet.routed("v", plan)  # scheduled in the mirror: its new block held there now
+    again = fleet.plan(prompt, ["v"])["v"]
+    assert again.predicted_cached_tokens == 5 * BLOCK > again.published_cached_tokens
+    fleet.finished("v", plan, 1)
+    assert fleet.state()["v"]["pool_mirror"] == {"free_blocks": 703, "corrections": 0}
+    fleet.cleared(link)  # a reset through the router
+    assert fleet.plan(prompt, ["v"])["v"].predicted_cached_tokens == 0
