@@ -148,9 +148,8 @@ class FleetConfig:
 
 
 def _pool_mirror(link: EngineLink) -> PoolMirror | None:
-    """A fresh mirror of a vLLM engine's block pool (None for other engines)."""
     shape = pool_shape(link.contract, link.vllm_flags) if link.contract is not None else None
-    return PoolMirror(shape) if shape is not None else None
+    return PoolMirror(shape) if shape is not None else None  # None: not a vLLM engine
 
 
 class Fleet:
@@ -376,7 +375,10 @@ class Fleet:
                 confirmed = rule.cached_tokens(self.index.matched_blocks(name, hashes),
                                                num_tokens)
                 if link.pool is not None:  # the engine's own pool rules, evictions included
-                    matched = self._mirrored_blocks(link, hashes)
+                    matched = link.pool.matched_blocks(
+                        [low64(h) for h in hashes],
+                        lambda key, blocks=self.index.state[name].blocks,
+                        group=hashing.route_group: (group, key) in blocks)
                 else:
                     matched = self.index.matched_blocks(name, hashes, pending_at_s=now)
                 with_pending = rule.cached_tokens(matched, num_tokens)
@@ -416,22 +418,6 @@ class Fleet:
         return EnginePlan(hashes, rule.hybrid_cached_tokens(chains, holds, num_tokens),
                           rule.hybrid_cached_tokens(chains, holds_or_pending, num_tokens),
                           num_tokens)
-
-    def _mirrored_blocks(self, link: EngineLink, hashes: Sequence[bytes]) -> int:
-        """Leading blocks of the chain a vLLM engine will hold when it schedules the request:
-        those its pool mirror holds, and those only its events show (stored by requests the
-        router did not route, or before it started) unless the mirror evicted them."""
-        pool = link.pool
-        assert pool is not None
-        blocks = self.index.state[link.name].blocks
-        group = link.contract.hashing.route_group
-        matched = 0
-        for block_hash in hashes:
-            key = low64(block_hash)
-            if not (pool.holds(key) or ((group, key) in blocks and not pool.evicted(key))):
-                break
-            matched += 1
-        return matched
 
     def _with_reuse(self, name: str, rule: Any, hashes: Sequence[bytes],
                     token_ids: Sequence[int], hit: int, pending_at_s: float | None = None,

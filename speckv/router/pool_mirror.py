@@ -98,11 +98,16 @@ class PoolMirror:
         engine's events may still show it cached). Pure."""
         return key in self._num_unconfirmed
 
-    def matched_blocks(self, keys: Sequence[int]) -> int:
-        """Leading keys of a prompt's chain the pool holds. Pure."""
+    def matched_blocks(self, keys: Sequence[int],
+                       published: Callable[[int], bool] | None = None) -> int:
+        """Leading keys of a prompt's chain the pool holds; with `published` (the engine's
+        events), also those only the events show (stored for another client, or before the
+        router started) unless the mirror evicted them. Pure."""
         matched = 0
         for key in keys:
-            if key not in self._copies:
+            if key not in self._copies and not (
+                    published is not None and published(key)
+                    and key not in self._num_unconfirmed):
                 break
             matched += 1
         return matched
