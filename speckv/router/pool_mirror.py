@@ -67,6 +67,9 @@ class _Request:
     introduced: list[int] = field(default_factory=list)
 
 
+_NULL = 0  # vLLM's null block: never free, never cached
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -76,7 +79,6 @@ class PoolMirror:
 
     def __init__(self, shape: PoolShape) -> None:
         self.shape = shape
-        # block 0 is vLLM's null block: never free, never cached
         self._queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, shape.num_blocks))
         self._ref = [0] * shape.num_blocks
         # a free block's place in the queue: smaller is nearer the head
@@ -129,12 +131,15 @@ class PoolMirror:
         prompt blocks cached. A request that does not fit takes the blocks there are (vLLM
         would make it wait; the mirror does not model its queue). Mutates."""
         size = self.shape.block_size
-        num_hit = min(cached_tokens // size, self.matched_blocks(keys))
-        blocks = [self._copies[key][0] for key in keys[:num_hit]]
+        num_hit = min(cached_tokens // size, len(keys))
+        held = self.matched_blocks(keys[:num_hit])
+        # hit blocks only the engine's events show stand as the null block (never free,
+        # never cached): positions in `blocks` stay block indices
+        blocks = [self._copies[key][0] for key in keys[:held]] + [_NULL] * (num_hit - held)
         source = None
         if divergent_source in self._copies and cached_tokens % size:
             source = self._copies[divergent_source][-1]  # the engine's index: the latest
-        for block in blocks + ([source] if source is not None else []):  # touch
+        for block in blocks[:held] + ([source] if source is not None else []):  # touch
             if self._ref[block] == 0:
                 del self._queue[block]
             self._ref[block] += 1
@@ -165,7 +170,7 @@ class PoolMirror:
             blocks += self._allocate(_cdiv(num_tokens + self.shape.lookahead_slots, size)
                                      - len(blocks))
             for index in range(min(num_tokens // size, len(blocks))):
-                if blocks[index] not in self._key:
+                if blocks[index] != _NULL and blocks[index] not in self._key:
                     self._cache(blocks[index], next(self._unknown))
         elif num_output_tokens is None:  # the engine may never have scheduled it
             for block in blocks:
@@ -179,6 +184,8 @@ class PoolMirror:
         in this order, uncached ones to the head in this order."""
         first: list[int] = []
         for block in blocks:
+            if block == _NULL:
+                continue
             self._ref[block] -= 1
             if self._ref[block]:
                 continue

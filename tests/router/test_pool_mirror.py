@@ -88,6 +88,18 @@ def test_an_eviction_stays_known_until_the_engine_confirms_it():
     assert not mirror.evicted(11) and mirror.corrections == 0
 
 
+def test_a_hit_on_blocks_only_the_events_show_allocates_as_the_engine_does():
+    mirror = PoolMirror(PoolShape(num_blocks=6, block_size=B))  # 5 usable
+    published = {11, 12}.__contains__  # stored before the router started
+    assert mirror.matched_blocks([11, 12, 13]) == 0
+    assert mirror.matched_blocks([11, 12, 13], published) == 2
+    mirror.schedule("a", [11, 12, 13], num_prompt_tokens=3 * B + 1, cached_tokens=2 * B)
+    assert mirror.num_free_blocks == 5 - 2  # 13's block and the partial one, not 4
+    assert mirror.matched_blocks([11, 12, 13], published) == 3  # 13 at its own block
+    mirror.finish("a", num_output_tokens=1)
+    assert mirror.num_free_blocks == 5
+
+
 def test_a_predicted_eviction_confirmed_by_the_engine_is_no_correction():
     mirror = PoolMirror(PoolShape(num_blocks=3, block_size=B))
     mirror.schedule("a", [11], num_prompt_tokens=B, cached_tokens=0)
