@@ -125,8 +125,9 @@ def _plan(
 
 class SDPABackend:
     """Reference backend: gather paged K/V per group, one masked SDPA call per group; requests
-    of up to `native_max_query_len` new tokens through speckv's own paged kernel where it is
-    built and takes the shapes (`native_decode`; 0 turns it off)."""
+    of up to `native_max_query_len` new tokens, and prefills of up to
+    `native_decode.NATIVE_MAX_PREFILL_SEQ_LEN` tokens of context, through speckv's own paged
+    kernel where it is built and takes the shapes (`native_decode`; 0 turns it off)."""
 
     name = "sdpa"
 

@@ -99,14 +99,21 @@ def _run_case(
         [(40, 45), (1, 2), (2, 50), (33, 33)],  # long chunks get their own calls
     ],
 )
-def test_paged_equals_dense(reqs: list[tuple[int, int]]) -> None:
-    out, ref = _run_case(reqs)
+@pytest.mark.parametrize("native_max_query_len", [None, 0], ids=["default", "sdpa-only"])
+def test_paged_equals_dense(reqs: list[tuple[int, int]], native_max_query_len: int | None
+                            ) -> None:
+    # the default sends these through speckv's kernel where it is built; 0: the SDPA calls
+    backend = SDPABackend() if native_max_query_len is None else SDPABackend(0)
+    out, ref = _run_case(reqs, backend=backend)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("native_max_query_len", [None, 0], ids=["default", "sdpa-only"])
 @pytest.mark.parametrize("window", [1, 3, 8])
-def test_sliding_window_equals_dense(window: int) -> None:
-    out, ref = _run_case([(5, 21), (1, 17), (9, 9), (2, 30)], sliding_window=window, seed=3)
+def test_sliding_window_equals_dense(window: int, native_max_query_len: int | None) -> None:
+    backend = SDPABackend() if native_max_query_len is None else SDPABackend(0)
+    out, ref = _run_case([(5, 21), (1, 17), (9, 9), (2, 30)], sliding_window=window, seed=3,
+                         backend=backend)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
