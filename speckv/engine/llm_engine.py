@@ -45,6 +45,7 @@ from speckv.connectors import ConnectorStats, KVConnector
 from speckv.engine.config import EngineConfig
 from speckv.engine.core import EngineCore
 from speckv.engine.engine_check import check_connector_groups, check_engine, check_model_fits
+from speckv.engine.host_memory import keep_freed_memory
 from speckv.engine.kv_budget import plan_kv_budget
 from speckv.engine.kv_connector import (
     RunnerConnector,
@@ -114,6 +115,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         cache = config.cache
         self.model = model
+        if model.device.type == "cpu":
+            keep_freed_memory()  # once per process: a forward's buffers stay paged in
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
