@@ -57,7 +57,7 @@ def native_attention_available() -> bool:
 
 @dataclass(frozen=True)
 class NativeRequests:
-    """One forward's requests for the native kernel (the rest have query length 0 here)."""
+    """One forward's requests for the native kernel, as the kernel sees them: pieces."""
 
     native: frozenset[int]  # request indices attended natively
     # the kernel's requests: pieces of the native ones (a decode is one piece)
@@ -73,10 +73,10 @@ def native_requests(metadata: AttentionMetadata, num_heads: int, max_query_len: 
     """The requests of `metadata` with 1..`max_query_len` new tokens, and those with more
     whose context is at most `max_prefill_seq_len` tokens, cut into pieces (None: none, or no
     kernel; `max_query_len` 0 turns the kernel off)."""
-    if _decode_attn is None or max_query_len <= 0:
+    if _decode_attn is None or max_query_len <= 0 or not 0 < num_heads <= _MAX_ROWS:
         return None
     assert metadata.query_lens_host is not None and metadata.seq_lens_host is not None
-    piece = max(1, _MAX_ROWS // max(num_heads, 1))  # tokens per kernel request
+    piece = _MAX_ROWS // num_heads  # tokens per kernel request
     qlens, slens = metadata.query_lens_host, metadata.seq_lens_host
     native = frozenset(r for r, (q, s) in enumerate(zip(qlens, slens))
                        if q > 0 and (q <= min(max_query_len, piece) or s <= max_prefill_seq_len))

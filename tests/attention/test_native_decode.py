@@ -131,3 +131,8 @@ def test_prefills_with_long_contexts_keep_sdpa(monkeypatch):
     out, ref = _run_case([(20, 20), (1, 30), (12, 12)], head_dim=32, seed=6)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert calls and calls[0] is not None and calls[0].native == frozenset({1, 2})
+
+
+def test_more_heads_than_the_kernel_takes_go_through_sdpa():
+    md = AttentionMetadata.build([3, 1], [3, 9], [[1], [2, 3, 4]], BLOCK_SIZE)
+    assert native_decode.native_requests(md, num_heads=129, max_query_len=8) is None
