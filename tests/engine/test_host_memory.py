@@ -33,18 +33,21 @@ g = torch.Generator().manual_seed(0)
 def prefill():
     llm.generate([torch.randint(1, 512, (240,), generator=g).tolist() for _ in range(8)],
                  params)
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    prefill()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 for _ in range(2):
     prefill()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-prefill()
-print(host_memory.keep_freed_memory(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(host_memory.keep_freed_memory(), *(faults() for _ in range(3)))
 """
 
 
-def _probe(apply: bool) -> tuple[bool, int]:
+def _probe(apply: bool) -> tuple[bool, list[int]]:
+    """(whether the setting took, the page faults of three warm prefills)"""
     out = subprocess.run([sys.executable, "-c", _PROBE, "1" if apply else "0"],
                          capture_output=True, text=True, check=True).stdout.split()
-    return out[-2] == "True", int(out[-1])
+    return out[-4] == "True", [int(n) for n in out[-3:]]
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -53,8 +56,12 @@ def test_a_warm_engine_prefills_without_fresh_pages():
     applied, faults = _probe(apply=True)
     _, faults_by_default = _probe(apply=False)
     assert applied
-    assert faults_by_default > 5_000  # the control: fresh pages for the buffers, each prefill
-    assert faults < faults_by_default / 10
+    # the median of three warm prefills: glibc's default maps fresh pages for the buffers
+    # (11,000-21,000 seen; once one of three came back without); with the setting the heap
+    # is reused (2-4 seen), though a prefill whose Python objects land between the buffers
+    # may grow it once more (3,964 seen once under a loaded test run)
+    assert sorted(faults_by_default)[1] > 1_000
+    assert sorted(faults)[1] < 100
 
 
 def test_keep_freed_memory_is_idempotent():
