@@ -21,6 +21,9 @@ BLOCK_SIZE = 4
 NUM_HEADS = 6
 NUM_KV_HEADS = 2
 HEAD_DIM = 8
+# the default sends requests through speckv's kernel where it is built; 0: the SDPA calls only
+BOTH_PATHS = [SDPABackend(), SDPABackend(native_max_query_len=0)]
+BOTH_PATH_IDS = ["default", "sdpa-only"]
 
 
 def _dense_reference(
@@ -99,19 +102,15 @@ def _run_case(
         [(40, 45), (1, 2), (2, 50), (33, 33)],  # long chunks get their own calls
     ],
 )
-@pytest.mark.parametrize("native_max_query_len", [None, 0], ids=["default", "sdpa-only"])
-def test_paged_equals_dense(reqs: list[tuple[int, int]], native_max_query_len: int | None
-                            ) -> None:
-    # the default sends these through speckv's kernel where it is built; 0: the SDPA calls
-    backend = SDPABackend() if native_max_query_len is None else SDPABackend(0)
+@pytest.mark.parametrize("backend", BOTH_PATHS, ids=BOTH_PATH_IDS)
+def test_paged_equals_dense(reqs: list[tuple[int, int]], backend: SDPABackend) -> None:
     out, ref = _run_case(reqs, backend=backend)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("native_max_query_len", [None, 0], ids=["default", "sdpa-only"])
+@pytest.mark.parametrize("backend", BOTH_PATHS, ids=BOTH_PATH_IDS)
 @pytest.mark.parametrize("window", [1, 3, 8])
-def test_sliding_window_equals_dense(window: int, native_max_query_len: int | None) -> None:
-    backend = SDPABackend() if native_max_query_len is None else SDPABackend(0)
+def test_sliding_window_equals_dense(window: int, backend: SDPABackend) -> None:
     out, ref = _run_case([(5, 21), (1, 17), (9, 9), (2, 30)], sliding_window=window, seed=3,
                          backend=backend)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
