@@ -16,7 +16,7 @@ they feed: `step_costs.py`)
 
 The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens:
 
-    goodput(k) = B * E[k] / (T(B * (1 + k)) + k * g(B) + F(B))
+    goodput(k) = B * E[k] / (T(B * (1 + k)) + G(B, k) + F(B))
     E[k]       = 1 + a1 + a1 a2 + ... + a1 .. ak        expected tokens per request per step
     a_j        = P(draft j accepted | drafts 1..j-1 accepted), decayed counts with a prior
     T(n)       = target step seconds for n tokens: a decayed mean per n measured, linear
@@ -24,26 +24,28 @@ The choice for `B` requests that will decode next, over k = 0 .. max_spec_tokens
                  for k > 0, once forwards close in time measured both B and B (1 + k)
                  tokens, T(B) times their paired ratio (a step's cost drifts with the
                  machine's load, so two means measured at different times are not comparable)
-    g(B)       = seconds per draft token position for B requests (proposal forward)
+    G(B, k)    = seconds of the proposal of k drafts for B requests: measured per k,
+                 piecewise-linear in k between the lengths measured (the first draft reads
+                 the catch-up's output, each further one costs a drafter forward more)
     F(B)       = the rest of the step (the drafter's catch-up), paid for every k, but measured
                  apart for k = 0 and k > 0: without drafts the catch-up only writes draft KV,
                  with drafts it also computes the outputs drafting starts from
 
 It starts without drafts: until T is measured below 2B tokens (the prefill steps measure it
 at many tokens, the first decode step at B) there is nothing to weigh drafting against. Then,
-before any draft is measured, g(B) is taken as zero and the catch-up as no dearer than without
-drafts: the most one draft could pay at the prior acceptance. T(2B) comes from the measured
+before any draft is measured, G(B, k) is taken as zero and the catch-up as no dearer than
+without drafts: the most one draft could pay at the prior acceptance. T(2B) comes from the measured
 segments (B and the prefills' token counts), so where verifying B more tokens costs nearly as
 much as B tokens (a compute-bound target: T(2B) ~ 2 T(B)), even that does not pay and no draft
 is spent finding out; where it is nearly free (memory-bound, batch 1) the first draft step
-measures g and a_1. Only with T measured at a single token count (no slope known) does it
+measures G and a_1. Only with T measured at a single token count (no slope known) does it
 draft once to measure T at 2B. From then on it drafts only where
 that is predicted to pay by `enable_margin` (default 6%: with noisy costs a wrong "on" costs
 more than a wrong "off" saves) and stops as soon as no drafting is predicted ahead (that band
 is the hysteresis), keeps the best k (a switch among draft lengths needs a
 `switch_margin` gain), and never considers more drafts than one beyond the token counts
 already measured (T beyond them is a guess along the last segment, which noise can make flat);
-while g is not measured, no more than one draft.
+while G is not measured, no more than one draft.
 The catch-up F is measured on decode-only steps: a step with prefill rows (more target tokens
 than B requests with k drafts each could verify) catches those rows up too, a cost that is
 paid whatever k and says nothing about F(B).
@@ -83,7 +85,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from speckv.speculation.measurements import SpeculationReport, StepCost, Verification
-from speckv.speculation.step_costs import DecayedMeans, PairedRatios
+from speckv.speculation.step_costs import DecayedMeans, DraftCosts, PairedRatios
 
 Clock = Callable[[], float]  # seconds, monotonic within a run
 
@@ -144,7 +146,7 @@ class AdaptiveSpeculation:
         self._target = DecayedMeans(config.cost_decay)  # n tokens -> seconds
         # T(B (1 + k)) / T(B) on neighbouring forwards (the drift-free part of T)
         self._paired = PairedRatios(s, config.probe_interval)
-        self._draft = DecayedMeans(config.cost_decay)  # B -> seconds per draft position
+        self._draft = DraftCosts(config.cost_decay)  # (B, k) -> proposal seconds
         self._fixed = DecayedMeans(config.cost_decay)  # B -> catch-up seconds, k > 0
         self._fixed_no_draft = DecayedMeans(config.cost_decay)  # B -> catch-up seconds, k = 0
         self._decayed = _Counts([0.0] * s, [0.0] * s)
@@ -263,7 +265,7 @@ class AdaptiveSpeculation:
             if cost.num_spec_tokens > 0:
                 if decode_only:
                     self._fixed.add(b, cost.catch_up_s)
-                self._draft.add(b, cost.propose_s / cost.num_spec_tokens)
+                self._draft.add(b, cost.num_spec_tokens, cost.propose_s)
             elif decode_only:
                 self._fixed_no_draft.add(b, cost.catch_up_s)
 
@@ -315,10 +317,10 @@ class AdaptiveSpeculation:
                 target = no_draft_target * ratio
             # noise must not make verifying more tokens look cheaper than B tokens
             target = max(target, no_draft_target)
-            per_position = self._draft.predict(b)
-            if per_position is None and not unmeasured_drafts_free:
+            proposal = self._draft.predict(b, k)
+            if proposal is None and not unmeasured_drafts_free:
                 return None
-            draft = k * (per_position or 0.0)
+            draft = proposal or 0.0
         no_draft = self._fixed_no_draft.predict(b)
         fixed = no_draft if k == 0 else self._fixed.predict(b)
         if fixed is None:
@@ -343,7 +345,7 @@ class AdaptiveSpeculation:
         low = self._target.min_key()
         if low is None or low >= 2 * num_requests:
             return 0  # T below 2B would be a guess: measure the cost drafting must beat first
-        measured = self._draft.predict(num_requests) is not None
+        measured = bool(self._draft)
         if not measured and len(self._target) == 1:
             return 1  # T at one token count only, no slope: measure drafting at its cheapest
         # T beyond the most tokens measured is a guess along the last segment, which noise can

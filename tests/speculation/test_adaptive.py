@@ -469,3 +469,26 @@ def test_a_draft_length_whose_cost_is_only_the_prefills_guess_is_not_tried_on_a_
     chosen = simulate(policy, 32, decode, lambda b: 0.0001 * b, [0.35, 0.3, 0.3], steps=48,
                       catch_up_s=lambda b, k: 0.003)
     assert chosen == [0] * 48, chosen
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 3, 0, 1, 3, 2, 0, 2], [0, 1, 3]],
+                         ids=["each-length-measured", "two-lengths-measured"])
+def test_the_proposal_cost_is_predicted_per_draft_length(lengths):
+    # the first draft reads the catch-up's output (one LM-head pass), each further one runs
+    # the drafter first: not k times one cost per position (batch 1, built-in EAGLE3 head);
+    # a length not measured lies on the line between two that are
+    policy = AdaptiveSpeculation(AdaptiveSpecConfig(max_spec_tokens=3))
+
+    def target(n):
+        return 0.0303 + 0.0013 * n
+
+    def proposal(k):
+        return 0.0 if k == 0 else 0.0012 + 0.0025 * (k - 1)
+
+    for k in lengths * 4:
+        if k:
+            policy.observe_verifications([Verification(k, min(k, 1))])
+        policy.observe_step(StepCost(1 + k, target(1 + k), 1, k, 0.0022, proposal(k)))
+    for k in range(4):
+        expected = policy.expected_tokens(k) / (target(1 + k) + proposal(k) + 0.0022)
+        assert policy.predicted_goodput(1, k) == pytest.approx(expected, rel=1e-9)
