@@ -36,8 +36,9 @@ logger = logging.getLogger("speckv.server")
 # ARRIVAL_QUIET_S, at most ARRIVAL_WINDOW_S. Clients that send together (a batch, a benchmark's
 # concurrency) then share one prefill step; started at the first arrival, that step would
 # prefill one prompt and the rest would wait a whole step for it (8 x 256 tokens of the
-# built-in model on a CPU: TTFT 0.6 s for one, 5.0-5.5 s for seven, against 4.7-5.0 s for
-# all eight in one step; a burst's requests reached the loop 0.1-6.1 ms apart). Where each of
+# built-in model on a CPU: TTFT 0.6-0.8 s for one, 5.0-5.5 s for seven, against 4.7-5.1 s
+# for all eight in one step; a burst's requests reached the loop 0.1-6 ms apart, once 11 ms
+# on fresh connections). Where each of
 # the last LONE_WAKES_TO_SKIP windows saw a single request (a client that waits for each
 # answer), the first step starts at once: lone requests pay no wait.
 ARRIVAL_QUIET_S = 0.02

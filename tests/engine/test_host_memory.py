@@ -6,13 +6,12 @@ changes nothing."""
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
 
-from speckv.engine.host_memory import keep_freed_memory
+from speckv.engine.host_memory import keep_freed_memory, on_glibc
 
 # an engine prefill of 8 x 240 tokens of a random model of the built-in model's layer shape
 # (activations of 1,920 rows x 576-1,536 floats: 4.4-11.8 MB), in a fresh process: the
@@ -68,8 +67,7 @@ def _probe(apply: bool) -> tuple[bool, int, list[int]]:
     return out[-5] == "True", int(out[-4]), [int(n) for n in out[-3:]]
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                    reason="the setting is glibc's")
+@pytest.mark.skipif(not on_glibc(), reason="the setting is glibc's")
 def test_a_warm_engine_prefills_without_fresh_pages():
     applied, mapped_bytes, faults = _probe(apply=True)
     _, mapped_bytes_by_default, faults_by_default = _probe(apply=False)
@@ -86,5 +84,4 @@ def test_a_warm_engine_prefills_without_fresh_pages():
 
 
 def test_the_setting_is_taken_on_glibc_and_nowhere_else():
-    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert keep_freed_memory() is on_glibc
+    assert keep_freed_memory() is on_glibc()
