@@ -1,5 +1,6 @@
 """Build hook for the optional native extensions: the block-hash chain
-(speckv/hashing/_chainhash.c), the few-row fp32 product (speckv/models/common/_rowdot.c), a
+(speckv/hashing/_chainhash.c), the few-row fp32 products (speckv/models/common/_rowdot.c, and over GGUF blocks
+speckv/models/common/_blockdot.c), a
 decoder layer's element-wise steps (speckv/models/common/_pointwise.c) and the paged attention
 of few-token queries (speckv/attention/_decode_attn.c).
 
@@ -32,5 +33,6 @@ setup(
                     "speckv/attention/_decode_attn_body.h"),
         simd_kernel("speckv.models.common._rowdot", "speckv/models/common/_rowdot.c"),
         simd_kernel("speckv.models.common._pointwise", "speckv/models/common/_pointwise.c"),
+        simd_kernel("speckv.models.common._blockdot", "speckv/models/common/_blockdot.c"),
     ]
 )

@@ -2,7 +2,8 @@
 
 Owns locating that GGUF, converting it once (dequantize -> safetensors + config.json +
 tokenizer.json) into the user's cache dir atomically, and loading the converted copy fast on
-later starts.
+later starts, with the GGUF's own blocks beside it for the few-row products
+(`speckv.models.common.block_linear`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from speckv.models.common.block_linear import attach_blocks
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.tokenizer import Tokenizer
 from speckv.models.llama.gguf_file import GGUFFile
-from speckv.models.llama.loader import load_hf_dir, save_hf_dir
+from speckv.models.llama.loader import load_hf_dir, our_name, save_hf_dir
 from speckv.models.llama.model import LlamaForCausalLM
 
 BUILTIN_NAME = "smollm2-135m-instruct"
@@ -133,5 +135,7 @@ def load_builtin_model(
     """(model, tokenizer, config) of SmolLM2-135M-Instruct; converts on first use."""
     d = convert_builtin(progress=progress)
     model, config = load_hf_dir(d, dtype=dtype, device=device)
+    # the GGUF's blocks for speckv's few-row kernel, where they widen to the loaded weights
+    attach_blocks(model, GGUFFile(builtin_gguf_path()).quantized_blocks(), our_name)
     tokenizer = Tokenizer.from_dir(d, config.eos_token_ids)
     return model, tokenizer, config

@@ -3,7 +3,8 @@
 Owns reading a llama.cpp GGUF with the `gguf` package: metadata -> `ModelConfig`, tensor names
 `blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight`, dequantization (Q4_1,
 Q8_0, ... via `gguf.quants.dequantize`) and undoing llama.cpp's rotary permutation of q/k for
-Llama-arch files so the weights are in Hugging Face layout.
+Llama-arch files so the weights are in Hugging Face layout; and the Q4_1 / Q8_0 weights as the
+file stores them (`QuantizedBlocks`), for speckv's kernels that read them as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.model_files import reading
+from speckv.models.common.quantized_blocks import QuantizedBlocks
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,6 +70,21 @@ def llama_cpp_unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
         .swapaxes(1, 2)
         .reshape(w.shape)
     )
+
+
+def split_blocks(fmt: str, raw: np.ndarray, num_in: int) -> QuantizedBlocks:
+    """Raw GGUF rows [out, bytes] of `fmt` -> `QuantizedBlocks` (scales fp16 -> fp32)."""
+    num_out, num_blocks = raw.shape[0], num_in // 32
+    if fmt == "q4_1":  # per block: d fp16, min fp16, 16 bytes of nibbles
+        blocks = raw.reshape(num_out, num_blocks, 20)
+        scales = np.ascontiguousarray(blocks[:, :, :4]).view(np.float16).astype(np.float32)
+        q = np.ascontiguousarray(blocks[:, :, 4:]).reshape(num_out, num_blocks * 16)
+    else:  # q8_0, per block: d fp16, 32 int8
+        blocks = raw.reshape(num_out, num_blocks, 34)
+        scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0]
+        scales = scales.astype(np.float32)
+        q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(num_out, num_in)
+    return QuantizedBlocks(fmt, torch.from_numpy(q), torch.from_numpy(scales))
 
 
 @dataclass(frozen=True)
@@ -188,14 +205,38 @@ class GGUFFile:
             # ggml shapes are reversed (ne0 = innermost); numpy data is already row-major.
             shape = tuple(int(x) for x in reversed(t.shape))
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-            w = torch.from_numpy(arr.reshape(shape).copy())
-            if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                w = llama_cpp_unpermute(w, config.num_attention_heads)
-            elif self.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                w = llama_cpp_unpermute(w, config.num_key_value_heads)
+            w = self._hf_rows(t.name, torch.from_numpy(arr.reshape(shape).copy()))
             if on_tensor is not None:
                 on_tensor(name)
             yield name, w
+
+    def _hf_rows(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
+        """`w` (rows as the file stores them, any trailing shape) with llama.cpp's q/k row
+        permutation undone."""
+        config = self.config()
+        if self.arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            return llama_cpp_unpermute(w, config.num_attention_heads)
+        if self.arch == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            return llama_cpp_unpermute(w, config.num_key_value_heads)
+        return w
+
+    def quantized_blocks(self) -> Iterator[tuple[str, QuantizedBlocks]]:
+        """(HF name, blocks in HF row order) of each 2-D Q4_1 or Q8_0 weight, as the file stores
+        it: what `gguf.quants.dequantize` widens into the fp32 tensor `tensors` yields."""
+        from gguf import GGMLQuantizationType
+
+        formats = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+        config = self.config()
+        for t in self.reader.tensors:
+            if (t.tensor_type not in formats or len(t.shape) != 2
+                    or (t.name == "output.weight" and config.tie_word_embeddings)):
+                continue
+            num_in, num_out = int(t.shape[0]), int(t.shape[1])
+            raw = np.asarray(t.data).reshape(num_out, -1)
+            blocks = split_blocks(formats[t.tensor_type], raw, num_in)
+            yield hf_name(t.name), QuantizedBlocks(
+                blocks.format, self._hf_rows(t.name, blocks.q).contiguous(),
+                self._hf_rows(t.name, blocks.scales).contiguous())
 
     def tokenizer_data(self) -> GGUFTokenizerData:
         f = self.fields

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from speckv.attention import AttentionBackend, resolve_dtype
+from speckv.models.common.block_linear import attach_blocks
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.tokenizer import Tokenizer
 from speckv.models.common.weights import (
@@ -69,10 +70,12 @@ def load_gguf(
     backend: AttentionBackend | None = None,
     on_tensor: Callable[[str], None] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer | None]:
-    """Load (and dequantize) a GGUF file; the tokenizer too when the file carries one."""
+    """Load (and dequantize) a GGUF file, its Q4_1 / Q8_0 blocks kept beside the fp32 weights
+    for speckv's few-row kernel; the tokenizer too when the file carries one."""
     f = GGUFFile(path)
     config = f.config()
     model = build_model(config, f.tensors(on_tensor), dtype, device, backend)
+    attach_blocks(model, f.quantized_blocks(), our_name)  # see block_linear
     tokenizer = None
     if "tokenizer.ggml.tokens" in f.fields:
         tokenizer = Tokenizer.from_gguf_data(f.tokenizer_data())
