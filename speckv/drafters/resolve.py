@@ -18,7 +18,10 @@ def load_drafter_model(speculative_model: str, model: TargetModel,
     head; `method`, when given, must be the drafter's) or, on a GDN hybrid, "random-mtp" (a
     seeded random-init Qwen3-Next MTP head) or the checkpoint directory whose own `mtp.*` head
     to load. Its few-row CPU matmuls take the forms this machine computes fastest, as the
-    target's (`small_rows`, `native_linear`, `panel_linear` in `speckv.models.common`)."""
+    target's (`small_rows`, `native_linear`, `panel_linear` in `speckv.models.common`), and
+    its fp16-exact weights are read as fp16 for the row counts where that measured faster
+    (`compact_linear`)."""
+    from speckv.models.common.compact_linear import attach_half, use_compact_where_faster
     from speckv.models.common.native_linear import native_max_rows_of, set_native_max_rows
     from speckv.models.common.panel_linear import panel_rows_of, set_panels
     from speckv.models.common.small_rows import (
@@ -31,6 +34,9 @@ def load_drafter_model(speculative_model: str, model: TargetModel,
     set_small_row_form(drafter, small_row_form_of(model))
     set_native_max_rows(cpu_fp32_linears(drafter), native_max_rows_of(model))
     set_panels(cpu_fp32_linears(drafter), panel_rows_of(model))
+    # an fp16 checkpoint (the built-in EAGLE3 head) read as fp16 where that measured faster
+    attach_half(drafter)
+    use_compact_where_faster(drafter, min_bytes=0)
     return drafter
 
 

@@ -139,10 +139,10 @@ def load_model(model: str | Path | None, dtype: str, device: Any, progress: bool
     packed weights where that measured faster (`speckv.models.common.packed_linear`), and its
     products of few enough rows through speckv's own kernel where that measured faster still
     (`speckv.models.common.native_linear`), on panel-packed weights for the batch sizes where
-    those measured faster (`speckv.models.common.panel_linear`), and from a GGUF checkpoint's
-    own blocks for the fewest rows where that measured faster again
-    (`speckv.models.common.block_linear`)."""
-    from speckv.models.common.block_linear import use_blocks_where_faster
+    those measured faster (`speckv.models.common.panel_linear`), and from the weights as the
+    checkpoint holds them (a GGUF's blocks, fp16) for the fewest rows where that measured
+    faster again (`speckv.models.common.compact_linear`)."""
+    from speckv.models.common.compact_linear import attach_half, use_compact_where_faster
     from speckv.models.common.native_linear import use_native_where_faster
     from speckv.models.common.packed_linear import use_packed_weights_where_faster
     from speckv.models.common.panel_linear import use_panels_where_faster
@@ -153,7 +153,8 @@ def load_model(model: str | Path | None, dtype: str, device: Any, progress: bool
     use_packed_weights_where_faster(loaded)
     use_native_where_faster(loaded)
     use_panels_where_faster(loaded)
-    use_blocks_where_faster(loaded)
+    attach_half(loaded)  # an fp16 checkpoint run in fp32 (a GGUF's blocks came with the load)
+    use_compact_where_faster(loaded)
     return loaded, tokenizer
 
 

@@ -11,16 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from speckv.models.common import native_pointwise
-from speckv.models.common.quantized_blocks import QuantizedBlocks
+from speckv.models.common.compact_weight import CompactWeight
 
 try:
     from speckv.models.common import _rowdot
 except ImportError:  # built without a C compiler (see native_linear.py)
     _rowdot = None
-try:
-    from speckv.models.common import _blockdot
-except ImportError:  # built without a C compiler (see block_linear.py)
-    _blockdot = None
 
 
 def _native_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -38,8 +34,9 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) that computes fp32 CPU inputs in the
     forms a loader measured fastest on this machine, tried in this order:
 
-        up to block_max_rows rows             speckv's kernel on the checkpoint's blocks
-                                              (`speckv.models.common.block_linear`)
+        up to compact_max_rows rows           speckv's kernel on the weight as the checkpoint
+                                              holds it: GGUF blocks or fp16
+                                              (`speckv.models.common.compact_linear`)
         panel_min_rows..panel_max_rows rows   speckv's kernel on panel-packed weights
                                               (`speckv.models.common.panel_linear`)
         up to native_max_rows rows            speckv's kernel on the weight as it is
@@ -51,11 +48,11 @@ class Linear(nn.Linear):
 
     All stay off (the plain form) until a loader measures. The native and packed forms step
     aside where autograd needs the product, the packed ones (panels, oneDNN) also where the
-    weight changed after packing (training, a test that edits weights); the blocks also."""
+    weight changed after packing (training, a test that edits weights); the compact one also."""
 
-    # (the weight they widen to, that weight's version then, its blocks)
-    blocks: tuple[torch.Tensor, int, QuantizedBlocks] | None = None
-    block_max_rows = 0
+    # (the weight it widens to, that weight's version then, the weight held narrow)
+    compact: tuple[torch.Tensor, int, CompactWeight] | None = None
+    compact_max_rows = 0
     native_max_rows = 0
     # (the weight it was packed from, that weight's version then, its panels)
     panel: tuple[torch.Tensor, int, torch.Tensor] | None = None
@@ -69,16 +66,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] (any leading dims)
         weight, bias = self.weight, self.bias
         rows = x.shape[0] if x.dim() == 2 else 0
-        blocks = self.blocks
-        if (blocks is not None and 0 < rows <= self.block_max_rows and blocks[0] is weight
-                and blocks[1] == weight._version and _native_input(x, weight, bias)):
-            y = torch.empty((rows, weight.shape[0]), dtype=torch.float32)  # [n, out]
-            b = blocks[2]
-            kernel = _blockdot.q4_1_dot if b.format == "q4_1" else _blockdot.q8_0_dot
-            kernel(x.data_ptr(), b.q.data_ptr(), b.scales.data_ptr(),
-                   0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, x.shape[1],
-                   weight.shape[0])
-            return y
+        compact = self.compact
+        if (compact is not None and 0 < rows <= self.compact_max_rows and compact[0] is weight
+                and compact[1] == weight._version and _native_input(x, weight, bias)):
+            return compact[2].product(x, bias)  # [n, out]
         panel = self.panel
         if (panel is not None and self.panel_min_rows <= rows <= self.panel_max_rows
                 and panel[0] is weight and panel[1] == weight._version

@@ -134,11 +134,11 @@ def linear_forms_summary(model: nn.Module) -> str:
         return "torch's kernels"
     first = linears[0]
     parts = []
-    block_rows = max(m.block_max_rows for m in linears)
-    if block_rows:
-        formats = sorted({m.blocks[2].format.upper() for m in linears if m.block_max_rows})
-        parts.append(f"the checkpoint's {' / '.join(formats)} blocks (speckv's kernel) up to "
-                     f"{block_rows} rows")
+    compact_rows = max(m.compact_max_rows for m in linears)
+    if compact_rows:
+        formats = sorted({m.compact[2].format.upper() for m in linears if m.compact_max_rows})
+        parts.append(f"the checkpoint's {' / '.join(formats)} weights (speckv's kernel) up to "
+                     f"{compact_rows} rows")
     if first.panel is not None:
         parts.append(f"panel-packed weights for {first.panel_min_rows}-{first.panel_max_rows} "
                      "rows")

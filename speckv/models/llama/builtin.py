@@ -3,7 +3,7 @@
 Owns locating that GGUF, converting it once (dequantize -> safetensors + config.json +
 tokenizer.json) into the user's cache dir atomically, and loading the converted copy fast on
 later starts, with the GGUF's own blocks beside it for the few-row products
-(`speckv.models.common.block_linear`).
+(`speckv.models.common.compact_linear`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from speckv.models.common.block_linear import attach_blocks
+from speckv.models.common.compact_linear import attach_compact
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.tokenizer import Tokenizer
 from speckv.models.llama.gguf_file import GGUFFile
@@ -136,6 +136,6 @@ def load_builtin_model(
     d = convert_builtin(progress=progress)
     model, config = load_hf_dir(d, dtype=dtype, device=device)
     # the GGUF's blocks for speckv's few-row kernel, where they widen to the loaded weights
-    attach_blocks(model, GGUFFile(builtin_gguf_path()).quantized_blocks(), our_name)
+    attach_compact(model, GGUFFile(builtin_gguf_path()).quantized_blocks(), our_name)
     tokenizer = Tokenizer.from_dir(d, config.eos_token_ids)
     return model, tokenizer, config

@@ -4,7 +4,7 @@ Owns reading a llama.cpp GGUF with the `gguf` package: metadata -> `ModelConfig`
 `blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight`, dequantization (Q4_1,
 Q8_0, ... via `gguf.quants.dequantize`) and undoing llama.cpp's rotary permutation of q/k for
 Llama-arch files so the weights are in Hugging Face layout; and the Q4_1 / Q8_0 weights as the
-file stores them (`QuantizedBlocks`), for speckv's kernels that read them as they are.
+file stores them (`CompactWeight`), for speckv's kernels that read them as they are.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from speckv.models.common.compact_weight import CompactWeight
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.model_files import reading
-from speckv.models.common.quantized_blocks import QuantizedBlocks
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,8 +72,8 @@ def llama_cpp_unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def split_blocks(fmt: str, raw: np.ndarray, num_in: int) -> QuantizedBlocks:
-    """Raw GGUF rows [out, bytes] of `fmt` -> `QuantizedBlocks` (scales fp16 -> fp32)."""
+def split_blocks(fmt: str, raw: np.ndarray, num_in: int) -> CompactWeight:
+    """Raw GGUF rows [out, bytes] of `fmt` -> `CompactWeight` (scales fp16 -> fp32)."""
     num_out, num_blocks = raw.shape[0], num_in // 32
     if fmt == "q4_1":  # per block: d fp16, min fp16, 16 bytes of nibbles
         blocks = raw.reshape(num_out, num_blocks, 20)
@@ -84,7 +84,7 @@ def split_blocks(fmt: str, raw: np.ndarray, num_in: int) -> QuantizedBlocks:
         scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0]
         scales = scales.astype(np.float32)
         q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(num_out, num_in)
-    return QuantizedBlocks(fmt, torch.from_numpy(q), torch.from_numpy(scales))
+    return CompactWeight(fmt, torch.from_numpy(q), torch.from_numpy(scales))
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class GGUFFile:
             return llama_cpp_unpermute(w, config.num_key_value_heads)
         return w
 
-    def quantized_blocks(self) -> Iterator[tuple[str, QuantizedBlocks]]:
+    def quantized_blocks(self) -> Iterator[tuple[str, CompactWeight]]:
         """(HF name, blocks in HF row order) of each 2-D Q4_1 or Q8_0 weight, as the file stores
         it: what `gguf.quants.dequantize` widens into the fp32 tensor `tensors` yields."""
         from gguf import GGMLQuantizationType
@@ -234,7 +234,7 @@ class GGUFFile:
             num_in, num_out = int(t.shape[0]), int(t.shape[1])
             raw = np.asarray(t.data).reshape(num_out, -1)
             blocks = split_blocks(formats[t.tensor_type], raw, num_in)
-            yield hf_name(t.name), QuantizedBlocks(
+            yield hf_name(t.name), CompactWeight(
                 blocks.format, self._hf_rows(t.name, blocks.q).contiguous(),
                 self._hf_rows(t.name, blocks.scales).contiguous())
 

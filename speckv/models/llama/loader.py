@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from speckv.attention import AttentionBackend, resolve_dtype
-from speckv.models.common.block_linear import attach_blocks
+from speckv.models.common.compact_linear import attach_compact
 from speckv.models.common.config import ModelConfig
 from speckv.models.common.tokenizer import Tokenizer
 from speckv.models.common.weights import (
@@ -75,7 +75,7 @@ def load_gguf(
     f = GGUFFile(path)
     config = f.config()
     model = build_model(config, f.tensors(on_tensor), dtype, device, backend)
-    attach_blocks(model, f.quantized_blocks(), our_name)  # see block_linear
+    attach_compact(model, f.quantized_blocks(), our_name)  # see compact_linear
     tokenizer = None
     if "tokenizer.ggml.tokens" in f.fields:
         tokenizer = Tokenizer.from_gguf_data(f.tokenizer_data())
