@@ -1,7 +1,7 @@
 """Build hook for the optional native extensions: the block-hash chain
-(speckv/hashing/_chainhash.c), the few-row fp32 products (speckv/models/common/_rowdot.c, and over GGUF blocks
-speckv/models/common/_blockdot.c), a
-decoder layer's element-wise steps (speckv/models/common/_pointwise.c) and the paged attention
+(speckv/hashing/_chainhash.c), the few-row fp32 products (speckv/models/common/_rowdot.c, and
+over weights as a checkpoint holds them, GGUF blocks or fp16: speckv/models/common/_blockdot.c),
+a decoder layer's element-wise steps (speckv/models/common/_pointwise.c) and the paged attention
 of few-token queries (speckv/attention/_decode_attn.c).
 
 Everything else is configured in pyproject.toml. All are optional: when one cannot be built,
