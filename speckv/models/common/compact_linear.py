@@ -33,7 +33,12 @@ import torch
 from torch import nn
 
 from speckv.models.common.compact_weight import CompactWeight, half_of
-from speckv.models.common.form_timing import STREAMED_BYTES, streamed_weights, time_two_forms
+from speckv.models.common.form_timing import (
+    STREAMED_BYTES,
+    max_rows_clearly_faster,
+    streamed_weights,
+    time_row_limit,
+)
 from speckv.models.common.layers import Linear
 from speckv.models.common.small_rows import cpu_fp32_linears
 
@@ -102,41 +107,6 @@ def _attach(model: nn.Module, compact_of: Callable[[torch.Tensor], CompactWeight
     return attached
 
 
-def time_compact(linears: Sequence[Linear], rows: Sequence[int] = MEASURED_ROWS,
-                 num_reps: int = _NUM_REPS, clock: Callable[[], float] = time.process_time
-                 ) -> dict[int, tuple[float, float]]:
-    """Per row count, the fastest (other forms, compact) seconds of a pass through `linears`."""
-    saved = [m.compact_max_rows for m in linears]
-
-    def other(index: int, x: torch.Tensor) -> object:
-        linears[index].compact_max_rows = 0
-        return linears[index](x)
-
-    def compact(index: int, x: torch.Tensor) -> object:
-        linears[index].compact_max_rows = x.shape[0]
-        return linears[index](x)
-
-    try:
-        return time_two_forms([m.weight for m in linears], rows, num_reps, clock,
-                              (other, compact))
-    finally:
-        for m, value in zip(linears, saved):
-            m.compact_max_rows = value
-
-
-def choose_compact_max_rows(timings: dict[int, tuple[float, float]],
-                            margin: float = CLEAR_MARGIN) -> int:
-    """The most rows to compute from compact weights: up to (not including) the first measured
-    row count where they did not clearly win; 0 where they lost at 1 row."""
-    max_rows = 0
-    for n in sorted(timings):
-        other_s, compact_s = timings[n]
-        if compact_s >= (1.0 - margin) * other_s:
-            break
-        max_rows = n
-    return max_rows
-
-
 def use_compact_where_faster(model: nn.Module, min_bytes: int = STREAMED_BYTES) -> int:
     """Compute the few-row products of `model`'s projections that hold a compact weight from
     it, up to the row count where that measured faster on this machine than the forms chosen
@@ -155,7 +125,9 @@ def use_compact_where_faster(model: nn.Module, min_bytes: int = STREAMED_BYTES) 
                   m.panel is not None, m.panel_min_rows, m.panel_max_rows) for m in linears))
     if key not in _CHOSEN:
         num_streamed = len(streamed_weights([m.weight for m in linears], STREAMED_BYTES))
-        _CHOSEN[key] = choose_compact_max_rows(time_compact(linears[:num_streamed]))
+        timings = time_row_limit(linears[:num_streamed], "compact_max_rows", MEASURED_ROWS,
+                                 _NUM_REPS, time.process_time)
+        _CHOSEN[key] = max_rows_clearly_faster(timings, CLEAR_MARGIN)
     set_compact_max_rows(linears, _CHOSEN[key])
     return _CHOSEN[key]
 

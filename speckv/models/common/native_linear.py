@@ -31,7 +31,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from speckv.models.common.form_timing import STREAMED_BYTES, streamed_weights, time_two_forms
+from speckv.models.common.form_timing import (
+    STREAMED_BYTES,
+    max_rows_clearly_faster,
+    streamed_weights,
+    time_row_limit,
+)
 from speckv.models.common.layers import Linear
 from speckv.models.common.small_rows import cpu_fp32_linears
 
@@ -65,35 +70,14 @@ def time_native(linears: Sequence[Linear], rows: Sequence[int] = MEASURED_ROWS,
     """Per row count, the fastest (other form, native) seconds of a pass through every one of
     `linears` (their forward as set now, then with native rows on), interleaved so that a slow
     moment hits both."""
-    saved = [m.native_max_rows for m in linears]
-
-    def other(index: int, x: torch.Tensor) -> object:
-        linears[index].native_max_rows = 0
-        return linears[index](x)
-
-    def native(index: int, x: torch.Tensor) -> object:
-        linears[index].native_max_rows = x.shape[0]
-        return linears[index](x)
-
-    try:
-        return time_two_forms([m.weight for m in linears], rows, num_reps, clock,
-                              (other, native))
-    finally:
-        for m, value in zip(linears, saved):
-            m.native_max_rows = value
+    return time_row_limit(linears, "native_max_rows", rows, num_reps, clock)
 
 
 def choose_native_max_rows(timings: dict[int, tuple[float, float]],
                            margin: float = CLEAR_MARGIN) -> int:
     """The most rows to compute natively: up to (not including) the first measured row count
     where it did not clearly win; 0 where it lost at 1 row."""
-    max_rows = 0
-    for n in sorted(timings):
-        other_s, native_s = timings[n]
-        if native_s >= (1.0 - margin) * other_s:
-            break
-        max_rows = n
-    return max_rows
+    return max_rows_clearly_faster(timings, margin)
 
 
 def use_native_where_faster(model: nn.Module) -> int:

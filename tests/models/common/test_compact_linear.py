@@ -19,7 +19,6 @@ from speckv.models.common.compact_linear import (
     attach_compact,
     attach_half,
     blockdot_instruction_set,
-    choose_compact_max_rows,
     compact_max_rows_of,
     set_compact_max_rows,
     use_compact_where_faster,
@@ -149,13 +148,6 @@ def test_blocks_outside_the_layout_are_refused(q, scales):
         CompactWeight("q5_k", torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, 2))
     with pytest.raises(ValueError, match="not the layout"):  # fp16 has no scales
         CompactWeight("f16", torch.zeros(4, 32, dtype=torch.float16), torch.zeros(4, 1))
-
-
-def test_the_row_limit_follows_the_measurement():
-    #                rows: (other forms s, blocks s)
-    timings = {1: (2.0, 1.0), 2: (2.0, 1.2), 3: (2.0, 1.9), 4: (2.0, 1.0)}
-    assert choose_compact_max_rows(timings) == 2  # 3 did not clearly win: stop there
-    assert choose_compact_max_rows({1: (1.0, 0.95)}) == 0
 
 
 def test_a_model_without_blocks_or_in_the_cache_keeps_the_fp32_forms():
