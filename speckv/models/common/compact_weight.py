@@ -17,6 +17,9 @@ except ImportError:  # built without a C compiler: nothing computes from these
     _blockdot = None
 
 FORMATS = ("q4_1", "q8_0", "f16")
+# format -> its product (looked up once: `product` runs in every decode projection)
+_KERNELS = {} if _blockdot is None else {
+    "q4_1": _blockdot.q4_1_dot, "q8_0": _blockdot.q8_0_dot, "f16": _blockdot.f16_dot}
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,7 @@ class CompactWeight:
         """x [n, in] fp32 contiguous CPU (the caller checks) -> x @ W^T (+ bias) [n, out]."""
         rows, out = x.shape[0], self.q.shape[0]
         y = torch.empty((rows, out), dtype=torch.float32)  # [n, out]
-        kernel = {"q4_1": _blockdot.q4_1_dot, "q8_0": _blockdot.q8_0_dot,
-                  "f16": _blockdot.f16_dot}[self.format]
-        kernel(x.data_ptr(), self.q.data_ptr(),
+        _KERNELS[self.format](x.data_ptr(), self.q.data_ptr(),
                0 if self.scales is None else self.scales.data_ptr(),
                0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, self.in_features,
                out)

@@ -210,9 +210,9 @@ class GGUFFile:
                 on_tensor(name)
             yield name, w
 
-    def _hf_rows(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
-        """`w` (rows as the file stores them, any trailing shape) with llama.cpp's q/k row
-        permutation undone."""
+    def _hf_rows(self, gguf_name: str, w: Any) -> Any:
+        """`w` (a tensor or numpy array, rows as the file stores them, any trailing shape) with
+        llama.cpp's q/k row permutation undone."""
         config = self.config()
         if self.arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
             return llama_cpp_unpermute(w, config.num_attention_heads)
@@ -232,11 +232,9 @@ class GGUFFile:
                     or (t.name == "output.weight" and config.tie_word_embeddings)):
                 continue
             num_in, num_out = int(t.shape[0]), int(t.shape[1])
-            raw = np.asarray(t.data).reshape(num_out, -1)
-            blocks = split_blocks(formats[t.tensor_type], raw, num_in)
-            yield hf_name(t.name), CompactWeight(
-                blocks.format, self._hf_rows(t.name, blocks.q).contiguous(),
-                self._hf_rows(t.name, blocks.scales).contiguous())
+            # rows of raw bytes permuted as the widened rows are (numpy has the same ops)
+            raw = self._hf_rows(t.name, np.asarray(t.data).reshape(num_out, -1))
+            yield hf_name(t.name), split_blocks(formats[t.tensor_type], raw, num_in)
 
     def tokenizer_data(self) -> GGUFTokenizerData:
         f = self.fields
