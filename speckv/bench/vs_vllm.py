@@ -155,8 +155,8 @@ def speckv_command(args: argparse.Namespace, method: str, port: int) -> list[str
     command = [sys.executable, "-m", "speckv.cli", "serve", "builtin", "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "float32", "--served-model-name", SERVED_NAME,
                "--kv-cache-memory-bytes", f"{args.kv_gib}G", "--max-waiting-requests", "1024"]
-    if args.threads is not None:
-        command += ["--threads", str(args.threads)]
+    if args.threads is not None:  # every step on N, as vLLM's N bound threads
+        command += ["--threads", str(args.threads), "--prefill-threads", str(args.threads)]
     command += ["--speculative-method", method]
     if method == "eagle3":
         command += ["--speculative-model", "builtin", "--num-spec-tokens", str(args.num_spec)]
@@ -267,8 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="each round sends every workload to both servers, turn about")
     parser.add_argument("--threads", type=int, default=None,
-                        help="compute threads of both (speckv --threads, vLLM's "
-                        "VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); unset: each server picks its own")
+                        help="compute threads of both (speckv --threads N --prefill-threads N, "
+                        "vLLM's VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); unset: each server picks "
+                        "its own")
     parser.add_argument("--kv-gib", type=int, default=2,
                         help="KV cache memory of both (GiB)")
     parser.add_argument("--num-spec", type=int, default=3, help="most drafts per step, both")

@@ -38,8 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from speckv.engine.llm import LLM, random_init_note
     from speckv.engine.sampling_params import SamplingParams
     from speckv.engine.speculation_choice import choose_speculation
@@ -67,10 +65,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--kv-connector {args.kv_connector} needs block hashes another process "
                          "can reproduce: pass --hash-seed (e.g. --hash-seed 0) or set "
                          "PYTHONHASHSEED")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     llm = LLM(args.model, **vars(engine_args))
     # after the engine is built: an error in the flags or the model files comes alone
     print(f"[{line}]", file=sys.stderr, flush=True)

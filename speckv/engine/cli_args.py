@@ -91,8 +91,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, seed_flag: bool = T
     engine.add_argument("--kv-events-replay-endpoint", default=None,
                         help="answer replay requests on this ZeroMQ ROUTER endpoint")
     engine.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; speckv serve: one "
-                        "fewer, leaving a core to the HTTP server as vLLM does)")
+                        help="CPU compute threads (default: torch's choice, its physical "
+                        "cores; speckv serve: one fewer, leaving a core to the HTTP server "
+                        "as vLLM does)")
+    engine.add_argument("--prefill-threads", type=int, default=None,
+                        help="CPU compute threads of steps longer than speckv's one-thread "
+                        "kernels take, prefill chunks (default: --threads; speckv serve: "
+                        "every core, the server's too)")
     engine.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help="a KV transfer connector, vLLM's KVTransferConfig JSON: "
                              '{"kv_connector": NAME, "kv_role": "kv_producer" | "kv_consumer" '
@@ -180,6 +185,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_transfer_config=args.kv_transfer_config,
         kv_transfer_host=getattr(args, "host", None) or "127.0.0.1",
+        threads=args.threads, prefill_threads=args.prefill_threads,
         **optional, **speculative)
 
 
@@ -195,6 +201,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
                 "--max-model-len": args.max_model_len,
                 "--speculative-method": args.speculative_method,
                 "--speculative-model": args.speculative_model, "--threads": args.threads,
+                "--prefill-threads": args.prefill_threads,
                 "--kv-events-endpoint": args.kv_events_endpoint,
                 "--kv-events-replay-endpoint": args.kv_events_replay_endpoint,
                 "--hash-seed": args.hash_seed, "--kv-connector": args.kv_connector,

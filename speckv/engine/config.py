@@ -185,9 +185,18 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     max_model_len: int | None = None  # tokens per sequence; None: the model's max positions
     seed: int = 0  # base of per-request sampling seeds when a request sets none
+    threads: int | None = None  # CPU compute threads; None: torch's setting as it stands
+    # compute threads of steps longer than the single-threaded kernels' rows (prefill chunks;
+    # speckv.engine.step_threads); None: as `threads`
+    prefill_threads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        for flag, value in (("--threads", self.threads),
+                            ("--prefill-threads", self.prefill_threads)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{flag} must be >= 1, got {value!r}")
         if not isinstance(self.device, str) or not (
                 self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"EngineArgs.device must be 'auto', 'cpu' or 'cuda[:N]', got "

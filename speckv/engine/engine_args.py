@@ -14,6 +14,7 @@ place they become the nested, validated `EngineConfig`:
     kv_transfer_config (the JSON) + kv_transfer_host         -> EngineConfig.kv_transfer
     kv_load_failure_policy (or the JSON's key)                -> EngineConfig.kv_load_failure_policy
     kv_events_endpoint, kv_events_replay_endpoint             -> EngineConfig.events
+    threads, prefill_threads                                  -> EngineConfig (CPU threads)
 
 Sizes say their unit: `kv_offload_gib`, `kv_offload_disk_gib`, `kv_store_gib` are GiB.
 """
@@ -78,6 +79,8 @@ class EngineArgs:
     kv_load_failure_policy: str = DEFAULT_LOAD_FAILURE_POLICY  # a failed load: recompute | fail
     # the connector settings whole (what the CLI parses); instead of kv_connector + kv_*
     kv_connector_config: ConnectorConfig | None = None
+    threads: int | None = None  # CPU compute threads; None: torch's setting
+    prefill_threads: int | None = None  # of prefill-sized steps; None: as threads
     # a KV transfer connector (prefill/decode over NIXL): the `--kv-transfer-config` JSON
     # (text or dict; speckv.connectors.transfer_config); a side channel binds
     # `kv_transfer_host`. None: off
@@ -116,7 +119,7 @@ class EngineArgs:
                 if parsed is not None and parsed.kv_load_failure_policy is not None
                 else self.kv_load_failure_policy),
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
-            seed=self.seed,
+            seed=self.seed, threads=self.threads, prefill_threads=self.prefill_threads,
         )
 
     def _speculative(self) -> SpeculativeConfig | None:

@@ -63,6 +63,8 @@ class LLM:
         **engine_args: Any,
     ) -> None:
         config = EngineArgs(**engine_args).create_engine_config()
+        if config.threads is not None:  # before loading: the loader measures its forms on them
+            torch.set_num_threads(config.threads)
         if isinstance(model, torch.nn.Module):  # a TargetModel (speckv.models.base)
             loaded = model
         else:

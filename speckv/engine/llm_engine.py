@@ -63,9 +63,11 @@ from speckv.engine.sampling_params import SamplingParams
 from speckv.engine.scheduler import Scheduler
 from speckv.engine.speculative import Drafter, make_proposer, resolve_connector_hash_mode
 from speckv.engine.stats import SchedulerStats
+from speckv.engine.step_threads import step_threads_for
 from speckv.hashing.functions import get_hash_algo
 from speckv.models.base import TargetModel
 from speckv.models.common.kv_layout import KVCacheLayout
+from speckv.models.common.native_linear import single_threaded_max_rows
 from speckv.models.common.tokenizer import Tokenizer
 from speckv.speculation.adaptive import (
     AdaptiveSpecConfig,
@@ -228,11 +230,16 @@ class LLMEngine:
         adaptive = config.speculative is None or config.speculative.adaptive
         self.spec_policy = None if proposer is None else AdaptiveSpeculation(AdaptiveSpecConfig(
             self.num_spec_tokens, adaptive=adaptive), clock)
+        # CPU threads by step size (None: torch's setting for every step)
+        self.step_threads = step_threads_for(
+            config.threads, config.prefill_threads, single_threaded_max_rows(model)
+        ) if model.device.type == "cpu" else None
         self.runner = ModelRunner(
             model, self.kv_budget.num_blocks, cache.block_size, proposer,
             RunnerConnector(connector, cache.block_size) if connector is not None else None,
             self.layout,
             spec_policy=self.spec_policy,
+            step_threads=self.step_threads,
         )
         if connector is not None:
             initialize_connector(connector, self.runner.kv_cache,

@@ -48,6 +48,7 @@ from speckv.engine.messages import (
 from speckv.engine.request_rows import RequestRows
 from speckv.engine.runner_batch import RunnerRequest, StepForward
 from speckv.engine.runner_sampling import RunnerSampler, Sampled
+from speckv.engine.step_threads import StepThreads
 from speckv.models.base import TargetModel
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
@@ -66,8 +67,10 @@ class ModelRunner:
         connector: RunnerConnector | None = None,
         layout: KVCacheLayout | None = None,
         spec_policy: AdaptiveSpeculation | None = None,
+        step_threads: StepThreads | None = None,
     ) -> None:
         """`layout`: the model's KV cache groups (default `model.kv_cache_layout`).
+        `step_threads`: CPU compute threads by step size (None: torch's setting throughout).
         `num_blocks`: rows of every group's tensors (one shared pool), or one count per group
         (per-group pools: each group's block ids index its own rows)."""
         self.model = model
@@ -90,6 +93,7 @@ class ModelRunner:
                          else num_blocks[state_group(self.layout)], self.layout)
             if state_group(self.layout) is not None else None)
         self.proposer = proposer
+        self.step_threads = step_threads
         if proposer is not None:  # a drafter may read the target's KV (Gemma 4 assistant)
             proposer.bind_target_kv(self.kv_cache, self.layout)
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
@@ -139,6 +143,8 @@ class ModelRunner:
         reasons: dict[str, FinishReason] = {}
         accepted: dict[str, int] = {}
         if scheduled:
+            if self.step_threads is not None:
+                self.step_threads.apply(sum(item.num_new_tokens for item in scheduled))
             clock = self.spec_policy.clock if self.spec_policy is not None else time.perf_counter
             start = clock()
             forward = self._forward(scheduled)

@@ -11,12 +11,15 @@ gets EAGLE speculation with its shipped head unless `--drafter` says otherwise (
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import sys
 
 from speckv.engine.cli_args import add_engine_arguments, engine_args_from_cli, parse_size
 
-__all__ = ["add_arguments", "build_server", "parse_size", "run", "serve_threads"]
+__all__ = ["add_arguments", "build_server", "parse_size", "run", "serve_prefill_threads",
+           "serve_threads"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,19 +44,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_server(args: argparse.Namespace, progress: bool = True):
     """The engine and server the flags describe (loads the model)."""
-    import torch
-
     from speckv.engine.llm import LLM
     from speckv.server.app import OpenAIServer, ServerConfig
 
-    torch.set_num_threads(serve_threads(args.threads, torch.get_num_threads()))
+    cores = _torch_default_threads()
+    threads = serve_threads(args.threads, cores)
     config = ServerConfig(served_model_name=args.served_model_name or args.model,
                           api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests,
                           max_request_body_bytes=args.max_request_body_bytes)
-    engine_args = engine_args_from_cli(args)
+    engine_args = dataclasses.replace(
+        engine_args_from_cli(args), threads=threads,
+        prefill_threads=serve_prefill_threads(args.prefill_threads, threads, cores))
     llm = LLM(args.model, progress=progress, **vars(engine_args))
     return OpenAIServer(llm.engine, config, model_path=args.model)
+
+
+@functools.cache
+def _torch_default_threads() -> int:
+    """torch's thread count before any engine of this process set it: its physical cores."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def serve_threads(requested: int | None, torch_default: int) -> int:
@@ -67,6 +79,18 @@ def serve_threads(requested: int | None, torch_default: int) -> int:
             raise ValueError(f"--threads must be >= 1, got {requested}")
         return requested
     return max(1, torch_default - 1)
+
+
+def serve_prefill_threads(requested: int | None, threads: int, torch_default: int) -> int:
+    """The compute threads of prefill-sized steps: `--prefill-threads`, else every core
+    (torch's default), the server's too. Such a step runs torch's GEMMs for hundreds of
+    milliseconds while the server has little to do; a decode step, which speckv's one-thread
+    kernels compute, keeps `threads` (speckv.engine.step_threads)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--prefill-threads must be >= 1, got {requested}")
+        return requested
+    return max(threads, torch_default)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
           f"{engine.config.cache.block_size}"
           f", {engine.hash_mode.label} block hashes"
           + (f", {engine.num_spec_tokens} draft tokens" if engine.num_spec_tokens else "")
-          + f", {torch.get_num_threads()} compute threads)", flush=True)
+          + ", " + (engine.step_threads.describe() if engine.step_threads is not None
+                    else f"{torch.get_num_threads()} compute thread(s)") + ")", flush=True)
     print(f"speckv serve: KV budget: {engine.kv_budget.describe()}", flush=True)
     choice, _ = speculation_choice(args.model, args.speculative_method, args.speculative_model,
                                    args.num_spec_tokens, args.speculative_config)

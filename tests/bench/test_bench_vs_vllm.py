@@ -132,6 +132,7 @@ def test_both_servers_get_the_same_threads_kv_memory_and_head(tmp_path: Path) ->
     speckv = vs_vllm.speckv_command(args, "eagle3", 1234)
     command, env = vs_vllm.vllm_command(args, "eagle3", 5678, tmp_path)
     assert speckv[speckv.index("--threads") + 1] == "2"
+    assert speckv[speckv.index("--prefill-threads") + 1] == "2"  # every step on 2, as vLLM's
     assert speckv[speckv.index("--kv-cache-memory-bytes") + 1] == "3G"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["SPECKV_VLLM_PLUGIN"] == "0"  # stock vLLM even with the plugin installed

@@ -65,7 +65,7 @@ def test_engine_flags_round_trip():
                   "1G", "--max-model-len", "4096", "--drafter", "ngram", "--num-spec-tokens",
                   "4", "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "xxhash",
                   "--kv-events-endpoint", "tcp://*:5557", "--threads", "1",
-                  "--disable-lookahead-block-hashes")
+                  "--prefill-threads", "2", "--disable-lookahead-block-hashes")
     again = _parse(*engine_flags(args))
     assert engine_args_from_cli(again) == engine_args_from_cli(args)
     engine_args = engine_args_from_cli(args)
@@ -73,6 +73,7 @@ def test_engine_flags_round_trip():
     assert engine_args.enable_prefix_caching is False and engine_args.hash_algo == "xxhash"
     assert engine_args.kv_events_endpoint == "tcp://*:5557"
     assert again.threads == 1 and again.model == "/models/m"
+    assert engine_args.threads == 1 and engine_args.prefill_threads == 2
 
 
 def test_kv_connector_flags_reach_the_engine_and_round_trip(tmp_path):
@@ -101,3 +102,13 @@ def test_serve_leaves_one_core_to_the_http_server() -> None:
     assert serve_threads(3, 2) == 3  # --threads wins
     with pytest.raises(ValueError, match="--threads must be >= 1"):
         serve_threads(0, 2)
+
+
+def test_serve_prefills_on_every_core() -> None:
+    from speckv.server.cli import serve_prefill_threads
+
+    assert serve_prefill_threads(None, 1, 2) == 2  # the server's core computes prefills
+    assert serve_prefill_threads(None, 4, 2) == 4  # never fewer than --threads
+    assert serve_prefill_threads(1, 1, 2) == 1  # --prefill-threads wins
+    with pytest.raises(ValueError, match="--prefill-threads must be >= 1"):
+        serve_prefill_threads(0, 1, 2)

@@ -111,6 +111,15 @@ def native_max_rows_of(model: nn.Module) -> int:
     return next((m.native_max_rows for m in cpu_fp32_linears(model)), 0)
 
 
+def single_threaded_max_rows(model: nn.Module) -> int:
+    """The most rows any of `model`'s projections computes on speckv's own kernels (the
+    compact, panel and native forms), which run on one thread (0: none). Past it, torch's
+    kernels take the products and split them across threads."""
+    return max((max(m.compact_max_rows, m.native_max_rows,
+                    m.panel_max_rows if m.panel is not None else 0)
+                for m in cpu_fp32_linears(model)), default=0)
+
+
 def linear_forms_summary(model: nn.Module) -> str:
     """What computes `model`'s fp32 CPU projections, by row count, in a user's words."""
     linears = cpu_fp32_linears(model)
