@@ -57,7 +57,7 @@ def step_threads_for(threads: int | None, prefill_threads: int | None,
                      single_threaded_rows: int) -> StepThreads | None:
     """The per-step choice `--threads` / `--prefill-threads` ask for (None: every step runs on
     torch's setting, as it stands)."""
-    if prefill_threads is None or prefill_threads == (threads or torch.get_num_threads()):
+    few = threads if threads is not None else torch.get_num_threads()
+    if prefill_threads is None or prefill_threads == few:
         return None
-    return StepThreads(threads or torch.get_num_threads(), prefill_threads,
-                       single_threaded_rows)
+    return StepThreads(few, prefill_threads, single_threaded_rows)

@@ -85,12 +85,9 @@ def serve_prefill_threads(requested: int | None, threads: int, torch_default: in
     """The compute threads of prefill-sized steps: `--prefill-threads`, else every core
     (torch's default), the server's too. Such a step runs torch's GEMMs for hundreds of
     milliseconds while the server has little to do; a decode step, which speckv's one-thread
-    kernels compute, keeps `threads` (speckv.engine.step_threads)."""
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"--prefill-threads must be >= 1, got {requested}")
-        return requested
-    return max(threads, torch_default)
+    kernels compute, keeps `threads` (speckv.engine.step_threads). The engine's config
+    refuses a count below 1."""
+    return requested if requested is not None else max(threads, torch_default)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,6 +67,14 @@ def test_num_spec_tokens_is_capped_in_flag_words(value, capsys):
     assert "--num-spec-tokens must be between 1 and 16" in err
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("flag", ["--threads", "--prefill-threads"])
+def test_a_thread_count_below_one_names_its_flag(command, flag, capsys):
+    code, _, err = run([*command, flag, "0"], capsys)
+    assert code == 2
+    assert f"{flag} must be >= 1, got 0" in err
+
+
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
 def test_no_builtin_drafter_of_that_kind_names_speculative_model(method, capsys):
     code, _, err = run(["generate", "hi", "--speculative-method", method], capsys)
