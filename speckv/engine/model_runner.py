@@ -48,7 +48,7 @@ from speckv.engine.messages import (
 from speckv.engine.request_rows import RequestRows
 from speckv.engine.runner_batch import RunnerRequest, StepForward
 from speckv.engine.runner_sampling import RunnerSampler, Sampled
-from speckv.engine.step_threads import StepThreads
+from speckv.engine.step_threads import StepThreads, ThreadChooser
 from speckv.models.base import TargetModel
 from speckv.models.common.kv_layout import KVCacheLayout
 from speckv.speculation.adaptive import AdaptiveSpeculation, StepCost
@@ -93,7 +93,7 @@ class ModelRunner:
                          else num_blocks[state_group(self.layout)], self.layout)
             if state_group(self.layout) is not None else None)
         self.proposer = proposer
-        self.step_threads = step_threads
+        self._threads = ThreadChooser(step_threads) if step_threads is not None else None
         if proposer is not None:  # a drafter may read the target's KV (Gemma 4 assistant)
             proposer.bind_target_kv(self.kv_cache, self.layout)
         self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0
@@ -143,8 +143,8 @@ class ModelRunner:
         reasons: dict[str, FinishReason] = {}
         accepted: dict[str, int] = {}
         if scheduled:
-            if self.step_threads is not None:
-                self.step_threads.apply(sum(item.num_new_tokens for item in scheduled))
+            if self._threads is not None:
+                self._threads.begin(sum(item.num_new_tokens for item in scheduled))
             clock = self.spec_policy.clock if self.spec_policy is not None else time.perf_counter
             start = clock()
             forward = self._forward(scheduled)
@@ -156,6 +156,8 @@ class ModelRunner:
                                    sampled)
             target_s = clock() - start
             drafts = self._propose(scheduled, forward, verified, target_s)
+            if self._threads is not None:
+                self._threads.end()
         if self.connector is None:
             return ModelRunnerOutput(sampled, drafts, None, reasons, accepted)
         return ModelRunnerOutput(sampled, drafts, self.connector.finish_step(), reasons,

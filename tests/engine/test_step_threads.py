@@ -11,7 +11,7 @@ import torch
 from speckv.engine.engine_args import engine_config
 from speckv.engine.llm_engine import LLMEngine
 from speckv.engine.sampling_params import SamplingParams
-from speckv.engine.step_threads import StepThreads, step_threads_for
+from speckv.engine.step_threads import StepThreads, ThreadChooser, step_threads_for
 from speckv.models.common.native_linear import set_native_max_rows, single_threaded_max_rows
 from speckv.models.common.small_rows import cpu_fp32_linears
 from speckv.models.llama.tiny import tiny_model
@@ -28,11 +28,59 @@ def torch_threads() -> Iterator[None]:
 def test_a_step_past_the_one_thread_kernels_rows_gets_the_prefill_threads(torch_threads):
     choice = StepThreads(threads=1, prefill_threads=3, single_threaded_rows=32)
     assert [choice.for_step(n) for n in (1, 4, 32, 33, 2048)] == [1, 1, 1, 3, 3]
-    choice.apply(33)
+    chooser = ThreadChooser(choice)
+    chooser.begin(33)
     assert torch.get_num_threads() == 3
-    choice.apply(1)
+    chooser.end()
+    chooser.begin(1)
     assert torch.get_num_threads() == 1
+    chooser.end()
     assert "1 compute thread(s) for steps of up to 32 tokens, 3 for longer" in choice.describe()
+
+
+class _Clock:
+    """Seconds a test moves on: each step takes what the test says for its thread count."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_long_steps(chooser: ThreadChooser, clock: _Clock, seconds_by_threads: dict[int, float],
+                    num_steps: int, num_tokens: int = 256) -> list[int]:
+    used = []
+    for _ in range(num_steps):
+        chooser.begin(num_tokens)
+        threads = torch.get_num_threads()
+        used.append(threads)
+        clock.now += seconds_by_threads[threads]
+        chooser.end()
+    return used
+
+
+def test_long_steps_move_to_one_thread_where_two_measure_slower(torch_threads):
+    from speckv.engine.step_threads import PROBE_INTERVAL
+
+    clock = _Clock()
+    chooser = ThreadChooser(StepThreads(1, 2, 32), clock)
+    # a busy second core: two threads take longer than one
+    used = _run_long_steps(chooser, clock, {1: 1.0, 2: 2.0}, 3 * PROBE_INTERVAL)
+    assert used[:PROBE_INTERVAL - 1] == [2] * (PROBE_INTERVAL - 1)  # the idle machine's choice
+    assert used[PROBE_INTERVAL - 1] == 1  # one thread tried
+    later = used[PROBE_INTERVAL:]
+    assert later.count(2) == 2 and later.count(1) == 2 * PROBE_INTERVAL - 2  # probes only
+    # the core is free again: the probes of two threads win them back (the mean halves
+    # towards each new timing, so the second probe does)
+    used = _run_long_steps(chooser, clock, {1: 1.0, 2: 0.2}, 3 * PROBE_INTERVAL)
+    assert used[PROBE_INTERVAL:2 * PROBE_INTERVAL - 1] == [1] * (PROBE_INTERVAL - 1)
+    assert used[-PROBE_INTERVAL:-1] == [2] * (PROBE_INTERVAL - 1) and used[-1] == 1
+    # decode steps never change threads, and a size not timed yet starts on two
+    chooser.begin(8)
+    assert torch.get_num_threads() == 1
+    chooser.end()
+    assert _run_long_steps(chooser, clock, {1: 1.0, 2: 2.0}, 1, num_tokens=2048) == [2]
 
 
 def test_no_choice_unless_prefill_threads_differ(torch_threads):
