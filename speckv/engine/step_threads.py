@@ -87,30 +87,28 @@ class ThreadChooser:
         self._num_long_steps: dict[int, int] = {}  # size -> long steps begun
         self._timing: tuple[int, int, int, float] | None = None  # threads, size, tokens, start
 
-    def choose(self, num_tokens: int) -> int:
-        """The threads of a step of `num_tokens` tokens (counts it as begun when long)."""
+    def begin(self, num_tokens: int) -> None:
+        """Set the threads of a step of `num_tokens` tokens and start timing a long one."""
         config = self.config
-        if num_tokens <= config.single_threaded_rows or config.threads == config.prefill_threads:
-            return config.threads
-        size = num_tokens.bit_length()
+        threads, size = config.for_step(num_tokens), num_tokens.bit_length()
+        long_step = threads != config.threads
+        if long_step:
+            threads = self._long_step_threads(size)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self._timing = (threads, size, num_tokens, self.clock()) if long_step else None
+
+    def _long_step_threads(self, size: int) -> int:
+        """The threads of the next long step of `size` (a power of two of tokens)."""
         count = self._num_long_steps.get(size, 0) + 1
         self._num_long_steps[size] = count
-        many, few = config.prefill_threads, config.threads
+        many, few = self.config.prefill_threads, self.config.threads
         cost_many, cost_few = self._cost.get((many, size)), self._cost.get((few, size))
         best = few if cost_many is not None and cost_few is not None and cost_few < cost_many \
             else many
         if count % PROBE_INTERVAL == 0 and cost_many is not None:
             return few if best == many else many  # the runner-up, timed again
         return best
-
-    def begin(self, num_tokens: int) -> None:
-        """Set the threads of a step of `num_tokens` tokens and start timing a long one."""
-        threads = self.choose(num_tokens)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        long_step = num_tokens > self.config.single_threaded_rows
-        self._timing = ((threads, num_tokens.bit_length(), num_tokens, self.clock())
-                        if long_step else None)
 
     def end(self) -> None:
         """The step begun last has finished: fold a long step's seconds per token in."""

@@ -82,9 +82,9 @@ class CompactWeight:
         rows, out = x.shape[0], self.q.shape[0]
         y = torch.empty((rows, out), dtype=torch.float32)  # [n, out]
         _KERNELS[self.format](x.data_ptr(), self.q.data_ptr(),
-               0 if self.scales is None else self.scales.data_ptr(),
-               0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, self.in_features,
-               out)
+                              0 if self.scales is None else self.scales.data_ptr(),
+                              0 if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+                              self.in_features, out)
         return y
 
 
